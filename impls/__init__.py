@@ -1,0 +1,1 @@
+"""Implementations under test: torch_eager (baseline), triton (ours), external (third-party adapters)."""

@@ -1,0 +1,1 @@
+"""Adapters to third-party MLA kernels (vLLM, FlashInfer, FlashMLA), loaded lazily."""

@@ -1,0 +1,93 @@
+"""Plain torch decode (absorbed MQA over the paged bf16 cache) and prefill (MHA), request by request.
+
+Compute follows a flash kernel's precision: scores and softmax in float32 from the input dtype, the
+probabilities rounded to the input dtype for the second matmul, float32 accumulation, output in the input
+dtype. ``plan`` turns the block table into per-request slot lists on the device; ``run`` only gathers and
+multiplies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_bench.layouts import NOPE_DIM
+from mla_bench.metadata.reference import cumulative, request_token_slots
+from mla_bench.problem import Problem
+from mla_bench.registry import Capabilities, Impl
+from mla_bench.workload import Mode
+
+# Score elements per block of query rows: bounds memory on long prefills.
+_BLOCK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class TorchEagerPlan:
+    problem: Problem
+    request_slots: list[torch.Tensor]  # decode: cache slots of each request's tokens
+
+
+class TorchEager(Impl):
+    name = "torch_eager"
+    description = "plain torch, one request at a time (the baseline a user writes first)"
+    capabilities = Capabilities(
+        modes=frozenset({Mode.DECODE, Mode.PREFILL}),
+        layouts=frozenset({"bf16"}),
+        dtypes=frozenset({"bfloat16", "float32"}),
+        devices=frozenset({"cpu", "cuda"}),
+    )
+
+    def plan(self, problem: Problem) -> TorchEagerPlan:
+        slots = []
+        if problem.workload.mode is Mode.DECODE:
+            meta = problem.meta
+            slots = [request_token_slots(meta.block_table, b, n, meta.page_size).to(problem.device)
+                     for b, n in enumerate(meta.kv_lens)]
+        return TorchEagerPlan(problem, slots)
+
+    def run(self, plan: TorchEagerPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        p = plan.problem
+        if p.workload.mode is Mode.DECODE:
+            cache_rows = p.cache.rows().view(torch.bfloat16)
+            keys = [cache_rows[slots] for slots in plan.request_slots]
+            return _attention(p, keys, [k[:, :NOPE_DIM] for k in keys])
+        starts = cumulative(list(p.meta.kv_lens))
+        heads = p.q.shape[1]
+        keys, values = [], []
+        for b in range(p.meta.batch):
+            rows = slice(starts[b], starts[b + 1])
+            k_pe = p.k_pe[rows][:, None, :].expand(-1, heads, -1)
+            keys.append(torch.cat([p.k_nope[rows], k_pe], dim=-1))
+            values.append(p.v[rows])
+        return _attention(p, keys, values)
+
+
+def _attention(p: Problem, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention request by request. ``keys[b]`` / ``values[b]`` are ``[N, D]`` (one head shared by all
+    query heads: MQA) or ``[N, H, D]`` (MHA)."""
+    dtype = p.q.dtype
+    heads = p.q.shape[1]
+    out = torch.zeros(p.q.shape[0], heads, p.out_dim, dtype=dtype, device=p.q.device)
+    lse = torch.full((p.q.shape[0], heads), float("-inf"), dtype=torch.float32, device=p.q.device)
+    q_starts = cumulative(list(p.meta.q_lens))
+    for b, (q_len, kv_len) in enumerate(zip(p.meta.q_lens, p.meta.kv_lens)):
+        if q_len == 0 or kv_len == 0:
+            continue
+        shared = keys[b].dim() == 2
+        k = keys[b].to(dtype).float()
+        v = values[b].to(dtype).float()
+        step = max(1, _BLOCK_ELEMENTS // (heads * kv_len))
+        for r0 in range(0, q_len, step):
+            rows = slice(q_starts[b] + r0, q_starts[b] + min(q_len, r0 + step))
+            q = p.q[rows].float()
+            scores = (torch.einsum("mhd,nd->hmn", q, k) if shared else torch.einsum("mhd,nhd->hmn", q, k)) * p.scale
+            frontier = kv_len - q_len + torch.arange(r0, r0 + q.shape[0], device=q.device)
+            masked = torch.arange(kv_len, device=q.device)[None, :] > frontier[:, None]
+            scores.masked_fill_(masked[None], float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - row_lse[..., None]).to(dtype).float()
+            o = torch.einsum("hmn,nd->mhd", probs, v) if shared else torch.einsum("hmn,nhd->mhd", probs, v)
+            out[rows] = o.to(dtype)
+            lse[rows] = row_lse.transpose(0, 1)
+    return out, lse

@@ -1,0 +1,1 @@
+"""Our Triton kernels: paged MLA decode, prefill, sparse, cache ops."""

@@ -1,0 +1,90 @@
+"""Model dimensions of MLA and the presets of the models the bench targets.
+
+Names follow the vLLM MLA docstring: N heads, Lkv latent rank (512), R rope dims (64), P nope dims (128),
+V value dims (128), Lq query latent rank (1536, or None where queries are not compressed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+
+def yarn_mscale(factor: float, mscale_all_dim: float) -> float:
+    """YaRN attention-scale correction: ``0.1 * mscale_all_dim * ln(factor) + 1`` for factor > 1, else 1."""
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """Shapes of one MLA layer; ``softmax_scale`` is the one both formulations use."""
+
+    name: str
+    num_heads: int
+    hidden_size: int
+    q_lora_rank: int | None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for field in ("num_heads", "hidden_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                      "v_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MLADims.{field} must be a positive int, got {value!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"MLADims.q_lora_rank must be positive or None, got {self.q_lora_rank!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLADims.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width of the compute-friendly (MHA) path: P + R = 192."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cache entry and of the absorbed query: Lkv + R = 576."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """DeepSeek's scale for both paths: ``(P + R) ** -0.5 * mscale ** 2``."""
+        mscale = yarn_mscale(self.rope_factor, self.mscale_all_dim)
+        return self.qk_head_dim ** -0.5 * mscale * mscale
+
+    def with_heads(self, num_heads: int) -> "MLADims":
+        """The same model with another head count (tensor parallelism, or padding tests)."""
+        return replace(self, num_heads=num_heads)
+
+
+PRESETS: dict[str, MLADims] = {
+    "deepseek-v3": MLADims("deepseek-v3", num_heads=128, hidden_size=7168, q_lora_rank=1536,
+                           rope_factor=40.0, mscale_all_dim=1.0),
+    # DeepSeek V3 under tensor parallel 8: 16 heads per GPU.
+    "deepseek-v3-tp8": MLADims("deepseek-v3-tp8", num_heads=16, hidden_size=7168, q_lora_rank=1536,
+                               rope_factor=40.0, mscale_all_dim=1.0),
+    "deepseek-v2-lite": MLADims("deepseek-v2-lite", num_heads=16, hidden_size=2048, q_lora_rank=None,
+                                rope_factor=40.0, mscale_all_dim=0.707),
+    # Kimi K2: ranks as DeepSeek V3 (not confirmed from its own config), 64 heads, yarn factor 32.
+    "kimi-k2": MLADims("kimi-k2", num_heads=64, hidden_size=7168, q_lora_rank=1536,
+                       rope_factor=32.0, mscale_all_dim=1.0),
+    # The real 512/64/128 dims with few heads and a small hidden size: CPU and interpreter runs.
+    "tiny": MLADims("tiny", num_heads=4, hidden_size=256, q_lora_rank=96,
+                    rope_factor=40.0, mscale_all_dim=1.0),
+}
+
+
+def get_preset(name: str) -> MLADims:
+    """Look a preset up by name, with an error that lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None

@@ -1,0 +1,20 @@
+"""Registry of cache layouts: ``get_layout(name)`` and ``LAYOUTS`` (name -> layout)."""
+
+from __future__ import annotations
+
+from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, POISON_BYTE, ROPE_DIM, CacheLayout, PagedCache
+from mla_bench.layouts.bf16 import BF16Layout
+
+LAYOUTS: dict[str, CacheLayout] = {layout.name: layout for layout in (BF16Layout(),)}
+
+
+def get_layout(name: str) -> CacheLayout:
+    """Look a layout up by name, with an error that lists the known ones."""
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown cache layout {name!r}; known layouts: {', '.join(LAYOUTS)}") from None
+
+
+__all__ = ["LAYOUTS", "LATENT_DIM", "NOPE_DIM", "POISON_BYTE", "ROPE_DIM", "CacheLayout", "PagedCache",
+           "get_layout"]

@@ -1,0 +1,103 @@
+"""The interface every cache layout implements, and the paged cache that holds encoded tokens.
+
+A layout turns one token's 576 latent values (``[kv_c 512 | k_pe 64]``) into ``bytes_per_token`` bytes and
+back. ``quantize`` / ``dequantize`` are the float64-exact reference codec: kernels must produce and consume
+exactly these bytes. Layouts with a per-layer scale take it as ``tensor_scale`` (fitted by
+``fit_tensor_scale``); the others ignore it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+LATENT_DIM = 576  # kv_c (512) + k_pe (64), the cache entry of every MLA model the bench targets
+NOPE_DIM = 512
+ROPE_DIM = 64
+POISON_BYTE = 0xFF  # NaN in bf16, fp32, e4m3 and ue8m0: unused cache bytes read as NaN
+
+
+class CacheLayout(ABC):
+    """One byte layout of a cache entry, with its reference codec."""
+
+    name: str
+    bytes_per_token: int
+    description: str
+    needs_tensor_scale: bool = False
+
+    def fit_tensor_scale(self, x: torch.Tensor) -> float | None:
+        """The per-layer scale for values ``x`` (None for layouts without one)."""
+        return None
+
+    @abstractmethod
+    def quantize(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        """Encode ``x`` ``[N, 576]`` (any float dtype) into ``[N, bytes_per_token]`` uint8."""
+
+    @abstractmethod
+    def dequantize(self, raw: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        """Decode ``[N, bytes_per_token]`` uint8 into float64 ``[N, 576]``, exactly."""
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Refuse what no layout can encode: wrong shape, non-float dtype."""
+        if x.dim() != 2 or x.shape[1] != LATENT_DIM:
+            raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"layout {self.name}: expected floating-point values, got {x.dtype}")
+
+    def check_raw(self, raw: torch.Tensor) -> None:
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != self.bytes_per_token:
+            raise ValueError(f"layout {self.name}: expected uint8 bytes of shape [N, {self.bytes_per_token}], "
+                             f"got {raw.dtype} {list(raw.shape)}")
+
+    def __repr__(self) -> str:
+        return f"<layout {self.name}: {self.bytes_per_token} B/token>"
+
+
+@dataclass
+class PagedCache:
+    """Encoded tokens in pages: ``data`` is uint8 ``[num_blocks, page_size, bytes_per_token]``.
+
+    A token at slot ``s`` lives at ``data[s // page_size, s % page_size]``. Bytes no token was written to hold
+    ``POISON_BYTE`` so that a stray read surfaces as NaN.
+    """
+
+    layout: CacheLayout
+    data: torch.Tensor
+    tensor_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != torch.uint8 or self.data.dim() != 3 or self.data.shape[2] != self.layout.bytes_per_token:
+            raise ValueError(f"PagedCache for {self.layout.name}: data must be uint8 "
+                             f"[num_blocks, page_size, {self.layout.bytes_per_token}], got "
+                             f"{self.data.dtype} {list(self.data.shape)}")
+        if self.layout.needs_tensor_scale and self.tensor_scale is None:
+            raise ValueError(f"layout {self.layout.name} needs a per-layer tensor_scale")
+
+    @classmethod
+    def empty(cls, layout: CacheLayout, num_blocks: int, page_size: int, device: torch.device | str = "cpu",
+              tensor_scale: float | None = None) -> "PagedCache":
+        """A poisoned cache of ``num_blocks`` pages."""
+        data = torch.full((num_blocks, page_size, layout.bytes_per_token), POISON_BYTE, dtype=torch.uint8,
+                          device=device)
+        return cls(layout, data, tensor_scale)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.page_size
+
+    def rows(self) -> torch.Tensor:
+        """All slots as ``[num_slots, bytes_per_token]`` (a view)."""
+        return self.data.view(self.num_slots, self.layout.bytes_per_token)
+
+    def to(self, device: torch.device | str) -> "PagedCache":
+        return PagedCache(self.layout, self.data.to(device), self.tensor_scale)

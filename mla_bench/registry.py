@@ -1,0 +1,184 @@
+"""Implementations: the ``Impl`` interface, declared ``Capabilities``, and discovery.
+
+An impl declares what it supports; the bench refuses everything else *before* calling it, with an
+``UnsupportedConfig`` naming the combination. ``plan(problem)`` does the per-step host work (metadata,
+workspaces) and may refuse finer conditions itself; ``run(plan)`` computes ``(out, lse)``. The two are
+timed separately.
+
+Discovery: the built-in impls below (named as ``module:Class`` strings, so this module imports none of them),
+plus any distribution that registers an entry point in the group ``mla_bench.impls``, plus any
+``module:Class`` a user names directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from mla_bench.errors import UnsupportedConfig
+from mla_bench.workload import DTYPES, INDEX_TRANSFORMS, Mode, Workload
+
+ENTRY_POINT_GROUP = "mla_bench.impls"
+QUERY_LEN_KINDS = ("single", "uniform", "varlen")
+LSE_BASES = ("e", "2")
+EMPTY_LSE = ("-inf", "+inf")
+
+BUILTIN_IMPLS: dict[str, str] = {
+    "torch_eager": "impls.torch_eager:TorchEager",
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an impl supports, and the conventions of what it returns.
+
+    ``page_sizes`` / ``head_counts`` of None mean any. ``lse_base`` is the base of the returned lse ("e" or "2");
+    ``empty_lse`` what it returns for a row that sees no key ("-inf", or FlashMLA's "+inf").
+    """
+
+    modes: frozenset[Mode]
+    layouts: frozenset[str] = frozenset({"bf16"})
+    dtypes: frozenset[str] = frozenset({"bfloat16"})
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    page_sizes: frozenset[int] | None = None
+    head_counts: frozenset[int] | None = None
+    query_len_kinds: frozenset[str] = frozenset(QUERY_LEN_KINDS)
+    index_transforms: frozenset[str] = frozenset(INDEX_TRANSFORMS)
+    lse_base: str = "e"
+    empty_lse: str = "-inf"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modes", frozenset(Mode(m) for m in self.modes))
+        for name, allowed in (("dtypes", DTYPES), ("query_len_kinds", QUERY_LEN_KINDS),
+                              ("index_transforms", INDEX_TRANSFORMS)):
+            unknown = set(getattr(self, name)) - set(allowed)
+            if unknown:
+                raise ValueError(f"Capabilities.{name}: unknown values {sorted(unknown)}; allowed {allowed}")
+        if self.lse_base not in LSE_BASES:
+            raise ValueError(f"Capabilities.lse_base must be one of {LSE_BASES}, got {self.lse_base!r}")
+        if self.empty_lse not in EMPTY_LSE:
+            raise ValueError(f"Capabilities.empty_lse must be one of {EMPTY_LSE}, got {self.empty_lse!r}")
+
+    def refusal(self, workload: Workload, device: torch.device | str) -> str | None:
+        """Why this workload on this device is not supported, or None when it is."""
+        device_type = torch.device(device).type
+        checks = [
+            (workload.mode in self.modes, f"mode {workload.mode.value}"),
+            (device_type in self.devices, f"device {device_type}"),
+            (workload.dtype in self.dtypes, f"dtype {workload.dtype}"),
+            (self.head_counts is None or workload.dims.num_heads in self.head_counts,
+             f"{workload.dims.num_heads} heads"),
+            (workload.query_len_kind in self.query_len_kinds, f"{workload.query_len_kind} query lengths"),
+        ]
+        if workload.mode.uses_cache:
+            checks += [
+                (workload.layout in self.layouts, f"layout {workload.layout}"),
+                (self.page_sizes is None or workload.page_size in self.page_sizes, f"page size {workload.page_size}"),
+            ]
+        if workload.mode.sparse:
+            checks.append((workload.index_transform in self.index_transforms,
+                           f"index transform {workload.index_transform}"))
+        unsupported = [what for ok, what in checks if not ok]
+        return ", ".join(unsupported) if unsupported else None
+
+    def summary(self) -> dict[str, str]:
+        """Readable columns for ``mla-bench list``."""
+        def names(values: Any) -> str:
+            return "any" if values is None else ", ".join(str(v.value if isinstance(v, Mode) else v)
+                                                          for v in sorted(values, key=str))
+        return {"modes": names(self.modes), "layouts": names(self.layouts), "dtypes": names(self.dtypes),
+                "devices": names(self.devices), "page sizes": names(self.page_sizes),
+                "heads": names(self.head_counts), "query lengths": names(self.query_len_kinds),
+                "lse": f"base {self.lse_base}, empty {self.empty_lse}"}
+
+
+class Impl(ABC):
+    """An MLA implementation under test. Subclasses set ``name``, ``capabilities`` and write ``plan`` / ``run``."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities]
+
+    @abstractmethod
+    def plan(self, problem: Any) -> Any:
+        """Per-step host work for ``problem`` (metadata, workspaces). Raise ``UnsupportedConfig`` to refuse."""
+
+    @abstractmethod
+    def run(self, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute ``(out, lse)`` for a plan made by ``plan``."""
+
+    def poison(self, plan: Any) -> None:
+        """Fill the buffers ``run`` writes into with NaN, so unwritten elements show. Impls that allocate their
+        outputs in ``plan`` (CUDA-graph safe ones) override this; the others allocate fresh outputs in ``run``."""
+
+    def refusal(self, problem: Any) -> str | None:
+        """Why ``problem`` is out of this impl's declared capabilities, or None."""
+        return self.capabilities.refusal(problem.workload, problem.device)
+
+    def checked_plan(self, problem: Any) -> Any:
+        """``plan`` behind the capability check: an unsupported combination never reaches the impl."""
+        reason = self.refusal(problem)
+        if reason:
+            raise UnsupportedConfig(f"{self.name}: unsupported {reason} ({problem.workload.label})")
+        return self.plan(problem)
+
+
+class ImplNotInstalled(Exception):
+    """An impl whose package is absent (a third-party kernel): listed, and skipped with this reason."""
+
+
+@dataclass
+class ImplEntry:
+    """One discoverable impl: its name, where it comes from, and how to load it."""
+
+    name: str
+    target: str  # "module:Class"
+    origin: str  # "builtin", "entry point (dist)", or "path"
+    _cls: type[Impl] | None = field(default=None, repr=False)
+
+    def load(self) -> Impl:
+        """Import and instantiate; ``ImplNotInstalled`` when the impl's own dependency is missing."""
+        if self._cls is None:
+            self._cls = load_class(self.target)
+        return self._cls()
+
+
+def load_class(target: str) -> type[Impl]:
+    """Import ``module:Class`` and check that it is an Impl."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"an impl target is 'module:Class', got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Impl)):
+        raise ValueError(f"{target} is not an Impl subclass")
+    return cls
+
+
+def discover() -> dict[str, ImplEntry]:
+    """Built-in impls and those registered by installed distributions, by name."""
+    entries = {name: ImplEntry(name, target, "builtin") for name, target in BUILTIN_IMPLS.items()}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in entries:
+            dist = ep.dist.name if ep.dist else "unknown"
+            entries[ep.name] = ImplEntry(ep.name, ep.value, f"entry point ({dist})")
+    return entries
+
+
+def resolve(spec: str) -> ImplEntry:
+    """An impl by registered name, or by ``module:Class`` path."""
+    entries = discover()
+    if spec in entries:
+        return entries[spec]
+    if ":" in spec:
+        cls = load_class(spec)
+        return ImplEntry(getattr(cls, "name", spec), spec, "path", cls)
+    raise ValueError(f"unknown impl {spec!r}; known: {', '.join(sorted(entries))} (or give module:Class)")

@@ -1,0 +1,58 @@
+"""How close is close enough: one table keyed by (compute dtype, cache layout, error kind).
+
+``kernel`` bounds the error against the reference on the cache as stored (dequantized): what the kernel
+itself adds. ``e2e`` bounds the error against the original values: kernel plus cache format. Bounds are set
+from the rounding each dtype implies (bf16 inputs and outputs, probabilities rounded to the dtype for the
+second matmul, fp32 accumulation), with headroom, and tight enough that the planted bugs in tests/ fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mla_bench.compare import ErrorMetrics
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rel_l2: float
+    max_row_rel: float
+    cos_diff: float
+    lse_abs: float
+
+    def violations(self, metrics: ErrorMetrics) -> list[str]:
+        """Each bound the metrics break, as readable text; empty when they pass."""
+        found = []
+        if metrics.nonfinite_mismatch:
+            found.append(f"{metrics.nonfinite_mismatch} NaN/Inf positions differ from the reference")
+        for name, bound in (("rel_l2", self.rel_l2), ("max_row_rel", self.max_row_rel),
+                            ("cos_diff", self.cos_diff), ("lse_max_abs", self.lse_abs)):
+            value = getattr(metrics, name)
+            if not value <= bound:  # NaN fails too
+                found.append(f"{name} {value:.3g} > {bound:.3g}")
+        return found
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+KERNEL_TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(rel_l2=2e-3, max_row_rel=8e-3, cos_diff=2e-6, lse_abs=2e-3),
+    "bfloat16": Tolerance(rel_l2=8e-3, max_row_rel=2e-2, cos_diff=2e-5, lse_abs=5e-3),
+    "float16": Tolerance(rel_l2=2e-3, max_row_rel=6e-3, cos_diff=2e-6, lse_abs=5e-3),
+}
+
+# End-to-end bounds of lossy cache layouts, per layout (independent of the compute dtype; looser than any
+# kernel bound). Layouts absent here are exact for their inputs, so their e2e bound is the kernel bound.
+E2E_TOLERANCES: dict[str, Tolerance] = {}
+
+
+def tolerance_for(dtype: str, layout: str, kind: str = "kernel") -> Tolerance:
+    """The bound for an impl computing in ``dtype`` over a cache of ``layout``."""
+    if kind not in ("kernel", "e2e"):
+        raise ValueError(f"tolerance kind must be 'kernel' or 'e2e', got {kind!r}")
+    try:
+        kernel = KERNEL_TOLERANCES[dtype]
+    except KeyError:
+        raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(KERNEL_TOLERANCES)}") from None
+    return E2E_TOLERANCES.get(layout, kernel) if kind == "e2e" else kernel

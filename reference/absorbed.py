@@ -1,0 +1,28 @@
+"""Absorbed (data-movement-friendly) MLA attention: MQA of 576-wide queries over the latent cache.
+
+Keys are the 576 latent values of each token, values its first 512 (kv_c); one key/value head is shared by
+all query heads. Output ``[T, H, 512]`` stays in latent space (``W_UV`` is applied after).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_bench.layouts import NOPE_DIM, PagedCache
+from mla_bench.layouts.ops import gather_cache
+from mla_bench.metadata import PagedMetadata
+from reference.core import ragged_attention
+
+
+def latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float,
+               causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA of ``q`` ``[T, H, 576]`` over ragged latent tokens ``kv`` ``[N, 576]``."""
+    kv = kv.double()
+    return ragged_attention(q, kv[:, None, :], kv[:, None, :NOPE_DIM], q_lens, kv_lens, scale, causal)
+
+
+def paged_latent_mqa(q: torch.Tensor, cache: PagedCache, meta: PagedMetadata,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over the paged cache: gather (and dequantize) each request's tokens, then MQA."""
+    kv = gather_cache(cache, meta.token_slots)
+    return latent_mqa(q, kv, meta.q_lens, meta.kv_lens, scale)

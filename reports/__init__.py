@@ -1,0 +1,1 @@
+"""Results files, plots, console tables, the HTML report and the regression gate."""

@@ -1,0 +1,1 @@
+"""Sweeps that judge and time implementations: accuracy, roundtrip, metadata, equivalence, latency, placement."""
