@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from impls.triton.latent_io import gather_latent, layout_code
+from impls.triton.latent_io import LAYOUT_CODES, gather_latent, layout_code
 from impls.triton.merge import merge_attn_states
 from impls.triton.prefill_kernel import PrefillConfig, default_config, mha_prefill
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
@@ -121,7 +121,7 @@ class TritonChunkedPrefill(Impl):
     description = "context gathered from the paged cache in MCC-token chunks, up-projected, attended, LSE-merged"
     capabilities = Capabilities(
         modes=frozenset({Mode.CHUNKED_PREFILL}),
-        layouts=frozenset({"bf16"}),
+        layouts=frozenset(LAYOUT_CODES),
         dtypes=frozenset({"bfloat16", "float16"}),
     )
 

@@ -1,10 +1,12 @@
 """Reading latent tokens out of a paged cache in Triton: per-layout decoders and a gather kernel.
 
-``load_latent`` decodes a tile of cache rows into ``(kv_c [BLOCK, 512], k_pe [BLOCK, 64])`` in the compute
-dtype; kernels that attend straight from the cache (sparse PAGED) and ``gather_latent`` (chunked prefill's
-context, sparse RAGGED's dequantized buffer) share it, so a layout is taught to every path in one place.
-Layouts it decodes: ``bf16`` and ``fp8_ds_mla`` (656 B: 512 e4m3 | 4 float32 scales, one per 128 values |
-64 bf16 rope; value = e4m3 * scale). Other layouts are refused with ``UnsupportedConfig``.
+``load_nope_tile`` / ``load_rope_tile`` decode 128 (or the 64 rope) columns of a tile of cache rows as
+exact codes plus a float32 scale per row; kernels that attend straight from the cache (sparse) and
+``gather_latent`` (chunked prefill's context) share them, so a layout is taught to every path in one place.
+Layouts it decodes: ``bf16``; ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` (656 B: 512 e4m3 | 4 float32 scales, one
+per 128 values | 64 bf16 rope; value = e4m3 * scale; the two differ only in how scales were chosen); and
+``fp8_e4m3`` (576 e4m3 times the per-layer scale). Others (the FP4 layouts) are refused with
+``UnsupportedConfig``.
 
 Interim module: issue 3 owns the generic Triton cache ops (write and gather for every layout, in
 ``impls/triton/cache_ops.py``); once they land, ``gather_latent`` should defer to them.
@@ -19,7 +21,7 @@ import triton.language as tl
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 
-LAYOUT_CODES = {"bf16": 0, "fp8_ds_mla": 1}
+LAYOUT_CODES = {"bf16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_pow2": 1, "fp8_e4m3": 2}
 
 
 def layout_code(layout_name: str) -> int:
@@ -32,37 +34,77 @@ def layout_code(layout_name: str) -> int:
 
 
 @triton.jit
-def load_latent(cache_ptr, rows, valid, row_bytes, LAYOUT: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Decode cache rows ``rows`` (int64 [BLOCK]; rows where ``valid`` is False read as 0) of a uint8 cache."""
-    offs_c = tl.arange(0, 512)
-    offs_r = tl.arange(0, 64)
+def load_nope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, K: tl.constexpr, LAYOUT: tl.constexpr,
+                   OUT_DTYPE: tl.constexpr):
+    """Columns ``[128 K, 128 K + 128)`` of kv_c for cache rows ``rows`` (int64 [BLOCK]; rows where ``valid`` is
+    False read as 0), split as ``(codes [BLOCK, 128] OUT_DTYPE, scale [BLOCK] float32)`` with value = codes * scale.
+    The codes are exact in bf16/fp16 (bf16 values, or e4m3 codes), so a kernel that applies the scale in
+    float32 after its products reads the layout exactly, whatever the scale."""
+    offs = K * 128 + tl.arange(0, 128)
     base = cache_ptr + rows * row_bytes
     if LAYOUT == 0:  # bf16: [kv_c 512 | k_pe 64] bfloat16
-        row16 = base.to(tl.pointer_type(tl.bfloat16))
-        kv_c = tl.load(row16[:, None] + offs_c[None, :], mask=valid[:, None], other=0.0)
-        k_pe = tl.load(row16[:, None] + 512 + offs_r[None, :], mask=valid[:, None], other=0.0)
-    else:  # fp8_ds_mla: 512 e4m3 | 4 float32 scales | 64 bf16 rope
-        raw = tl.load(base[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
-        scales = tl.load(((base + 512).to(tl.pointer_type(tl.float32)))[:, None] + (offs_c // 128)[None, :],
-                         mask=valid[:, None], other=0.0)
-        kv_c = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales
-        k_pe = tl.load(((base + 528).to(tl.pointer_type(tl.bfloat16)))[:, None] + offs_r[None, :],
-                       mask=valid[:, None], other=0.0)
-    return kv_c.to(OUT_DTYPE), k_pe.to(OUT_DTYPE)
+        codes = tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + offs[None, :], mask=valid[:, None],
+                        other=0.0)
+        scale = tl.full([rows.shape[0]], 1.0, tl.float32)
+    elif LAYOUT == 1:  # fp8_ds_mla: 512 e4m3 | 4 float32 scales (one per 128) | 64 bf16 rope
+        codes = tl.load(base[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((base + 512).to(tl.pointer_type(tl.float32)) + K, mask=valid, other=0.0)
+    else:  # fp8_e4m3: 576 e4m3 of x / tensor_scale
+        codes = tl.load(base[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.full([rows.shape[0]], 1.0, tl.float32) * tensor_scale
+    return codes.to(OUT_DTYPE), scale
 
 
 @triton.jit
-def _gather_kernel(cache_ptr, slots_ptr, out_ptr, n, num_slots, row_bytes, s_out,
+def load_rope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, LAYOUT: tl.constexpr,
+                   OUT_DTYPE: tl.constexpr):
+    """k_pe of cache rows ``rows`` as ``(codes [BLOCK, 64] OUT_DTYPE, scale [BLOCK] float32)``, like
+    ``load_nope_tile``."""
+    offs = tl.arange(0, 64)
+    base = cache_ptr + rows * row_bytes
+    if LAYOUT == 0:
+        codes = tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + 512 + offs[None, :], mask=valid[:, None],
+                        other=0.0)
+        scale = tl.full([rows.shape[0]], 1.0, tl.float32)
+    elif LAYOUT == 1:
+        codes = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + offs[None, :],
+                        mask=valid[:, None], other=0.0)
+        scale = tl.full([rows.shape[0]], 1.0, tl.float32)
+    else:
+        codes = tl.load(base[:, None] + 512 + offs[None, :], mask=valid[:, None], other=0)
+        codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.full([rows.shape[0]], 1.0, tl.float32) * tensor_scale
+    return codes.to(OUT_DTYPE), scale
+
+
+@triton.jit
+def _store_dequantized(out_rows, col0, codes, scale, mask_rows, WIDTH: tl.constexpr):
+    values = codes.to(tl.float32) * scale[:, None]
+    tl.store(out_rows[:, None] + col0 + tl.arange(0, WIDTH)[None, :], values.to(out_rows.dtype.element_ty),
+             mask=mask_rows[:, None])
+
+
+def cache_tensor_scale(cache: PagedCache) -> float:
+    """The per-layer scale the kernels multiply by (1.0 for layouts without one)."""
+    return 1.0 if cache.tensor_scale is None else float(cache.tensor_scale)
+
+
+@triton.jit
+def _gather_kernel(cache_ptr, slots_ptr, out_ptr, n, num_slots, row_bytes, tensor_scale, s_out,
                    LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = offs_t < n
     slots = tl.load(slots_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
     valid = in_range & (slots >= 0) & (slots < num_slots)
-    kv_c, k_pe = load_latent(cache_ptr, tl.where(valid, slots, 0), valid, row_bytes, LAYOUT,
-                             out_ptr.dtype.element_ty)
-    rows = out_ptr + offs_t.to(tl.int64)[:, None] * s_out
-    tl.store(rows + tl.arange(0, 512)[None, :], kv_c, mask=in_range[:, None])
-    tl.store(rows + 512 + tl.arange(0, 64)[None, :], k_pe, mask=in_range[:, None])
+    rows = tl.where(valid, slots, 0)
+    out_rows = out_ptr + offs_t.to(tl.int64) * s_out
+    for k in tl.static_range(4):
+        codes, scale = load_nope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, k, LAYOUT, tl.float32)
+        _store_dequantized(out_rows, k * 128, codes, scale, in_range, 128)
+    codes, scale = load_rope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, LAYOUT, tl.float32)
+    _store_dequantized(out_rows, 512, codes, scale, in_range, 64)
 
 
 def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -79,6 +121,7 @@ def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> 
     if n:
         block_t = 16
         _gather_kernel[(triton.cdiv(n, block_t),)](
-            cache.rows(), slots, out, n, cache.num_slots, cache.layout.bytes_per_token, out.stride(0),
+            cache.rows(), slots, out, n, cache.num_slots, cache.layout.bytes_per_token, cache_tensor_scale(cache),
+            out.stride(0),
             LAYOUT=code, BLOCK_T=block_t)
     return out[:n]
