@@ -30,6 +30,11 @@ EMPTY_LSE = ("-inf", "+inf")
 
 BUILTIN_IMPLS: dict[str, str] = {
     "torch_eager": "impls.torch_eager:TorchEager",
+    "triton_prefill": "impls.triton.prefill:TritonPrefill",
+    "triton_chunked_prefill": "impls.triton.chunked:TritonChunkedPrefill",
+    "triton_sparse": "impls.triton.sparse:TritonSparse",
+    "triton_sparse_ragged": "impls.triton.sparse:TritonSparseRagged",
+    "triton_dcp": "impls.triton.dcp.impl:TritonDcp",
 }
 
 

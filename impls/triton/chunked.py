@@ -87,32 +87,44 @@ class ChunkedPlan:
         return self.workspace.nbytes
 
 
+def context_lens(q_lens, kv_lens) -> list[int]:
+    """Cached tokens before this step, per request; requests without queries need none of theirs."""
+    return [kv - q if kv and q else 0 for q, kv in zip(q_lens, kv_lens)]
+
+
+def context_segments(ctx_lens, chunk_size: int) -> list[list[tuple[int, int, int]]]:
+    """The context stream (request after request) cut into chunks of at most ``chunk_size`` tokens: per chunk,
+    its pieces as ``(request, first position, end position)``, positions counted from the request's start."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    stream_starts = cumulative(list(ctx_lens))
+    chunks = []
+    for c0 in range(0, stream_starts[-1], chunk_size):
+        c1 = c0 + chunk_size
+        chunks.append([(b, max(c0, start) - start, min(c1, start + ctx) - start)
+                       for b, (start, ctx) in enumerate(zip(stream_starts, ctx_lens))
+                       if min(c1, start + ctx) > max(c0, start)])
+    return chunks
+
+
 def context_chunks(problem: Problem, chunk_size: int) -> list[ContextChunk]:
-    """Split the context stream of ``problem`` into chunks of at most ``chunk_size`` tokens."""
+    """The context chunks of ``problem`` with their cache slots and per-request split."""
     meta = problem.meta
     q_starts, kv_starts = cumulative(list(meta.q_lens)), cumulative(list(meta.kv_lens))
-    ctx_lens = [kv - q if kv and q else 0 for q, kv in zip(meta.q_lens, meta.kv_lens)]
-    stream_starts = cumulative(ctx_lens)
-    total = stream_starts[-1]
     chunks = []
-    for c0 in range(0, total, chunk_size):
-        c1 = min(total, c0 + chunk_size)
-        counts, rows = [], []
-        for b, ctx_len in enumerate(ctx_lens):
-            lo, hi = max(c0, stream_starts[b]), min(c1, stream_starts[b] + ctx_len)
-            counts.append(max(0, hi - lo))
-            if hi > lo:
-                first = kv_starts[b] + lo - stream_starts[b]
-                rows.append(torch.arange(first, first + hi - lo))
-        present = [b for b, n in enumerate(counts) if n]
-        b0, b1 = present[0], present[-1] + 1  # requests between them have no context: 0 keys here
+    for pieces in context_segments(context_lens(meta.q_lens, meta.kv_lens), chunk_size):
+        b0, b1 = pieces[0][0], pieces[-1][0] + 1  # requests between them have no context: 0 keys here
+        counts = [0] * (b1 - b0)
+        for b, lo, hi in pieces:
+            counts[b - b0] = hi - lo
+        rows = torch.cat([torch.arange(kv_starts[b] + lo, kv_starts[b] + hi) for b, lo, hi in pieces])
         chunks.append(ContextChunk(
-            slots=meta.token_slots[torch.cat(rows).to(meta.token_slots.device)],
+            slots=meta.token_slots[rows.to(meta.token_slots.device)],
             cu_seqlens_q=torch.tensor(q_starts[b0:b1 + 1], dtype=torch.int32, device=problem.device),
-            cu_seqlens_k=torch.tensor(cumulative(counts[b0:b1]), dtype=torch.int32, device=problem.device),
+            cu_seqlens_k=torch.tensor(cumulative(counts), dtype=torch.int32, device=problem.device),
             q_rows=slice(q_starts[b0], q_starts[b1]),
             max_q_len=max(meta.q_lens[b0:b1]),
-            num_tokens=c1 - c0))
+            num_tokens=sum(counts)))
     return chunks
 
 

@@ -1,0 +1,104 @@
+"""Each rank's attention over its shard, behind one small interface so kernels drop in.
+
+A ``ShardAttention`` turns ``(q [T, H, 576], shard)`` into the rank's partial ``(out [T, H, 512] float32,
+lse [T, H] float32)``: rows see the rank's first ``shard.visible_lens[row]`` keys of their request; a row
+that sees none gives out 0, lse -inf. ``prepare`` is the per-step host work (kept out of timings).
+
+- ``torch``: eager gather-and-softmax per request, any layout (decoded by the layout's own codec).
+- ``triton_sparse``: our Triton sparse kernel fed every visible local slot of each row (-1 past the row's
+  frontier): a Triton stand-in until the Triton paged decode kernel (issue 5) lands; it reads each row's keys
+  once per head block and has no split over the context, so it is no decode kernel's equal on few rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from impls.triton.dcp.shard import DcpShard
+from impls.triton.latent_io import cache_tensor_scale, layout_code
+from impls.triton.sparse_kernel import sparse_mqa
+from mla_bench.layouts import NOPE_DIM
+from mla_bench.metadata.reference import cumulative
+
+
+class ShardAttention(Protocol):
+    name: str
+
+    def prepare(self, shard: DcpShard, scale: float) -> Any:
+        """Per-step host work (metadata); the result is passed to ``__call__``."""
+
+    def __call__(self, q: torch.Tensor, prepared: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank's partial attention of all heads over its shard."""
+
+
+class TorchShardAttention:
+    name = "torch"
+
+    def prepare(self, shard: DcpShard, scale: float) -> tuple[DcpShard, float]:
+        return shard, scale
+
+    def __call__(self, q: torch.Tensor, prepared: tuple[DcpShard, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        shard, scale = prepared
+        tokens, heads = q.shape[:2]
+        out = torch.zeros(tokens, heads, NOPE_DIM, dtype=torch.float32, device=q.device)
+        lse = torch.full((tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        q_starts, local_starts = cumulative(list(shard.q_lens)), shard.local_starts
+        layout = shard.cache.layout
+        for b, q_len in enumerate(shard.q_lens):
+            n = shard.local_lens[b]
+            if not q_len or not n:
+                continue
+            slots = shard.token_slots[local_starts[b]:local_starts[b + 1]]
+            keys = layout.dequantize(shard.cache.rows()[slots], shard.cache.tensor_scale).to(q.dtype).float()
+            rows = slice(q_starts[b], q_starts[b + 1])
+            scores = torch.einsum("thd,nd->thn", q[rows].float(), keys) * scale
+            hidden = torch.arange(n, device=q.device)[None, :] >= shard.visible_lens[rows, None]
+            scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)
+            empty = torch.isneginf(row_lse)
+            probs = torch.exp(scores - torch.where(empty, 0.0, row_lse)[..., None])
+            out[rows] = torch.einsum("thn,nd->thd", probs.to(q.dtype).float(), keys[:, :NOPE_DIM])
+            lse[rows] = row_lse
+        return out, lse
+
+
+class TritonSparseShardAttention:
+    name = "triton_sparse"
+
+    def prepare(self, shard: DcpShard, scale: float) -> dict[str, Any]:
+        tokens = shard.visible_lens.shape[0]
+        width = max(max(shard.local_lens, default=0), 1)
+        indices = torch.full((tokens, width), -1, dtype=torch.int32, device=shard.token_slots.device)
+        q_starts, local_starts = cumulative(list(shard.q_lens)), shard.local_starts
+        columns = torch.arange(width, device=indices.device)
+        for b, q_len in enumerate(shard.q_lens):
+            n = shard.local_lens[b]
+            if not q_len or not n:
+                continue
+            rows = slice(q_starts[b], q_starts[b + 1])
+            slots = shard.token_slots[local_starts[b]:local_starts[b + 1]].to(torch.int32)
+            row_idx = torch.full((q_len, width), -1, dtype=torch.int32, device=indices.device)
+            row_idx[:, :n] = slots
+            indices[rows] = torch.where(columns[None, :] < shard.visible_lens[rows, None], row_idx, -1)
+        return {"indices": indices, "shard": shard, "scale": scale, "layout": layout_code(shard.cache.layout.name)}
+
+    def __call__(self, q: torch.Tensor, prepared: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = prepared["shard"]
+        out = torch.empty(q.shape[0], q.shape[1], NOPE_DIM, dtype=torch.float32, device=q.device)
+        return sparse_mqa(q, prepared["indices"], shard.cache.rows(), prepared["layout"], prepared["scale"],
+                          cache_tensor_scale(shard.cache), out=out)
+
+
+SHARD_ATTENTIONS: dict[str, type] = {cls.name: cls for cls in (TorchShardAttention, TritonSparseShardAttention)}
+
+
+def shard_attention(name_or_obj: Any) -> ShardAttention:
+    """A ShardAttention by name (``torch``, ``triton_sparse``), or the object itself."""
+    if isinstance(name_or_obj, str):
+        try:
+            return SHARD_ATTENTIONS[name_or_obj]()
+        except KeyError:
+            raise ValueError(f"unknown shard attention {name_or_obj!r}; known: {sorted(SHARD_ATTENTIONS)}") from None
+    return name_or_obj
