@@ -4,7 +4,7 @@ A ``ShardAttention`` turns ``(q [T, H, 576], shard)`` into the rank's partial ``
 lse [T, H] float32)``: rows see the rank's first ``shard.visible_lens[row]`` keys of their request; a row
 that sees none gives out 0, lse -inf. ``prepare`` is the per-step host work (kept out of timings).
 
-- ``torch``: eager gather-and-softmax per request, any layout (decoded by the layout's own codec).
+- ``torch``: eager gather-and-softmax per request in float32, any layout (decoded by the layout's own codec).
 - ``triton_sparse``: our Triton sparse kernel fed every visible local slot of each row (-1 past the row's
   frontier): a Triton stand-in until the Triton paged decode kernel (issue 5) lands; it reads each row's keys
   once per head block and has no split over the context, so it is no decode kernel's equal on few rows.
@@ -51,7 +51,8 @@ class TorchShardAttention:
             if not q_len or not n:
                 continue
             slots = shard.token_slots[local_starts[b]:local_starts[b + 1]]
-            keys = layout.dequantize(shard.cache.rows()[slots], shard.cache.tensor_scale).to(q.dtype).float()
+            # float32 keys: rounding dequantized FP8 keys to bf16 would add error no kernel needs to make
+            keys = layout.dequantize(shard.cache.rows()[slots], shard.cache.tensor_scale).float()
             rows = slice(q_starts[b], q_starts[b + 1])
             scores = torch.einsum("thd,nd->thn", q[rows].float(), keys) * scale
             hidden = torch.arange(n, device=q.device)[None, :] >= shard.visible_lens[rows, None]
