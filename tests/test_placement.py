@@ -260,15 +260,17 @@ def test_on_cuda_host_cache_moves_only_queries_and_outputs_and_planted_bugs_are_
     budget = found[("torch_eager_host_cache", "cache_traffic", "cpu")]
     assert budget.status == "passed", budget.message
     assert 0 < host.metrics["h2d_bytes"] + host.metrics["d2h_bytes"] <= budget.metrics["budget_bytes"]
-    assert found[("torch_eager_host_cache", "attention_device", "cpu")].status == "passed"
+    attention = found[("torch_eager_host_cache", "attention_device", "cpu")]
+    assert attention.status == "passed", attention.message
     assert found[("torch_eager", "hidden_cost", "cpu")].status == "unsupported"  # cache on cpu, queries on cuda
     assert found[("torch_eager", "hidden_cost", None)].metrics["h2d_bytes"] == 0
-    assert found[("static_decode", "graph_safe", None)].status == "passed"
+    clean = found[("static_decode", "graph_safe", None)]
+    assert clean.status == "passed", clean.message
     copy = found[("planted_cache_copy", "cache_traffic", "cpu")]
-    assert copy.status == "failed" and copy.metrics["moved_bytes"] >= copy.metrics["cache_bytes"]
+    assert copy.status == "failed" and copy.metrics["moved_bytes"] >= copy.metrics["cache_bytes"], copy.metrics
     assert "over the bus" in copy.message
     for bug in ("planted_item_in_run", "planted_alloc_in_run"):
-        assert found[(bug, "graph_safe", None)].status == "failed"
+        assert found[(bug, "graph_safe", None)].status == "failed", found[(bug, "hidden_cost", None)].metrics
     assert "cudaStreamSynchronize" in found[("planted_item_in_run", "graph_safe", None)].message
 
 
@@ -278,6 +280,6 @@ def test_on_cuda_a_metadata_builder_that_syncs_is_flagged():
     results = run_suite([], device="cuda", workloads=(HOST.replace(cache_device=None),),
                         builders=METADATA_BUILDERS + (SYNCING_BUILDER,))
     status = {r.label.split(" | ")[0]: r for r in results}
-    assert status["planted_max_qo_len_on_device"].status == "failed"
+    assert status["planted_max_qo_len_on_device"].status == "failed", status["planted_max_qo_len_on_device"].metrics
     assert all(status[b.name].status == "passed" for b in METADATA_BUILDERS if b.name in status), \
         [r.message for r in results if not r.ok]
