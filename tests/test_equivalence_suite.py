@@ -1,5 +1,5 @@
-"""The equivalence suite on CPU (interpreter, tiny): every check passes for our impls, and fails for a planted
-chunked impl that drops its last chunk."""
+"""The equivalence suite (CPU: interpreter, tiny shapes; GPU: full shapes): every check passes for our impls,
+and fails for a planted chunked impl that drops its last chunk."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from suites.base import RunContext
 from suites.equivalence import EquivalenceSuite
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # tiny shapes on CPU, full ones on a GPU
+
+
 def run_suite(impls=(), **kw) -> list[Result]:
-    ctx = RunContext(impls=[discover()[name] for name in impls], device=torch.device("cpu"))
+    ctx = RunContext(impls=[discover()[name] for name in impls], device=DEVICE)
     return list(EquivalenceSuite(**kw).run(ctx))
 
 
@@ -22,10 +25,12 @@ def test_every_equivalence_holds_on_cpu():
     results = run_suite(dcp_worlds=(2,), dcp_interleaves=(2,))
     checks = {r.check for r in results}
     assert checks == {"absorbed == mha", "chunked == unchunked", "dcp == single rank", "sparse(all) == dense"}
-    bad = [(r.check, r.label, r.message) for r in results if r.status != "passed"]
+    # without W GPUs a DCP check is unsupported (and says so); everything else must pass
+    bad = [(r.check, r.label, r.message) for r in results
+           if r.status != "passed" and not (r.status == "unsupported" and r.check == "dcp == single rank")]
     assert not bad, bad
     for r in results:
-        assert r.suite == "equivalence" and r.metrics["pair.nonfinite_mismatch"] == 0
+        assert r.suite == "equivalence" and r.metrics.get("pair.nonfinite_mismatch", 0) == 0
         Result.from_dict(r.to_dict())  # JSON-safe
     assert sum(r.check == "chunked == unchunked" for r in results) >= 4
 

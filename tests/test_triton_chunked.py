@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import impls.triton  # noqa: F401
 from impls.triton.chunked import TritonChunkedPrefill, context_lens, context_segments
@@ -15,6 +16,8 @@ from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
 from mla_bench.workload import Workload
 from suites.judge import judge
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, compiled kernels on a GPU
 
 Q_LENS, KV_LENS = (5, 9, 0, 3), (40, 9, 13, 27)  # a request without context, one without queries
 
@@ -27,19 +30,20 @@ def chunked(mcc, layout="bf16", q_lens=Q_LENS, kv_lens=KV_LENS, **kw):
 @pytest.mark.parametrize("mcc", [1, 7, 9, 200])  # one token, a page -1 / +1 (chunks start mid-page), everything
 def test_chunked_prefill_passes_the_judge_for_every_mcc(mcc):
     lens = dict(q_lens=(3, 0, 2), kv_lens=(9, 4, 5)) if mcc == 1 else {}  # one-token chunks: keep them few
-    verdict = judge(resolve("triton_chunked_prefill").load(), build_problem(chunked(mcc, seed=mcc, **lens)))
+    problem = build_problem(chunked(mcc, seed=mcc, **lens), DEVICE)
+    verdict = judge(resolve("triton_chunked_prefill").load(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 @pytest.mark.parametrize("layout, dtype", [("fp8_ds_mla", "bfloat16"), ("fp8_e4m3", "bfloat16"),
                                            ("bf16", "float16")])
 def test_chunked_prefill_dequantizes_fp8_caches(layout, dtype):
-    verdict = judge(TritonChunkedPrefill(), build_problem(chunked(12, layout, dtype=dtype)))
+    verdict = judge(TritonChunkedPrefill(), build_problem(chunked(12, layout, dtype=dtype), DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 def test_fp4_caches_are_refused_until_their_gather_exists():
-    verdict = judge(TritonChunkedPrefill(), build_problem(chunked(12, "nvfp4")))
+    verdict = judge(TritonChunkedPrefill(), build_problem(chunked(12, "nvfp4"), DEVICE))
     assert verdict.status == "unsupported" and "nvfp4" in verdict.message
 
 
@@ -53,13 +57,13 @@ class DropsTheLastChunk(TritonChunkedPrefill):
 
 
 def test_dropping_the_last_chunk_fails_the_judge():
-    verdict = judge(DropsTheLastChunk(), build_problem(chunked(16)))
+    verdict = judge(DropsTheLastChunk(), build_problem(chunked(16), DEVICE))
     assert verdict.status == "failed", verdict.message
 
 
 @pytest.mark.parametrize("mcc", [1, 5, 16, 64, 1000])
 def test_chunks_cover_the_context_once_in_order_within_the_workspace(mcc):
-    plan = TritonChunkedPrefill().plan(build_problem(chunked(mcc)))
+    plan = TritonChunkedPrefill().plan(build_problem(chunked(mcc), DEVICE))
     ctx = context_lens(Q_LENS, KV_LENS)
     assert ctx == [35, 0, 0, 24]  # request 2 has no queries: its context is never read
     assert len(plan.chunks) == math.ceil(sum(ctx) / mcc)
@@ -72,8 +76,8 @@ def test_chunks_cover_the_context_once_in_order_within_the_workspace(mcc):
 
 def test_workspace_depends_on_mcc_not_on_the_context_length():
     heads, mcc = 4, 16
-    short = TritonChunkedPrefill().plan(build_problem(chunked(mcc, q_lens=(5, 3), kv_lens=(40, 30))))
-    long = TritonChunkedPrefill().plan(build_problem(chunked(mcc, q_lens=(5, 3), kv_lens=(400, 300))))
+    short = TritonChunkedPrefill().plan(build_problem(chunked(mcc, q_lens=(5, 3), kv_lens=(40, 30)), DEVICE))
+    long = TritonChunkedPrefill().plan(build_problem(chunked(mcc, q_lens=(5, 3), kv_lens=(400, 300)), DEVICE))
     tokens = 8
     expect = mcc * (576 + heads * 256) * 2 + 2 * tokens * heads * (128 + 1) * 4
     assert short.workspace_bytes == long.workspace_bytes == expect

@@ -15,12 +15,13 @@ from reference.merge import merge_attn_states as ref_merge
 from reference.merge import merge_many
 
 INF = float("inf")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def parts(tokens=7, heads=5, dim=128, seed=0):
     g = torch.Generator().manual_seed(seed)
-    out_a, out_b = (torch.randn(tokens, heads, dim, generator=g) for _ in range(2))
-    lse_a, lse_b = (torch.randn(tokens, heads, generator=g) * 3 for _ in range(2))
+    out_a, out_b = (torch.randn(tokens, heads, dim, generator=g).to(DEVICE) for _ in range(2))
+    lse_a, lse_b = (torch.randn(tokens, heads, generator=g).to(DEVICE) * 3 for _ in range(2))
     # the conventions: a part empty (-inf, or FlashMLA's +inf), both empty, and garbage behind an empty part
     lse_a[0, 0] = lse_b[0, 0] = -INF
     lse_a[1, 1] = INF
@@ -69,8 +70,8 @@ def test_merge_in_place_into_part_a_and_into_strided_views():
     out_a, lse_a, out_b, lse_b = parts(seed=1)
     lse_a[torch.isposinf(lse_a)] = -INF
     expect_out, expect_lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
-    big_out = torch.full((9, 5, 128), float("nan"))
-    big_lse = torch.full((9, 5), float("nan"))
+    big_out = torch.full((9, 5, 128), float("nan"), device=DEVICE)
+    big_lse = torch.full((9, 5), float("nan"), device=DEVICE)
     big_out[1:8], big_lse[1:8] = out_a, lse_a
     merge_attn_states(big_out[1:8], big_lse[1:8], out_b, lse_b, big_out[1:8], big_lse[1:8])
     assert torch.equal(big_out[1:8], expect_out) and torch.equal(big_lse[1:8], expect_lse)
@@ -95,8 +96,8 @@ def naive_rescale(part, all_lse, rank):
 def test_rescaled_parts_sum_to_merge_many_and_empty_rows_stay_clean(rescale, ok):
     g = torch.Generator().manual_seed(2)
     world = 3
-    partials = [torch.randn(6, 4, 512, generator=g) for _ in range(world)]
-    all_lse = torch.randn(world, 6, 4, generator=g)
+    partials = [torch.randn(6, 4, 512, generator=g).to(DEVICE) for _ in range(world)]
+    all_lse = torch.randn(world, 6, 4, generator=g).to(DEVICE)
     all_lse[:, 0, 0] = -INF      # no rank saw this row
     all_lse[1, 1, :] = -INF      # rank 1's shard is empty for token 1
     total = sum(rescale(partials[r], all_lse, r)[0] for r in range(world))

@@ -17,6 +17,8 @@ from mla_bench.registry import resolve
 from mla_bench.workload import Workload
 from suites.judge import judge
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, compiled kernels on a GPU
+
 MIXES = [
     ((6, 1, 9), (6, 30, 20)),        # full prompt, one new token on a context, a prefix of 11
     ((17, 0, 33), (40, 5, 33)),      # several query blocks, a request asking nothing, lengths off the tile size
@@ -29,7 +31,7 @@ MIXES = [
 def test_triton_prefill_passes_the_judge(mix, dtype):
     q_lens, kv_lens = MIXES[mix]
     w = Workload(mode="prefill", q_lens=q_lens, kv_lens=kv_lens, dtype=dtype, seed=mix)
-    verdict = judge(resolve("triton_prefill").load(), build_problem(w))
+    verdict = judge(resolve("triton_prefill").load(), build_problem(w, DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
@@ -54,12 +56,12 @@ class LastRequestsQueryLength(TritonPrefill):
 @pytest.mark.parametrize("planted", [NotCausal, LastRequestsQueryLength])
 def test_planted_prefill_bugs_fail_the_judge(planted):
     w = Workload(mode="prefill", q_lens=(20, 5, 3), kv_lens=(26, 5, 9))
-    verdict = judge(planted(), build_problem(w))
+    verdict = judge(planted(), build_problem(w, DEVICE))
     assert verdict.status == "failed", verdict.message
 
 
 def test_prefill_refuses_bad_inputs_by_name():
-    p = build_problem(Workload(mode="prefill", q_lens=(4,), kv_lens=(6,)))
+    p = build_problem(Workload(mode="prefill", q_lens=(4,), kv_lens=(6,)), DEVICE)
     args = (p.meta.query_start_loc, p.meta.kv_start_loc, 4, p.scale)
     with pytest.raises(ValueError, match="k_pe"):
         mha_prefill(p.q, p.k_nope, p.k_pe[:, :32], p.v, *args)
@@ -72,8 +74,8 @@ def test_prefill_refuses_bad_inputs_by_name():
 
 
 def test_float32_prefill_is_refused_at_plan_time():
-    verdict = judge(TritonPrefill(), build_problem(Workload(mode="prefill", q_lens=(2,), kv_lens=(2,),
-                                                            dtype="float32")))
+    w = Workload(mode="prefill", q_lens=(2,), kv_lens=(2,), dtype="float32")
+    verdict = judge(TritonPrefill(), build_problem(w, DEVICE))
     assert verdict.status == "unsupported" and "dtype float32" in verdict.message
 
 

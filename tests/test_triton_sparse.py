@@ -19,6 +19,8 @@ from mla_bench.problem import build_problem
 from mla_bench.workload import Workload
 from suites.judge import judge
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, compiled kernels on a GPU
+
 IMPLS = {"paged": TritonSparse, "ragged": TritonSparseRagged}
 INVALID = [-2**31, -123456, -1, "rows", 2**31 - 1]
 
@@ -34,13 +36,13 @@ def sparse(transform, mode="sparse_decode", layout="bf16", q_lens=(1, 1, 1), kv_
 @pytest.mark.parametrize("mode", ["sparse_decode", "sparse_prefill"])
 @pytest.mark.parametrize("layout", ["bf16", "fp8_ds_mla"])
 def test_sparse_impls_pass_the_judge(transform, mode, layout):
-    verdict = judge(IMPLS[transform](), build_problem(sparse(transform, mode, layout)))
+    verdict = judge(IMPLS[transform](), build_problem(sparse(transform, mode, layout), DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 @pytest.mark.parametrize("transform, layout", [("paged", "fp8_ds_mla_pow2"), ("ragged", "fp8_e4m3")])
 def test_sparse_reads_the_other_fp8_layouts(transform, layout):
-    verdict = judge(IMPLS[transform](), build_problem(sparse(transform, layout=layout, seed=3)))
+    verdict = judge(IMPLS[transform](), build_problem(sparse(transform, layout=layout, seed=3), DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
@@ -50,13 +52,13 @@ def test_top_k_2048(transform, layout):
     # rows by cos_diff 0.0033, past the layout's e2e bound of 0.003 (a bound for the lead to revisit)
     w = sparse(transform, layout=layout, q_lens=(1, 1), kv_lens=(2100, 2048), topk=2048, seed=1)
     impl = IMPLS[transform](SparseConfig(block_h=16, block_n=128, num_warps=4, num_stages=1))
-    verdict = judge(impl, build_problem(w))
+    verdict = judge(impl, build_problem(w, DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 @pytest.mark.parametrize("transform", ["paged", "ragged"])
 def test_invalid_indices_are_skipped_and_an_all_invalid_row_is_empty(transform):
-    problem = build_problem(sparse(transform, "sparse_prefill"))
+    problem = build_problem(sparse(transform, "sparse_prefill"), DEVICE)
     rows = problem.cache.num_slots if transform == "paged" else problem.meta.token_slots.shape[0]
     idx, logical = problem.sparse_indices, problem.topk_indices
     for row in range(idx.shape[0] - 1):
@@ -75,7 +77,7 @@ def test_invalid_indices_are_skipped_and_an_all_invalid_row_is_empty(transform):
 
 @pytest.mark.parametrize("impl, other", [(TritonSparse, "ragged"), (TritonSparseRagged, "paged")])
 def test_the_other_index_transform_is_refused_at_plan_time(impl, other):
-    problem = build_problem(sparse(other))
+    problem = build_problem(sparse(other), DEVICE)
     verdict = judge(impl(), problem)
     assert verdict.status == "unsupported" and f"index transform {other}" in verdict.message
     with pytest.raises(UnsupportedConfig, match=other.upper()):
@@ -98,19 +100,19 @@ class RaggedBufferInBf16(TritonSparseRagged):
     def run(self, plan):
         p = plan.problem
         keys = gather_latent(p.cache, p.meta.token_slots, torch.empty(len(p.meta.token_slots), 576,
-                                                                         dtype=torch.bfloat16))
+                                                                         dtype=torch.bfloat16, device=p.device))
         return sparse_mqa(p.q, p.sparse_indices, keys.view(torch.uint8), 0, p.scale)
 
 
 @pytest.mark.parametrize("planted, transform, layout", [(MinusOneIsIndexZero, "paged", "bf16"),
                                                          (RaggedBufferInBf16, "ragged", "fp8_ds_mla")])
 def test_planted_sparse_bugs_fail_the_judge(planted, transform, layout):
-    verdict = judge(planted(), build_problem(sparse(transform, "sparse_prefill", layout)))
+    verdict = judge(planted(), build_problem(sparse(transform, "sparse_prefill", layout), DEVICE))
     assert verdict.status == "failed", verdict.message
 
 
 def test_sparse_kernel_refuses_bad_inputs_by_name():
-    p = build_problem(sparse("paged"))
+    p = build_problem(sparse("paged"), DEVICE)
     with pytest.raises(ValueError, match="indices"):
         sparse_mqa(p.q, p.sparse_indices.long(), p.cache.rows(), 0, p.scale)
     with pytest.raises(ValueError, match="q must"):

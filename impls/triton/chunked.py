@@ -135,6 +135,7 @@ class TritonChunkedPrefill(Impl):
         modes=frozenset({Mode.CHUNKED_PREFILL}),
         layouts=frozenset(LAYOUT_CODES),
         dtypes=frozenset({"bfloat16", "float16"}),
+        graph_safe=True,  # every buffer comes from plan; run only launches
     )
 
     def __init__(self, config: PrefillConfig | None = None) -> None:

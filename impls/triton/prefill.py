@@ -26,6 +26,7 @@ class TritonPrefill(Impl):
     capabilities = Capabilities(
         modes=frozenset({Mode.PREFILL}),
         dtypes=frozenset({"bfloat16", "float16"}),
+        graph_safe=True,
     )
 
     def __init__(self, config: PrefillConfig | None = None) -> None:

@@ -65,7 +65,7 @@ class TritonSparse(_TritonSparseBase):
     description = "sparse top-k MQA reading (and dequantizing) the paged cache by PAGED slot indices"
     transform = "paged"
     capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES),
-                                index_transforms=frozenset({"paged"}))
+                                index_transforms=frozenset({"paged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
         self._refuse_other_transform(problem)
@@ -82,7 +82,7 @@ class TritonSparseRagged(_TritonSparseBase):
     description = "sparse top-k MQA over the requests' tokens gathered in order, by RAGGED row indices"
     transform = "ragged"
     capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES),
-                                index_transforms=frozenset({"ragged"}))
+                                index_transforms=frozenset({"ragged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
         self._refuse_other_transform(problem)

@@ -9,6 +9,7 @@ NVLink multicast stays off in NCCL and PyTorch (``NCCL_NVLS_ENABLE=0``, ``TORCH_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import statistics
@@ -141,6 +142,21 @@ def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str) -> N
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set environment variables while processes start (they inherit them), then restore ours."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def default_backend(world: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
 
@@ -172,8 +188,10 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
             arg = source
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker, args=(rank, spec, arg, workdir), daemon=True) for rank in range(world)]
-        for proc in procs:
-            proc.start()
+        # gloo ranks compute on the CPU: Triton's interpreter there, even on a GPU host
+        with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
+            for proc in procs:
+                proc.start()
         deadline = time.monotonic() + timeout_s
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
