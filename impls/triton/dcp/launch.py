@@ -28,7 +28,7 @@ from impls.triton.chunked import context_segments
 from impls.triton.dcp.attention import shard_attention
 from impls.triton.dcp.comm import HeadComm
 from impls.triton.dcp.reorg import gather_context_chunk
-from impls.triton.dcp.shard import build_shard
+from impls.triton.dcp.shard import build_shard, synthetic_shard
 from impls.triton.dcp.step import dcp_step
 from impls.triton.latent_io import gather_latent
 from impls.triton.merge import rescale_partial
@@ -51,6 +51,7 @@ class DcpSpec:
     rescale: Any = rescale_partial
     time_iters: int = 0               # > 0: time that many steps on the GPU after warm-up
     reorg_chunk: int | None = None    # check the context reorg with chunks of this many tokens
+    synthetic: bool = False           # timing only: each rank draws its shard on the device (no global problem)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class DcpOutcome:
     out: torch.Tensor                 # [T, H, 512] in the problem's dtype, on the CPU
     lse: torch.Tensor                 # [T, H] float32, natural log
     step_ms: list[float] = field(default_factory=list)  # per rank: median step time
+    attention_ms: list[float] = field(default_factory=list)  # per rank: median time of the shard attention alone
     reorg_max_diff: float | None = None  # largest |reorganized chunk - unsharded gather| over all chunks
 
 
@@ -117,20 +119,25 @@ def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str) -> N
             torch.cuda.set_device(device)
         dist.init_process_group(spec.backend, init_method=f"file://{workdir}/store", rank=rank,
                                 world_size=spec.world)
-        problem = _problem_for(source, device)
-        shard = build_shard(problem, rank, spec.world, spec.interleave)
+        if spec.synthetic:
+            q, shard = synthetic_shard(source, rank, device)
+            problem, scale = None, source.dims.softmax_scale
+        else:
+            problem = _problem_for(source, device)
+            q, shard, scale = problem.q, build_shard(problem, rank, spec.world, spec.interleave), problem.scale
         attention = shard_attention(spec.attention)
-        prepared = attention.prepare(shard, problem.scale)
-        comm = HeadComm(problem.q.shape[1], rank, spec.world)
+        prepared = attention.prepare(shard, scale)
+        comm = HeadComm(q.shape[1], rank, spec.world)
 
         def step():
-            return dcp_step(problem.q, comm, attention, prepared, spec.rescale)
+            return dcp_step(q, comm, attention, prepared, spec.rescale)
 
         out, lse = step()
-        result: dict[str, Any] = {"out": out.cpu(), "lse": lse.cpu()}
+        result: dict[str, Any] = {} if spec.synthetic else {"out": out.cpu(), "lse": lse.cpu()}
         if spec.time_iters and device.type == "cuda":
             result["step_ms"] = _timed_steps(step, spec.time_iters)
-        if spec.reorg_chunk:
+            result["attention_ms"] = _timed_steps(lambda: attention(q, prepared), spec.time_iters)
+        if spec.reorg_chunk and problem is not None:
             result["reorg_max_diff"] = _check_reorg(problem, shard, comm, spec.reorg_chunk)
         torch.save(result, Path(workdir, f"result_{rank}.pt"))
         dist.barrier()
@@ -163,11 +170,14 @@ def default_backend(world: int) -> str:
 
 def run_dcp(source: Workload | Problem, world: int | None = None, interleave: int | None = None,
             backend: str | None = None, attention: Any = "triton_sparse", rescale: Any = rescale_partial,
-            time_iters: int = 0, reorg_chunk: int | None = None, timeout_s: float = 600) -> DcpOutcome:
+            time_iters: int = 0, reorg_chunk: int | None = None, synthetic: bool = False,
+            timeout_s: float = 600) -> DcpOutcome:
     """Decode context parallel over ``world`` processes (default: the workload's ``dcp_world`` / ``dcp_interleave``).
 
     ``source``: a DCP-mode Workload (each rank builds the problem from its seed) or a Problem (saved once and
-    loaded by every rank). Returns the assembled output and lse, and what was asked besides.
+    loaded by every rank). Returns the assembled output and lse, and what was asked besides. ``synthetic``
+    (timing only; needs a Workload and ``time_iters``): each rank draws its own shard on its GPU and returns
+    only timings.
     """
     workload = source if isinstance(source, Workload) else source.workload
     if workload.mode is not Mode.DCP:
@@ -177,7 +187,12 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
     backend = backend or default_backend(world)
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"run_dcp: NCCL with W={world} needs {world} GPUs, {torch.cuda.device_count()} visible")
-    spec = DcpSpec(world, interleave, backend, attention, rescale, time_iters, reorg_chunk)
+    if synthetic and not isinstance(source, Workload):
+        raise ValueError("run_dcp: synthetic timing draws shards from a Workload, not a Problem")
+    if world != workload.dcp_world or interleave != workload.dcp_interleave:
+        workload = workload.replace(dcp_world=world, dcp_interleave=interleave)
+        source = workload if isinstance(source, Workload) else source
+    spec = DcpSpec(world, interleave, backend, attention, rescale, time_iters, reorg_chunk, synthetic)
     for key, value in SAFE_ENV.items():
         os.environ[key] = value  # inherited by the spawned ranks
     with tempfile.TemporaryDirectory(prefix="mla-dcp-") as workdir:
@@ -206,9 +221,11 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
             raise RuntimeError(f"DCP ranks did not finish (exit codes {[p.exitcode for p in procs]}; "
                                f"{len(hung)} still running after {timeout_s:.0f} s were stopped)")
         results = [torch.load(Path(workdir, f"result_{rank}.pt")) for rank in range(world)]
-    out = torch.cat([r["out"] for r in results], dim=1).to(TORCH_DTYPES[workload.dtype])
     reorg = [r["reorg_max_diff"] for r in results if "reorg_max_diff" in r]
-    return DcpOutcome(out, results[0]["lse"], [r["step_ms"] for r in results if "step_ms" in r],
-                      max(reorg) if reorg else None)
+    timings = {key: [r[key] for r in results if key in r] for key in ("step_ms", "attention_ms")}
+    if synthetic:
+        return DcpOutcome(torch.empty(0), torch.empty(0), **timings)
+    out = torch.cat([r["out"] for r in results], dim=1).to(TORCH_DTYPES[workload.dtype])
+    return DcpOutcome(out, results[0]["lse"], reorg_max_diff=max(reorg) if reorg else None, **timings)
 
 

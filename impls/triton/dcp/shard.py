@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_bench.layouts import PagedCache
+from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
 from mla_bench.metadata.reference import allocate_block_table, cumulative, flat_token_slots
 from mla_bench.problem import Problem
+from mla_bench.workload import Workload
 
 
 def local_count(positions: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
@@ -72,3 +73,25 @@ def build_shard(problem: Problem, rank: int, world: int, interleave: int) -> Dcp
         visible.append(local_count(seen.clamp(min=0), rank, world, interleave))
     return DcpShard(rank, world, interleave, cache, block_table.to(device), tuple(local_lens), local_slots,
                     torch.cat(visible).to(torch.int32).to(device), meta.query_start_loc, tuple(meta.q_lens))
+
+
+def synthetic_shard(workload: Workload, rank: int, device: torch.device) -> tuple[torch.Tensor, DcpShard]:
+    """Rank ``rank``'s queries ``[T, H, 576]`` and shard for timing long contexts, drawn on the device: random bf16
+    latents (N(0, 1), never zeros) straight into the rank's pages, without building the global problem first.
+    Every rank draws the same queries (seeded)."""
+    if workload.layout != "bf16":
+        raise ValueError(f"synthetic_shard draws bf16 caches only, not {workload.layout}")
+    world, interleave, page = workload.dcp_world, workload.dcp_interleave, workload.page_size
+    local_lens = local_count(torch.tensor(workload.kv_lens), rank, world, interleave).tolist()
+    gen = torch.Generator().manual_seed(workload.seed * 1009 + rank + 1)
+    block_table, num_blocks = allocate_block_table(local_lens, page, gen)
+    data = torch.randn(num_blocks * page, LATENT_DIM, device=device, dtype=torch.bfloat16)
+    cache = PagedCache(get_layout("bf16"), data.view(torch.uint8).view(num_blocks, page, -1))
+    torch.manual_seed(workload.seed)
+    q = (0.5 * torch.randn(workload.total_q, workload.dims.num_heads, LATENT_DIM, device=device)).to(torch.bfloat16)
+    visible = [local_count(kv - q_len + 1 + torch.arange(q_len), rank, world, interleave) if kv
+               else torch.zeros(q_len, dtype=torch.int64) for q_len, kv in zip(workload.q_lens, workload.kv_lens)]
+    query_start = torch.tensor(cumulative(list(workload.q_lens)), dtype=torch.int32, device=device)
+    slots = flat_token_slots(block_table, local_lens, page).to(device)
+    return q, DcpShard(rank, world, interleave, cache, block_table.to(device), tuple(local_lens), slots,
+                       torch.cat(visible).to(torch.int32).to(device), query_start, tuple(workload.q_lens))
