@@ -362,15 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         f"triton {__import__('triton').__version__}")
     timer = Timer(device)
     ceil = ceilings(device, timer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for part in args.parts.split(","):
         try:
             PARTS[part](device, timer, ceil, args.quick)
         except Exception:  # noqa: BLE001 - keep the other parts' numbers
             row(part, "part", "crashed", None, error=traceback.format_exc()[-1500:])
             log(traceback.format_exc())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "paths_bench.json").write_text(json.dumps({"ceilings": ceil, "rows": ROWS}, indent=1, default=str))
+        # written after every part, so a run cut short keeps what it measured
+        (out / "paths_bench.json").write_text(json.dumps({"ceilings": ceil, "rows": ROWS}, indent=1, default=str))
     print_table()
     return 0
 

@@ -66,7 +66,6 @@ def _values(acc, p, codes, scale, alpha, SCALED: tl.constexpr, UPCAST: tl.conste
 def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_scale, qk_scale,
                    s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
                    LAYOUT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    SCALED: tl.constexpr = LAYOUT != 0
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
@@ -95,21 +94,21 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
         k3, c3 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 3, LAYOUT, dt)
         k_r, c_r = load_rope_tile(SRC, rows, valid, row_bytes, tensor_scale, LAYOUT, dt)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        s = _scores(s, q0, k0, c0, SCALED, UPCAST)
-        s = _scores(s, q1, k1, c1, SCALED, UPCAST)
-        s = _scores(s, q2, k2, c2, SCALED, UPCAST)
-        s = _scores(s, q3, k3, c3, SCALED, UPCAST)
-        s = _scores(s, q_r, k_r, c_r, SCALED, UPCAST)
+        s = _scores(s, q0, k0, c0, LAYOUT != 0, UPCAST)
+        s = _scores(s, q1, k1, c1, LAYOUT != 0, UPCAST)
+        s = _scores(s, q2, k2, c2, LAYOUT != 0, UPCAST)
+        s = _scores(s, q3, k3, c3, LAYOUT != 0, UPCAST)
+        s = _scores(s, q_r, k_r, c_r, LAYOUT != 0, UPCAST)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _values(acc0, p, k0, c0, alpha, SCALED, UPCAST)
-        acc1 = _values(acc1, p, k1, c1, alpha, SCALED, UPCAST)
-        acc2 = _values(acc2, p, k2, c2, alpha, SCALED, UPCAST)
-        acc3 = _values(acc3, p, k3, c3, alpha, SCALED, UPCAST)
+        acc0 = _values(acc0, p, k0, c0, alpha, LAYOUT != 0, UPCAST)
+        acc1 = _values(acc1, p, k1, c1, alpha, LAYOUT != 0, UPCAST)
+        acc2 = _values(acc2, p, k2, c2, alpha, LAYOUT != 0, UPCAST)
+        acc3 = _values(acc3, p, k3, c3, alpha, LAYOUT != 0, UPCAST)
         m_i = m_new
     live = l_i > 0
     inv_l = (1.0 / tl.where(live, l_i, 1.0))[:, None]
