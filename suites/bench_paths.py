@@ -45,11 +45,11 @@ from mla_bench.problem import build_problem
 from mla_bench.workload import Workload
 from suites.judge import judge
 
-PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2),
-                   PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 32, 4, 3), PrefillConfig(64, 128, 8, 2)]
-SPARSE_CONFIGS = [SparseConfig(64, 32, 8, 2), SparseConfig(64, 64, 8, 2), SparseConfig(32, 64, 4, 2),
-                  SparseConfig(64, 32, 4, 2), SparseConfig(128, 32, 8, 1), SparseConfig(64, 16, 4, 3),
-                  SparseConfig(32, 32, 4, 3)]
+PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4), PrefillConfig(128, 64, 8, 2),
+                   PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)]
+SPARSE_CONFIGS = [SparseConfig(32, 64, 4, 2), SparseConfig(64, 64, 8, 2), SparseConfig(128, 64, 8, 2),
+                  SparseConfig(32, 64, 4, 3), SparseConfig(32, 128, 4, 2), SparseConfig(64, 32, 8, 2),
+                  SparseConfig(128, 32, 8, 1), SparseConfig(64, 64, 4, 2)]
 ROWS: list[dict[str, Any]] = []  # the final table
 
 
@@ -221,6 +221,16 @@ def bench_sparse(device: torch.device, timer: Timer, ceil: dict, quick: bool) ->
                 row("sparse", label, variant, timer(run), flops, nbytes, ceil, check=verdict_text(check))
             except Exception:  # noqa: BLE001
                 row("sparse", label, variant, None, error=traceback.format_exc()[-500:])
+        del q, idx, cache
+        torch.cuda.empty_cache()
+    # sparse prefill: 4 requests x 512 new tokens over 8k contexts, top-k 2048 each, default tiles
+    for layout in ("bf16", "fp8_ds_mla"):
+        q, idx, cache, valid = sparse_inputs(device, heads, 4, 8192, topk, layout, q_len=512)
+        scale = get_preset("deepseek-v3").softmax_scale
+        code, tscale = layout_code(layout), cache_tensor_scale(cache)
+        run = lambda: sparse_mqa(q, idx, cache.rows(), code, scale, tscale)
+        row("sparse", f"sparse prefill h{heads} b4 q512 topk{topk} {layout}", "default", timer(run),
+            sparse_flops(valid, heads), ceil=ceil)
         del q, idx, cache
         torch.cuda.empty_cache()
 

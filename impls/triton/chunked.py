@@ -156,10 +156,13 @@ class TritonChunkedPrefill(Impl):
             run_out=torch.empty(tokens, heads, problem.out_dim, dtype=torch.float32, device=device),
             run_lse=torch.empty(tokens, heads, dtype=torch.float32, device=device),
         )
-        w_kv = torch.cat([problem.w_uk, problem.w_uv], dim=2).permute(1, 0, 2).reshape(NOPE_DIM, -1)
+        nope = problem.dims.qk_nope_head_dim
+        w_kv = torch.empty(NOPE_DIM, heads, 2 * nope, dtype=UP_DTYPE, device=device)  # filled in place: no temporaries
+        w_kv[:, :, :nope].copy_(problem.w_uk.permute(1, 0, 2))
+        w_kv[:, :, nope:].copy_(problem.w_uv.permute(1, 0, 2))
         out = torch.empty(tokens, heads, problem.out_dim, dtype=dtype, device=device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=device)
-        return ChunkedPlan(problem, chunks, workspace, w_kv.to(UP_DTYPE).contiguous(), out, lse,
+        return ChunkedPlan(problem, chunks, workspace, w_kv.view(NOPE_DIM, -1), out, lse,
                            self.config or default_config(device))
 
     def poison(self, plan: ChunkedPlan) -> None:

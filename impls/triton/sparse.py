@@ -52,7 +52,7 @@ class _TritonSparseBase(Impl):
         tokens, heads = problem.q.shape[:2]
         out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)
-        config = self.config or default_config(problem.device, heads)
+        config = self.config or default_config(problem.device, heads, layout)
         return SparsePlan(problem, out, lse, config, layout, buffer)
 
     def poison(self, plan: SparsePlan) -> None:
