@@ -35,7 +35,7 @@ def test_chunked_prefill_passes_the_judge_for_every_mcc(mcc):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
-@pytest.mark.parametrize("layout, dtype", [("fp8_ds_mla", "bfloat16"), ("fp8_e4m3", "bfloat16"),
+@pytest.mark.parametrize("layout, dtype", [("fp8_ds_mla", "bfloat16"), ("fp8_e4m3", "bfloat16"), ("fp8_ds_mla_pow2", "bfloat16"),
                                            ("bf16", "float16")])
 def test_chunked_prefill_dequantizes_fp8_caches(layout, dtype):
     verdict = judge(TritonChunkedPrefill(), build_problem(chunked(12, layout, dtype=dtype), DEVICE))

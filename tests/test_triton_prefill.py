@@ -11,7 +11,7 @@ import torch
 
 import impls.triton  # noqa: F401
 from impls.triton.prefill import TritonPrefill
-from impls.triton.prefill_kernel import causal_pairs, mha_prefill, prefill_flops
+from impls.triton.prefill_kernel import INTERPRETER_CONFIG, causal_pairs, mha_prefill, prefill_flops
 from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
 from mla_bench.workload import Workload
@@ -45,12 +45,13 @@ class NotCausal(TritonPrefill):
 
 
 class LastRequestsQueryLength(TritonPrefill):
-    """Planted bug: the grid sized by the last request's query count, not the longest (ATOM)."""
+    """Planted bug: the grid sized by the last request's query count, not the longest (ATOM). Small query
+    tiles, so that the short last request covers fewer tiles than the long first one on a GPU too."""
 
     def run(self, plan):
         p = plan.problem
         return mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc,
-                           p.meta.q_lens[-1], p.scale, out=plan.out, lse=plan.lse)
+                           p.meta.q_lens[-1], p.scale, out=plan.out, lse=plan.lse, config=INTERPRETER_CONFIG)
 
 
 @pytest.mark.parametrize("planted", [NotCausal, LastRequestsQueryLength])

@@ -4,8 +4,8 @@
 exact codes plus a float32 scale per row; kernels that attend straight from the cache (sparse) and
 ``gather_latent`` (chunked prefill's context) share them, so a layout is taught to every path in one place.
 Layouts it decodes: ``bf16``; ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` (656 B: 512 e4m3 | 4 float32 scales, one
-per 128 values | 64 bf16 rope; value = e4m3 * scale; the two differ only in how scales were chosen); and
-``fp8_e4m3`` (576 e4m3 times the per-layer scale). Others (the FP4 layouts) are refused with
+per 128 values | 64 bf16 rope; value = e4m3 * scale; with power-of-two scales the product is exact in bf16, so
+that layout is dequantized in registers); and ``fp8_e4m3`` (576 e4m3 times the per-layer scale). Others (the FP4 layouts) are refused with
 ``UnsupportedConfig``.
 
 Interim module: issue 3 owns the generic Triton cache ops (write and gather for every layout, in
@@ -21,7 +21,8 @@ import triton.language as tl
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 
-LAYOUT_CODES = {"bf16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_pow2": 1, "fp8_e4m3": 2}
+LAYOUT_CODES = {"bf16": 0, "fp8_ds_mla": 1, "fp8_e4m3": 2, "fp8_ds_mla_pow2": 3}
+SCALED_CODES = (1, 2)  # layouts whose tiles come as codes plus a scale the kernels apply after their products
 
 
 def layout_code(layout_name: str) -> int:
@@ -38,22 +39,26 @@ def load_nope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, K: tl.conste
                    OUT_DTYPE: tl.constexpr):
     """Columns ``[128 K, 128 K + 128)`` of kv_c for cache rows ``rows`` (int64 [BLOCK]; rows where ``valid`` is
     False read as 0), split as ``(codes [BLOCK, 128] OUT_DTYPE, scale [BLOCK] float32)`` with value = codes * scale.
-    The codes are exact in bf16/fp16 (bf16 values, or e4m3 codes), so a kernel that applies the scale in
-    float32 after its products reads the layout exactly, whatever the scale."""
+    The codes are exact in bf16/fp16 (bf16 values, e4m3 codes, or e4m3 times a power of two), so a kernel that
+    applies the scale in float32 after its products reads the layout exactly, whatever the scale."""
     offs = K * 128 + tl.arange(0, 128)
     base = cache_ptr + rows * row_bytes
+    ones = tl.full([rows.shape[0]], 1.0, tl.float32)
     if LAYOUT == 0:  # bf16: [kv_c 512 | k_pe 64] bfloat16
         codes = tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + offs[None, :], mask=valid[:, None],
                         other=0.0)
-        scale = tl.full([rows.shape[0]], 1.0, tl.float32)
-    elif LAYOUT == 1:  # fp8_ds_mla: 512 e4m3 | 4 float32 scales (one per 128) | 64 bf16 rope
+        scale = ones
+    elif LAYOUT == 2:  # fp8_e4m3: 576 e4m3 of x / tensor_scale
+        codes = tl.load(base[:, None] + offs[None, :], mask=valid[:, None], other=0)
+        codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = ones * tensor_scale
+    else:  # fp8_ds_mla(_pow2): 512 e4m3 | 4 float32 scales (one per 128) | 64 bf16 rope
         codes = tl.load(base[:, None] + offs[None, :], mask=valid[:, None], other=0)
         codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         scale = tl.load((base + 512).to(tl.pointer_type(tl.float32)) + K, mask=valid, other=0.0)
-    else:  # fp8_e4m3: 576 e4m3 of x / tensor_scale
-        codes = tl.load(base[:, None] + offs[None, :], mask=valid[:, None], other=0)
-        codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale = tl.full([rows.shape[0]], 1.0, tl.float32) * tensor_scale
+        if LAYOUT == 3:  # power-of-two scales: code * scale is exact in bf16, so fold it in here
+            codes = codes * scale[:, None]
+            scale = ones
     return codes.to(OUT_DTYPE), scale
 
 
@@ -64,18 +69,19 @@ def load_rope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, LAYOUT: tl.c
     ``load_nope_tile``."""
     offs = tl.arange(0, 64)
     base = cache_ptr + rows * row_bytes
+    ones = tl.full([rows.shape[0]], 1.0, tl.float32)
     if LAYOUT == 0:
         codes = tl.load(base.to(tl.pointer_type(tl.bfloat16))[:, None] + 512 + offs[None, :], mask=valid[:, None],
                         other=0.0)
-        scale = tl.full([rows.shape[0]], 1.0, tl.float32)
-    elif LAYOUT == 1:
-        codes = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + offs[None, :],
-                        mask=valid[:, None], other=0.0)
-        scale = tl.full([rows.shape[0]], 1.0, tl.float32)
-    else:
+        scale = ones
+    elif LAYOUT == 2:
         codes = tl.load(base[:, None] + 512 + offs[None, :], mask=valid[:, None], other=0)
         codes = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale = tl.full([rows.shape[0]], 1.0, tl.float32) * tensor_scale
+        scale = ones * tensor_scale
+    else:
+        codes = tl.load((base + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + offs[None, :],
+                        mask=valid[:, None], other=0.0)
+        scale = ones
     return codes.to(OUT_DTYPE), scale
 
 

@@ -11,8 +11,8 @@ serves them all), ``BLOCK_N`` indices at a time, online softmax in base 2. Decod
 kernel: prefill only has more tokens. The 512 latent columns go in four tiles of 128, so that quantized
 layouts enter the products as their exact codes and each tile's per-token scale is applied in float32
 (after the score product; folded into the probabilities for the value product): the kernel reads an FP8
-cache exactly, whatever its scales, instead of rounding dequantized keys to bf16. FP8 codes are multiplied
-as float16 (exact for e4m3, converted in one instruction; the queries' latent part is converted too).
+cache exactly, whatever its scales, instead of rounding dequantized keys to bf16. Power-of-two scales
+(``fp8_ds_mla_pow2``) dequantize exactly into bf16, so that layout takes the unscaled products like bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from impls.triton.common import INTERPRETING, mma
-from impls.triton.latent_io import load_nope_tile, load_rope_tile
+from impls.triton.latent_io import SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
 
@@ -44,7 +44,7 @@ def default_config(device: torch.device, heads: int, layout_code: int = 0) -> Sp
     """Tiles measured best on an H200 at 128 heads, batch 128, top-k 2048 (NOTES-paths.md), capped by the heads."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    best = SparseConfig(32, 64, 4, 2) if layout_code == 0 else SparseConfig(64, 64, 8, 2)
+    best = SparseConfig(128, 32, 8, 1) if layout_code in SCALED_CODES else SparseConfig(32, 64, 4, 2)
     return SparseConfig(min(best.block_h, max(16, triton.next_power_of_2(heads))), best.block_n, best.num_warps,
                         best.num_stages)
 
@@ -69,18 +69,17 @@ def _values(acc, p, codes, scale, alpha, SCALED: tl.constexpr, UPCAST: tl.conste
 @triton.jit
 def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_scale, qk_scale,
                    s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
-                   LAYOUT: tl.constexpr, CODE_DTYPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LAYOUT: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    UPCAST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     offs = tl.arange(0, 128)
     q_rows = Q + t * s_qt + heads[:, None] * s_qh
-    # the latent tiles meet the cache's codes in CODE_DTYPE (fp16 for FP8 layouts), the rope in bf16
-    q0 = tl.load(q_rows + offs[None, :], mask=h_ok[:, None], other=0.0).to(CODE_DTYPE)
-    q1 = tl.load(q_rows + 128 + offs[None, :], mask=h_ok[:, None], other=0.0).to(CODE_DTYPE)
-    q2 = tl.load(q_rows + 256 + offs[None, :], mask=h_ok[:, None], other=0.0).to(CODE_DTYPE)
-    q3 = tl.load(q_rows + 384 + offs[None, :], mask=h_ok[:, None], other=0.0).to(CODE_DTYPE)
+    q0 = tl.load(q_rows + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q1 = tl.load(q_rows + 128 + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q2 = tl.load(q_rows + 256 + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q3 = tl.load(q_rows + 384 + offs[None, :], mask=h_ok[:, None], other=0.0)
     q_r = tl.load(q_rows + 512 + tl.arange(0, 64)[None, :], mask=h_ok[:, None], other=0.0)
     acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
@@ -93,27 +92,27 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
         idx = tl.load(IDX + t * s_it + offs_n, mask=offs_n < topk, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < num_rows)
         rows = tl.where(valid, idx, 0)
-        k0, c0 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 0, LAYOUT, CODE_DTYPE)
-        k1, c1 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 1, LAYOUT, CODE_DTYPE)
-        k2, c2 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 2, LAYOUT, CODE_DTYPE)
-        k3, c3 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 3, LAYOUT, CODE_DTYPE)
+        k0, c0 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 0, LAYOUT, q0.dtype)
+        k1, c1 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 1, LAYOUT, q0.dtype)
+        k2, c2 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 2, LAYOUT, q0.dtype)
+        k3, c3 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 3, LAYOUT, q0.dtype)
         k_r, c_r = load_rope_tile(SRC, rows, valid, row_bytes, tensor_scale, LAYOUT, q_r.dtype)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        s = _scores(s, q0, k0, c0, LAYOUT != 0, UPCAST)
-        s = _scores(s, q1, k1, c1, LAYOUT != 0, UPCAST)
-        s = _scores(s, q2, k2, c2, LAYOUT != 0, UPCAST)
-        s = _scores(s, q3, k3, c3, LAYOUT != 0, UPCAST)
-        s = _scores(s, q_r, k_r, c_r, LAYOUT != 0, UPCAST)
+        s = _scores(s, q0, k0, c0, SCALED, UPCAST)
+        s = _scores(s, q1, k1, c1, SCALED, UPCAST)
+        s = _scores(s, q2, k2, c2, SCALED, UPCAST)
+        s = _scores(s, q3, k3, c3, SCALED, UPCAST)
+        s = _scores(s, q_r, k_r, c_r, SCALED, UPCAST)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = _values(acc0, p, k0, c0, alpha, LAYOUT != 0, UPCAST)
-        acc1 = _values(acc1, p, k1, c1, alpha, LAYOUT != 0, UPCAST)
-        acc2 = _values(acc2, p, k2, c2, alpha, LAYOUT != 0, UPCAST)
-        acc3 = _values(acc3, p, k3, c3, alpha, LAYOUT != 0, UPCAST)
+        acc0 = _values(acc0, p, k0, c0, alpha, SCALED, UPCAST)
+        acc1 = _values(acc1, p, k1, c1, alpha, SCALED, UPCAST)
+        acc2 = _values(acc2, p, k2, c2, alpha, SCALED, UPCAST)
+        acc3 = _values(acc3, p, k3, c3, alpha, SCALED, UPCAST)
         m_i = m_new
     live = l_i > 0
     inv_l = (1.0 / tl.where(live, l_i, 1.0))[:, None]
@@ -125,15 +124,6 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
     tl.store(o_rows + 256, (acc2 * inv_l).to(o_dt), mask=h_ok[:, None])
     tl.store(o_rows + 384, (acc3 * inv_l).to(o_dt), mask=h_ok[:, None])
     tl.store(LSE + t * s_lt + heads * s_lh, lse, mask=h_ok)
-
-
-def code_dtype(layout_code: int, q_dtype: torch.dtype):
-    """The dtype the latent tiles are multiplied in: the queries' for bf16 caches; float16 for FP8 codes (e4m3
-    converts to fp16 exactly in one instruction, and bf16 queries to fp16 exactly in its range: |q| in
-    [2^-14, 65504], below which fp16 keeps fewer bits, an error under 2^-17 absolute)."""
-    if layout_code == 0:
-        return tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16
-    return tl.float16
 
 
 def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
@@ -163,7 +153,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
         _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
                              tensor_scale, scale * LOG2E, q.stride(0), q.stride(1), indices.stride(0),
                              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                             LAYOUT=layout_code, CODE_DTYPE=code_dtype(layout_code, q.dtype),
+                             LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
                              BLOCK_H=config.block_h, BLOCK_N=config.block_n,
                              UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
