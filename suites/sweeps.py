@@ -34,7 +34,7 @@ def tiny(preset: str = "tiny") -> list[Workload]:
                         **kw)
 
     sweep = [
-        decode((1, 1, 1), (37, 64, 100)),                # single queries, one length on a page boundary
+        decode((1, 1, 1, 1), (37, 0, 64, 100)),          # single queries, a padding request, a page boundary
         decode((2, 2), (33, 48)),                        # uniform q_len 2 (MTP)
         decode((1, 3, 0, 2), (50, 17, 0, 32)),           # varlen, an empty request, the last q_len not the max
         decode((1, 1, 1, 1), (16, 17, 15, 32)),          # lengths at, past and before page boundaries
