@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from impls.torch_eager import TorchEager
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.metadata.reference import cumulative
 from mla_bench.registry import Capabilities, Impl
@@ -165,6 +166,16 @@ class LessAccurate(PlainDecode):
         out, lse = super().run(p)
         noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
         return (out.float() + 4.5e-3 * out.float().std() * noise).to(out.dtype), lse
+
+
+class SlowerTorchEager(TorchEager):
+    """The torch baseline made twice as slow (it computes everything twice): the latency gate must catch it."""
+
+    name = "torch_eager"
+
+    def run(self, plan):
+        super().run(plan)
+        return super().run(plan)
 
 
 PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex]

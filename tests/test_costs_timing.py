@@ -70,7 +70,9 @@ def test_ceilings_are_plausible():
 
 @pytest.mark.gpu
 @pytest.mark.benchmark(timer=timing.cuda_event_timer, min_rounds=20)
-def test_pytest_benchmark_with_the_cuda_event_timer(benchmark):
+def test_pytest_benchmark_with_the_cuda_event_timer(request):
+    pytest.importorskip("pytest_benchmark")
+    benchmark = request.getfixturevalue("benchmark")
     from impls.torch_eager import TorchEager
     from mla_bench.problem import build_problem
 
