@@ -32,6 +32,9 @@ SUITE_CHOICES = ("accuracy", "roundtrip", "metadata", "equivalence", "latency", 
 # ---- list ---------------------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
     """Print every discoverable impl with its capabilities (or why it cannot load), or the cache layouts."""
+    from mla_bench.device import prepare
+
+    prepare("auto")  # on a machine without CUDA, impls import their Triton kernels for the interpreter
     if args.layouts:
         from mla_bench.layouts import LAYOUTS
 

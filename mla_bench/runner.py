@@ -139,9 +139,13 @@ def _total(suites: list[tuple[str, Any]], contexts: list) -> int | None:
         for _, suite in suites:
             if not _runs_in_shard(suite, ctx.shard):
                 continue
-            if not hasattr(suite, "workloads"):
+            workloads = getattr(suite, "workloads", None)
+            if not callable(workloads):
                 return None
-            total += len(suite.workloads(ctx))
+            try:
+                total += len(workloads(ctx))
+            except Exception:  # noqa: BLE001 - the suite itself will report the problem when it runs
+                return None
     return total
 
 

@@ -199,7 +199,7 @@ def _capability_matrix(run: Run) -> str:
 
 def _hidden_costs(run: Run) -> str:
     """The placement suite's numbers per impl and workload: plan and run time, launches, copies, syncs..."""
-    results = [r for r in run.results if r.suite == "placement" and r.metrics]
+    results = [r for r in run.results if r.suite == "placement" and r.impl and r.metrics]
     if not results:
         return ""
     names = sorted({name for r in results for name in r.metrics})
