@@ -93,8 +93,10 @@ def time_host(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms: float = 200.0,
-                  min_iters: int = 20, max_iters: int = 2000, use_graphs: bool = True) -> TimingStats:
-    """Time ``fns[i % n]`` launches round robin (warm-up first) and return per-launch stats."""
+                  min_iters: int = 20, max_iters: int = 2000, use_graphs: bool = True,
+                  warmup_ms: float = 50.0) -> TimingStats:
+    """Time ``fns[i % n]`` launches round robin and return per-launch stats. Warm-up: every callable once before
+    capture, then launches for at least ``warmup_ms`` (clocks ramp up) before the measured ones."""
     if not fns:
         raise ValueError("time_rotation needs at least one callable")
     with torch.cuda.device(device):
@@ -114,6 +116,7 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
                 torch.cuda.synchronize()
         rough = _events(launches, len(launches))   # one full rotation warm (and a first estimate)
         per_launch = max(statistics.median(rough), 1e-3)
+        _events(launches, int(min(max_iters, warmup_ms / per_launch)))
         iters = int(min(max_iters, max(min_iters, 3 * len(launches), target_ms / per_launch)))
         return TimingStats.of(_events(launches, iters), method, fallback)
 
@@ -168,14 +171,15 @@ def measure_ceilings(device: torch.device) -> Ceilings:
         device = torch.device("cuda", index)
         src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        copy = time_rotation([lambda: dst.copy_(src)], device, use_graphs=False, min_iters=10, target_ms=100)
+        copy = time_rotation([lambda: dst.copy_(src)], device, use_graphs=False, min_iters=10, target_ms=200,
+                             warmup_ms=300)
         del src, dst
         gen = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16, generator=gen)
         b = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16, generator=gen)
         out = torch.empty_like(a)
         matmul = time_rotation([lambda: torch.mm(a, b, out=out)], device, use_graphs=False, min_iters=10,
-                               target_ms=100)
+                               target_ms=200, warmup_ms=300)
         del a, b, out
         torch.cuda.empty_cache()
         _CEILINGS[index] = Ceilings(
