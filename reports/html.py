@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable
 
 from mla_bench.results import STATUSES, Result, Run
+from reports.hidden_costs import hidden_cost_html
 from reports.plots import Plot, all_plots
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
@@ -198,14 +199,9 @@ def _capability_matrix(run: Run) -> str:
 
 
 def _hidden_costs(run: Run) -> str:
-    """The placement suite's numbers per impl and workload: plan and run time, launches, copies, syncs..."""
-    results = [r for r in run.results if r.suite == "placement" and r.impl and r.metrics]
-    if not results:
-        return ""
-    names = sorted({name for r in results for name in r.metrics})
-    rows = [[esc(r.impl or ""), esc(r.label), esc(r.check), _status_cell(r)] + [_num(r.metrics.get(n, "")) for n in names]
-            for r in results]
-    return "<h2>Hidden costs (placement)</h2>" + _table(["impl", "workload", "check", "status", *map(esc, names)], rows)
+    """The placement suite's hidden-cost table (plan and run time, launches, copies, syncs, allocations)."""
+    table = hidden_cost_html(run.results)
+    return "<h2>Hidden costs (placement)</h2>" + table if table else ""
 
 
 def _failures(run: Run) -> str:

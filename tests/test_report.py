@@ -10,13 +10,14 @@ import subprocess
 
 import pytest
 
+from mla_bench.hidden_costs import COST_METRICS
 from mla_bench.results import Result, Run, load_run, save_run
 from reports.html import render, write_report
 from reports.plots import all_plots
 
 EVIL = '<script>alert(1)</script>"><img src=x onerror=alert(2)><iframe src="http://evil.example/">$\\alpha$'
 ALLOWED_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "code", "b", "table", "tr",
-                "th", "td", "figure", "img", "details", "summary", "pre", "br"}
+                "th", "td", "thead", "tbody", "caption", "figure", "img", "details", "summary", "pre", "br"}
 
 
 def _workload(kv: int, layout: str = "bf16", batch: int = 2, mode: str = "decode", preset: str = "tiny") -> dict:
@@ -52,8 +53,10 @@ def rich_run(evil: str = "") -> Run:
         Result("roundtrip", f"capability {evil}", "passed", impl="beta", label=f"fp8 x paged {evil}"),
         Result("roundtrip", "capability", "unsupported", impl=f"alpha{evil}", label=f"fp8 x paged {evil}",
                message=f"refused {evil}"),
-        Result("placement", f"hidden cost{evil}", "passed", impl="beta", label=f"decode {evil}",
-               metrics={"launches": 3, f"h2d_bytes{evil}": 1024, "syncs": 0}),
+        Result("placement", "hidden_cost", "passed", impl=f"beta{evil}", label=f"decode {evil}",
+               metrics={name: 1.0 for name in COST_METRICS}),
+        Result("placement", f"graph_safe{evil}", "failed", impl=f"beta{evil}", label=f"decode {evil}",
+               message=f"run synced {evil}"),
         Result("metadata", f"max_qo_len{evil}", "error", label=f"varlen{evil}",
                message=f"Traceback (most recent call last):\n  File x\nValueError: {evil}"),
     ]
