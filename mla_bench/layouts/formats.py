@@ -17,15 +17,17 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between consecutive e2m1 magnitudes: a value at or past bound i rounds to magnitude i + 1.
 E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 UE8M0_NAN = 0xFF
+E4M3_NAN = 0x7F  # the one NaN code the codecs write (a NaN's sign is not portable across devices)
+BF16_NAN = 0x7FC0  # likewise for bfloat16 (torch on CPU writes 0x7FC0, CUDA's cvt 0x7FFF)
 
 
 def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
-    """float32 values -> e4m3fn bytes, round to nearest even, saturating at +-448 (CUDA's SATFINITE); NaN stays
-    NaN (0x7F / 0xFF) and +-Inf becomes NaN, since e4m3fn has no infinity."""
+    """float32 values -> e4m3fn bytes as CUDA's SATFINITE conversion: round to nearest even, anything beyond
+    +-448 (+-Inf too) saturates to +-448, NaN becomes ``E4M3_NAN``. Codecs that must propagate an Inf *input*
+    mark it NaN themselves (an overflowing quotient of finite inputs saturates, as in the engines)."""
     values = values.float()
     encoded = values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    nan_code = torch.where(torch.signbit(values), 0xFF, 0x7F).to(torch.uint8)
-    return torch.where(torch.isfinite(values), encoded, nan_code)
+    return torch.where(torch.isnan(values), E4M3_NAN, encoded).to(torch.uint8)
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -90,8 +92,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_bytes(values: torch.Tensor) -> torch.Tensor:
-    """Values -> bfloat16 (round to nearest even) -> ``[..., 2 * n]`` little-endian bytes."""
-    return values.to(torch.bfloat16).contiguous().view(torch.uint8)
+    """Values -> bfloat16 (round to nearest even; every NaN as ``BF16_NAN``) -> ``[..., 2 * n]`` little-endian
+    bytes."""
+    bits = values.to(torch.bfloat16).contiguous().view(torch.int16)
+    bits = torch.where(torch.isnan(values), BF16_NAN, bits).to(torch.int16)
+    return bits.view(torch.uint8)
 
 
 def bf16_from_bytes(raw: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@
   e4m3 rounding of ``amax / (6 g)`` (SGLang's writer instead searches five nearby scales for the least squared
   error; the bytes decode the same way).
 
-MX codecs round midpoints away from zero; nvfp4 rounds to nearest even. A block whose amax is NaN/Inf gets
-the NaN scale (ue8m0 0xFF), so it decodes as NaN.
+MX codecs round midpoints away from zero; nvfp4 rounds to nearest even. A block holding a NaN/Inf input gets
+the NaN scale (ue8m0 0xFF, e4m3 0x7F) and all-zero codes, so it decodes as NaN and its bytes do not depend on
+the device.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
-from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, UE8M0_NAN, bf16_bytes, bf16_from_bytes, ceil_log2,
+from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, UE8M0_NAN, bf16_bytes, bf16_from_bytes, ceil_log2,
                                        e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, pack_nibbles,
                                        ue8m0_decode, unpack_nibbles)
 
@@ -32,8 +33,10 @@ def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tup
     amax = blocks.abs().amax(dim=-1)
     target = torch.clamp(amax / E2M1_MAX, min=1e-10) if floor_after_divide else torch.clamp(amax, min=1e-12) / E2M1_MAX
     exponent = ceil_log2(target)
+    finite = torch.isfinite(amax)
     codes = e2m1_encode(blocks, torch.exp2(exponent.float())[..., None], ties="away")
-    scale_bytes = torch.where(torch.isfinite(amax), exponent + 127, UE8M0_NAN).to(torch.uint8)
+    codes = torch.where(finite[..., None], codes, 0)
+    scale_bytes = torch.where(finite, exponent + 127, UE8M0_NAN).to(torch.uint8)
     return pack_nibbles(codes.reshape(values.shape[0], -1)), scale_bytes
 
 
@@ -88,7 +91,7 @@ class NVFP4Layout(CacheLayout):
         g = torch.tensor(tensor_scale, dtype=torch.float32, device=x.device)
         blocks = x[:, :NOPE_DIM].float().reshape(-1, NOPE_DIM // 16, 16)
         amax = blocks.abs().amax(dim=-1)
-        scale_codes = e4m3_encode(amax / (E2M1_MAX * g))
+        scale_codes = torch.where(torch.isfinite(amax), e4m3_encode(amax / (E2M1_MAX * g)), E4M3_NAN).to(torch.uint8)
         denominator = scale_codes.view(torch.float8_e4m3fn).float() * g
         codes = e2m1_encode(blocks, denominator[..., None], ties="even").reshape(-1, NOPE_DIM)
         return torch.cat([pack_nibbles(codes), scale_codes, bf16_bytes(x[:, NOPE_DIM:])], dim=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
-from mla_bench.layouts.formats import (E4M3_MAX, FLT_MIN, bf16_bytes, bf16_from_bytes, ceil_log2, e4m3_decode,
-                                       e4m3_encode, f32_bytes, f32_from_bytes)
+from mla_bench.layouts.formats import (E4M3_MAX, E4M3_NAN, FLT_MIN, bf16_bytes, bf16_from_bytes, ceil_log2,
+                                       e4m3_decode, e4m3_encode, f32_bytes, f32_from_bytes)
 
 DS_MLA_TILE = 128
 DS_MLA_TILES = NOPE_DIM // DS_MLA_TILE
@@ -14,7 +14,9 @@ POW2_SCALE_FLOOR = 1e-4  # FlashMLA's test quantizer floor before rounding the s
 
 
 class FP8PerTensorLayout(CacheLayout):
-    """vLLM's ``kv_cache_dtype=fp8``: all 576 values as e4m3 of ``x / scale``; read ``fp8 * scale``."""
+    """vLLM's ``kv_cache_dtype=fp8``: all 576 values as e4m3 of ``x / scale``; read ``fp8 * scale``.
+
+    Values beyond ``448 * scale`` saturate; a NaN/Inf input (when propagated) is stored as NaN."""
 
     name = "fp8_e4m3"
     bytes_per_token = LATENT_DIM
@@ -28,7 +30,7 @@ class FP8PerTensorLayout(CacheLayout):
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         scale = torch.tensor(tensor_scale, dtype=torch.float32, device=x.device)
-        return e4m3_encode(x.float() / scale)
+        return torch.where(torch.isfinite(x), e4m3_encode(x.float() / scale), E4M3_NAN).to(torch.uint8)
 
     def _decode(self, raw: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         return e4m3_decode(raw) * float(torch.tensor(tensor_scale, dtype=torch.float32))
