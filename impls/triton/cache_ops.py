@@ -19,14 +19,16 @@ On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
+import numpy
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from impls.triton import cache_ops_kernels as kernels
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, PagedCache
+from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache
 
 WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GATHER_DTYPES = (torch.float32, torch.bfloat16)
@@ -49,8 +51,10 @@ def triton_unavailable(device: torch.device | str) -> str | None:
     return None
 
 
-def supported_layouts() -> tuple[str, ...]:
-    return tuple(_WRITERS)
+def has_kernel(layout: CacheLayout) -> bool:
+    """Whether the kernels implement ``layout`` (a registered layout, not a look-alike of another class)."""
+    registered = LAYOUTS.get(layout.name)
+    return registered is not None and type(layout) is type(registered) and layout.name in _WRITERS
 
 
 def write_cache_triton(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Tensor, *,
@@ -71,7 +75,8 @@ def write_cache_triton(cache: PagedCache, values: torch.Tensor, slot_mapping: to
         _validate_write(cache, values, slot_mapping, propagate_nonfinite)
     # bf16 inputs travel as their int16 bits (see the kernels' _load_values); the stride is in elements either way
     in_bf16 = values.dtype == torch.bfloat16
-    writer(cache, values.view(torch.int16) if in_bf16 else values, slot_mapping, in_bf16)
+    with _quiet_interpreter():
+        writer(cache, values.view(torch.int16) if in_bf16 else values, slot_mapping, in_bf16)
 
 
 def gather_cache_triton(cache: PagedCache, token_slots: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
@@ -92,18 +97,24 @@ def gather_cache_triton(cache: PagedCache, token_slots: torch.Tensor, out_dtype:
         lo, hi = (int(v) for v in torch.stack([token_slots.min(), token_slots.max()]).tolist())
         if lo < 0 or hi >= cache.num_slots:
             raise ValueError(f"gather_cache_triton: token slots must lie in [0, {cache.num_slots}), got [{lo}, {hi}]")
-    gatherer(cache, token_slots, out.view(torch.int16) if out_dtype == torch.bfloat16 else out)
+    with _quiet_interpreter():
+        gatherer(cache, token_slots, out.view(torch.int16) if out_dtype == torch.bfloat16 else out)
     return out
+
+
+def _quiet_interpreter():
+    """The interpreter computes with numpy, which warns where the kernels overflow to Inf or make NaN on purpose."""
+    return numpy.errstate(over="ignore", invalid="ignore") if INTERPRETED else contextlib.nullcontext()
 
 
 # ---- validation ---------------------------------------------------------------------------------------------------
 def _kernel_for(cache: PagedCache, table: dict[str, Callable]) -> Callable:
     if not isinstance(cache, PagedCache):
         raise TypeError(f"expected a PagedCache, got {type(cache).__name__}")
-    launch = table.get(cache.layout.name)
-    if launch is None or type(cache.layout) is not type(LAYOUTS[cache.layout.name]):
+    if not has_kernel(cache.layout):
         raise UnsupportedConfig(f"triton cache ops: no kernel for layout {cache.layout.name!r} "
                                 f"(kernels: {', '.join(table)})")
+    launch = table[cache.layout.name]
     reason = triton_unavailable(cache.data.device)
     if reason:
         raise UnsupportedConfig(f"triton cache ops: {reason}")

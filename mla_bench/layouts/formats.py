@@ -109,3 +109,29 @@ def f32_bytes(values: torch.Tensor) -> torch.Tensor:
 
 def f32_from_bytes(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float32).double()
+
+
+# ---- stated accuracy: the largest |x - decode(encode(x))| each format allows, in float64 -----------------------
+# A factor 1 + 2^-20 absorbs the fp32 roundings of the quotients and products the codecs compute.
+SLACK = 1 + 2.0 ** -20
+
+
+def bf16_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """Rounding to bfloat16: 0 where ``x`` is a bfloat16 number, else half an ulp (2^-8 relative, 2^-134 absolute
+    below the normal range)."""
+    x = x.double()
+    representable = x == x.to(torch.bfloat16).double()
+    return torch.where(representable, 0.0, x.abs() * 2.0 ** -8 * SLACK + 2.0 ** -134)
+
+
+def e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e4m3(x / scale) * scale`` for a scale at most ``scale``: half an e4m3 step (2^-4 relative, 2^-10 scale in
+    the subnormal range), plus the saturation error past ``448 * scale``."""
+    magnitude, limit = x.double().abs(), E4M3_MAX * scale
+    return (2.0 ** -4 * torch.minimum(magnitude, limit) + 2.0 ** -10 * scale) * SLACK + (magnitude - limit).clamp(min=0)
+
+
+def e2m1_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e2m1(x / s) * s`` for a block scale ``s <= scale`` with ``|x| <= 6 s``: half the grid spacing, at most
+    ``0.25 * max(s, |x|)`` (spacing s/2 below 2s, s up to 4s, 2s up to 6s)."""
+    return 0.25 * torch.maximum(scale, x.double().abs()) * SLACK

@@ -93,7 +93,8 @@ def flashinfer_csr(kv_lens: list[int], block_table: torch.Tensor,
     """FlashInfer's paged KV as CSR, int32: ``kv_indptr`` ``[B+1]`` (page offsets), ``kv_indices`` (each request's
     pages in order) and ``kv_last_page_len`` ``[B]`` (tokens in the last page; 0 for a request with no page)."""
     pages = [blocks_needed(n, page_size) for n in kv_lens]
-    indices = [int(block_table[b, j]) for b, n in enumerate(pages) for j in range(n)]
+    rows = block_table.tolist()
+    indices = [page for row, n in zip(rows, pages) for page in row[:n]]
     last = [n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)]
     return (torch.tensor(cumulative(pages), dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
             torch.tensor(last, dtype=torch.int32))
