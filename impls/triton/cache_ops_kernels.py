@@ -6,7 +6,8 @@ portable between the interpreter (numpy) and GPUs:
 - each correctly rounded fp32 division the reference does is ``tl.math.div_rn`` (Triton's ``/`` is approximate
   on GPUs); products are plain fp32 products never followed by an addition (so no FMA contraction changes them);
 - conversions to the stored formats (bf16, e4m3, ue8m0, e2m1) are integer operations on the fp32 bits, not
-  Triton casts, so rounding, saturation, subnormals and NaN codes do not depend on the device's cvt instructions;
+  Triton casts or float tricks, so rounding, saturation, subnormals and NaN codes depend on no device's cvt
+  instructions or floating-point flags;
 - absolute values, signs and NaN/Inf tests are integer operations too (immune to flush-to-zero);
 - every non-finite pattern written is the codecs' canonical one (e4m3 0x7F, bf16 0x7FC0, fp32 0x7FC00000,
   ue8m0 0xFF with zero codes).
@@ -74,9 +75,14 @@ def _e4m3_code(q):
     mag = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # 448.0; integer order is float order for finite q >= 0
     # normal range (|q| >= 2^-6): keep 3 mantissa bits with round-to-nearest-even, rebias the exponent 127 -> 7
     normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-    # subnormal range: multiples of 2^-9; adding 2^23 rounds |q| * 512 (exact) to the nearest even integer
-    scaled = _from_bits(mag) * 512.0
-    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.int32)
+    # subnormal range: |q| * 2^9 = significand * 2^(exponent - 141) rounded to the nearest even integer; shifts past
+    # 25 leave less than a half, like 25 does
+    significand = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - (mag >> 23), 25)
+    kept = significand >> shift
+    rest = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    subnormal = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
     code = tl.where(mag >= 0x3C800000, normal, subnormal) | sign
     return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, E4M3_NAN, code)
 

@@ -83,8 +83,9 @@ def slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.Tenso
     the queries of a padding request (``kv_len == 0``), which store nothing."""
     slots = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        table = request_token_slots(block_table, b, kv_len, page_size).tolist()
-        slots += table[kv_len - q_len:] if kv_len else [-1] * q_len
+        row = block_table[b].tolist()
+        positions = range(kv_len - q_len, kv_len) if kv_len else [-1] * q_len  # a padding request stores nothing
+        slots += [row[p // page_size] * page_size + p % page_size if p >= 0 else -1 for p in positions]
     return torch.tensor(slots, dtype=torch.int64)
 
 
