@@ -24,7 +24,7 @@ from suites.roundtrip import check_write, latent_values
 pytestmark = pytest.mark.skipif(triton_unavailable("cuda" if torch.cuda.is_available() else "cpu") is not None,
                                 reason="Triton cannot run here")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCK = 1 << 16
+BLOCK = 1024 if DEVICE == "cuda" else 1 << 16  # one interpreted program does it all on CPU
 
 
 @triton.jit
