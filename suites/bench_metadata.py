@@ -12,9 +12,10 @@ kv_start_loc, seq_lens, slot mapping, FlashInfer CSR, flattened token page table
 
 Reported: host time per step (what the scheduler thread pays; for CUDA the work is only launched), time per step
 including the device work (steps back to back, one synchronize at the end), and per build the host
-synchronizations and host<->device copies seen by torch.profiler (cudaStreamSynchronize / cudaDeviceSynchronize /
-cudaEventSynchronize, cudaMemcpy*), plus whether ``torch.cuda.set_sync_debug_mode("error")`` lets the build
-through. Each fast build is checked equal to the reference first. This is a benchmark, not a test.
+synchronizations and copies seen by torch.profiler (cudaStreamSynchronize / cudaDeviceSynchronize /
+cudaEventSynchronize calls; cudaMemcpy* calls, by direction from the device trace), less what an empty build
+shows, plus whether ``torch.cuda.set_sync_debug_mode("error")`` lets the build through. Each fast build is checked
+equal to the reference first. This is a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import random
 import time
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -93,17 +95,29 @@ def time_builds(build: Callable[[], object], device: torch.device, repeats: int)
     return host / repeats * 1e3, (time.perf_counter() - start) / repeats * 1e3
 
 
-def count_events(build: Callable[[], object], device: torch.device) -> dict[str, int | bool]:
-    """Host synchronizations and copies of one build (CUDA only), and whether sync debug mode lets it through."""
+def _profile_counts(build: Callable[[], object], device: torch.device) -> Counter:
+    """Synchronizing CUDA runtime calls and memcpy runtime calls (with the copies' directions from the device
+    trace) made while ``build`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         build()
     _sync(device)
-    names = [event.name for event in prof.events()]
-    syncs = sum(name in SYNC_EVENTS for name in names)
-    copies = sum(name.startswith("cudaMemcpy") for name in names)
+    counts = Counter()
+    for name in (event.name for event in prof.events()):
+        counts["syncs"] += name in SYNC_EVENTS
+        counts["copies"] += name.startswith("cudaMemcpy")
+        if name.startswith("Memcpy"):
+            counts[next((d for d in ("HtoD", "DtoH", "DtoD") if d in name), "other")] += 1
+    return counts
+
+
+def count_events(build: Callable[[], object], device: torch.device) -> dict[str, int | bool]:
+    """Per build (CUDA only): host synchronizations and copies, less what profiling an empty build shows (the
+    profiler's own synchronization), and whether ``set_sync_debug_mode("error")`` lets the build through."""
+    counts = _profile_counts(build, device)
+    counts.subtract(_profile_counts(lambda: None, device))
     torch.cuda.set_sync_debug_mode("error")
     try:
         build()
@@ -112,7 +126,8 @@ def count_events(build: Callable[[], object], device: torch.device) -> dict[str,
         sync_free = False
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return {"syncs": syncs, "copies": copies, "sync_free": sync_free}
+    return {"syncs": counts["syncs"], "copies": counts["copies"], "h2d": counts["HtoD"], "d2h": counts["DtoH"],
+            "d2d": counts["DtoD"], "sync_free": sync_free}
 
 
 def bench(devices: list[torch.device], batches: list[int], repeats: int, seed: int) -> list[dict]:
@@ -144,12 +159,12 @@ def bench(devices: list[torch.device], batches: list[int], repeats: int, seed: i
 
 def table(rows: list[dict]) -> Table:
     out = Table(title=f"metadata build per step (page size {PAGE_SIZE}; ms; syncs / copies per build)")
-    for column in ("device", "B", "way", "host ms", "with device ms", "syncs", "copies", "sync-free"):
+    for column in ("device", "B", "way", "host ms", "with device ms", "syncs", "copies (H2D/D2H/D2D)", "sync-free"):
         out.add_column(column, justify="right")
     for r in rows:
+        copies = f"{r['copies']} ({r['h2d']}/{r['d2h']}/{r['d2d']})" if "copies" in r else "-"
         out.add_row(r["device"], str(r["batch"]), r["way"], f"{r['host_ms']:.3f}", f"{r['total_ms']:.3f}",
-                    str(r.get("syncs", "-")), str(r.get("copies", "-")),
-                    {True: "yes", False: "no"}.get(r.get("sync_free"), "-"))
+                    str(r.get("syncs", "-")), copies, {True: "yes", False: "no"}.get(r.get("sync_free"), "-"))
     return out
 
 

@@ -134,9 +134,9 @@ def test_every_scale_and_element_code_decodes_exactly(op, decode):
     assert torch.equal(got[finite].view(torch.int32), expect[finite].view(torch.int32))  # -0.0 stays -0.0
 
 
-def test_e2m1_values():
-    assert code_to_float(2, torch.arange(16)).tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3,
-                                                           -4, -6]
+def test_e2m1_values_including_negative_zero():
+    expect = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    assert torch.equal(code_to_float(2, torch.arange(16)).view(torch.int32), expect.view(torch.int32))
 
 
 # ---- the Python API -----------------------------------------------------------------------------------------------

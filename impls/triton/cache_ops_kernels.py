@@ -8,7 +8,8 @@ portable between the interpreter (numpy) and GPUs:
 - conversions to the stored formats (bf16, e4m3, ue8m0, e2m1) are integer operations on the fp32 bits, not
   Triton casts or float tricks, so rounding, saturation, subnormals and NaN codes depend on no device's cvt
   instructions or floating-point flags;
-- absolute values, signs and NaN/Inf tests are integer operations too (immune to flush-to-zero);
+- absolute values, signs and NaN/Inf tests are integer operations too (immune to flush-to-zero; and Triton 3.6
+  negates as ``0 - x``, which loses the sign of -0.0);
 - every non-finite pattern written is the codecs' canonical one (e4m3 0x7F, bf16 0x7FC0, fp32 0x7FC00000,
   ue8m0 0xFF with zero codes).
 
@@ -139,11 +140,12 @@ def _e2m1_code_even(x, den):
 
 @triton.jit
 def _e2m1_value(code):
-    """e2m1 code (bit 3 the sign) -> fp32."""
+    """e2m1 code (bit 3 the sign) -> fp32; code 8 is -0.0 (the sign is set on the bits: Triton 3.6 negates as
+    ``0 - x``, which gives +0.0)."""
     c = code & 0x7
     mag = tl.where(c < 4, c.to(tl.float32) * 0.5,
                    tl.where(c == 4, 2.0, tl.where(c == 5, 3.0, tl.where(c == 6, 4.0, 6.0))))
-    return tl.where((code & 0x8) != 0, -mag, mag)
+    return _from_bits(_bits(mag) | ((code & 0x8) << 28))
 
 
 # ---- shared pieces of a row ---------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from mla_bench.metadata.reference import blocks_needed, check_dcp
 
@@ -39,8 +38,11 @@ class HostSizes:
 
 
 def cumulative(lengths: torch.Tensor) -> torch.Tensor:
-    """``[0, l0, l0 + l1, ...]`` (int32 ``[B+1]``): query_start_loc / qo_indptr, cu_seqlens_k, kv_indptr."""
-    return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    """``[0, l0, l0 + l1, ...]`` (int32 ``[B+1]``): query_start_loc / qo_indptr, cu_seqlens_k, kv_indptr. The sum is
+    written in place after the leading 0 (padding a cumsum would cost a device-to-device copy)."""
+    out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+    torch.cumsum(lengths, 0, dtype=torch.int32, out=out[1:])
+    return out
 
 
 def pages_per_request(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
