@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache
+from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache, get_layout
 from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.metadata import fast, reference
 from mla_bench.problem import build_problem
@@ -60,7 +60,7 @@ class RoundtripSuite:
         self.matrix = matrix
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
-        layouts = self.layouts or {name: LAYOUTS[name] for name in (ctx.layouts or LAYOUTS)}
+        layouts = self.layouts or {name: get_layout(name) for name in (ctx.layouts or LAYOUTS)}
         for layout in layouts.values():
             ctx.progress(f"roundtrip codec {layout.name}")
             yield _guarded("codec bounds", layout.name, lambda: check_codec_bounds(layout, ctx.seed))

@@ -10,9 +10,11 @@
   dequantizes in fp32 returns).
 
 NaN/Inf inputs are refused by default, like the reference codec, before anything is written; with
-``propagate_nonfinite=True`` they are written as the codec writes them (NaN that decodes as NaN). The check costs
-one host synchronization, as does the slot range check; ``validate=False`` skips both (for timing or graph
-capture), and out-of-range slots are then the caller's bug.
+``propagate_nonfinite=True`` they are written as the codec writes them (NaN that decodes as NaN). The flag never
+reaches the kernels: they always encode non-finite values the codec's way, and the flag only decides whether the
+host-side check refuses them first. That check and the slot range check share one host synchronization;
+``validate=False`` skips both (for timing or graph capture): non-finite values are then written as if propagated,
+and out-of-range slots are the caller's bug.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported.
 """
@@ -34,7 +36,7 @@ WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GATHER_DTYPES = (torch.float32, torch.bfloat16)
 INTERPRETED = isinstance(kernels.write_bf16_kernel, InterpretedFunction)
 
-# layout -> (launch a write, launch a gather); each takes the cache's byte views and the per-call tensors.
+# Kernel parameters of the two MX layouts (bytes per token, values packed, block size, blocks padded to a power of 2)
 _MX = {
     "fp4_mx16": dict(BPT=324, DIM=LATENT_DIM, BLOCK=16, BLOCKS_POW2=64),
     "mxfp4_nsa": dict(BPT=400, DIM=NOPE_DIM, BLOCK=32, BLOCKS_POW2=16),
@@ -67,7 +69,7 @@ def write_cache_triton(cache: PagedCache, values: torch.Tensor, slot_mapping: to
                          f"{list(values.shape)} with strides {list(values.stride())}")
     if values.dtype not in WRITE_DTYPES:
         raise ValueError(f"write_cache_triton: values must be one of {WRITE_DTYPES}, got {values.dtype}")
-    _check_slots("slot_mapping", slot_mapping, values.shape[0], cache)
+    _check_slots("slot_mapping", slot_mapping, values.shape[0])
     _check_device(cache, values, slot_mapping)
     if values.shape[0] == 0:
         return
@@ -88,7 +90,7 @@ def gather_cache_triton(cache: PagedCache, token_slots: torch.Tensor, out_dtype:
         raise ValueError(f"gather_cache_triton: out_dtype must be one of {GATHER_DTYPES}, got {out_dtype}")
     if token_slots.dim() != 1:
         raise ValueError(f"gather_cache_triton: token_slots must be 1-D, got {list(token_slots.shape)}")
-    _check_slots("token_slots", token_slots, token_slots.shape[0], cache)
+    _check_slots("token_slots", token_slots, token_slots.shape[0])
     _check_device(cache, token_slots)
     out = torch.empty(token_slots.shape[0], LATENT_DIM, dtype=out_dtype, device=cache.data.device)
     if token_slots.numel() == 0:
@@ -126,7 +128,7 @@ def _check_cache(cache: PagedCache) -> None:
         raise ValueError("triton cache ops: the cache's data must be contiguous")
 
 
-def _check_slots(name: str, slots: torch.Tensor, n: int, cache: PagedCache) -> None:
+def _check_slots(name: str, slots: torch.Tensor, n: int) -> None:
     if slots.dim() != 1 or slots.shape[0] != n:
         raise ValueError(f"{name} must be [{n}], got {list(slots.shape)}")
     if slots.dtype not in (torch.int32, torch.int64):

@@ -100,7 +100,8 @@ def kv_indices(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pages: in
 
 def flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, num_pages: int,
                    indices: Callable = kv_indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``reference.flashinfer_csr``: ``(kv_indptr, kv_indices, kv_last_page_len)``; ``indices`` builds kv_indices
+    """``reference.flashinfer_csr``: ``(kv_indptr, kv_indices, kv_last_page_len)`` (FlashInfer MLA's ``kv_len_arr`` is
+    ``seq_lens`` itself); ``indices`` builds kv_indices
     (this module's, or the Triton kernel)."""
     pages = pages_per_request(seq_lens, page_size)
     indptr = cumulative(pages)
