@@ -101,8 +101,7 @@ def kv_indices(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pages: in
 def flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, num_pages: int,
                    indices: Callable = kv_indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reference.flashinfer_csr``: ``(kv_indptr, kv_indices, kv_last_page_len)`` (FlashInfer MLA's ``kv_len_arr`` is
-    ``seq_lens`` itself); ``indices`` builds kv_indices
-    (this module's, or the Triton kernel)."""
+    ``seq_lens`` itself); ``indices`` builds kv_indices (this module's, or the Triton kernel)."""
     pages = pages_per_request(seq_lens, page_size)
     indptr = cumulative(pages)
     last = torch.where(pages > 0, seq_lens - (pages - 1) * page_size, 0).to(torch.int32)
