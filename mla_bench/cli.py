@@ -76,6 +76,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mla_bench.runner import RunOptions, execute
     from mla_bench.results import save_run
     from reports.console import failures_table, summary_table
+    from reports.hidden_costs import hidden_cost_table
+    from suites.capability import print_capability_matrix
 
     preset = args.preset or ("tiny" if device.type == "cpu" else None)
     options = RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device), preset=preset,
@@ -92,6 +94,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(Text(note, style="yellow"))
     out = Path(args.out) if args.out else Path("results") / _run_name(device)
     path = save_run(run, out / "run.json")
+    print_capability_matrix(run.results, console)
+    if any(r.check == "hidden_cost" for r in run.results):
+        console.print(hidden_cost_table(run.results))
     console.print(summary_table(run))
     failures = failures_table(run)
     if failures is not None:
