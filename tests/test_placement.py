@@ -228,7 +228,7 @@ def test_hidden_cost_table_and_html_fragment():
     console.print(hidden_cost_table(results))
     text = console.export_text()
     assert "torch_eager_host_cache" in text and "cache_traffic failed" in text and "cache_traffic passed" in text
-    hostile = Result("placement", "hidden_cost", "unsupported", "<script>alert(1)</script>", None, "a & b",
+    hostile = Result("placement", "hidden_cost", "error", "<script>alert(1)</script>", None, "a & b",
                      message="refused <b>")
     fragment = hidden_cost_html(results + [hostile])
     assert fragment.startswith('<table class="hidden-costs">') and "<script>" not in fragment
