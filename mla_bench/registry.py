@@ -36,6 +36,10 @@ BUILTIN_IMPLS: dict[str, str] = {
     "triton_sparse": "impls.triton.sparse:TritonSparse",
     "triton_sparse_ragged": "impls.triton.sparse:TritonSparseRagged",
     "triton_dcp": "impls.triton.dcp.impl:TritonDcp",
+    "vllm_triton_mla": "impls.external.vllm_triton:VllmTritonMLA",
+    "flashinfer_mla": "impls.external.flashinfer_mla:FlashInferMLA",
+    "flashmla": "impls.external.flash_mla:FlashMLA",
+    "flashmla_sparse": "impls.external.flash_mla:FlashMLASparsePrefill",
 }
 
 

@@ -36,7 +36,7 @@ def hidden_cost_rows(results: Iterable[Result]) -> list[list[str]]:
             rules[(r.impl, r.label)].append(f"{r.check} {r.status}")
     rows = []
     for r in results:
-        if r.check != "hidden_cost":
+        if r.check != "hidden_cost" or r.status == "unsupported":  # refusals are in the summary, not costs
             continue
         m = r.metrics
         if r.status != "passed":

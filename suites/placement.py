@@ -25,8 +25,8 @@ import torch
 
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.hidden_costs import StepCosts, measure_step, profile_costs
-from mla_bench.metadata.reference import flat_token_slots, request_token_slots, transform_indices_paged, \
-    transform_indices_ragged
+from mla_bench.metadata import fast
+from mla_bench.metadata.fast import HostSizes
 from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import Capabilities, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
@@ -51,21 +51,22 @@ def _has_topk(problem: Problem) -> bool:
     return problem.topk_indices is not None
 
 
-def _lengths(problem: Problem) -> tuple[list[int], list[int]]:
-    return list(problem.meta.q_lens), list(problem.meta.kv_lens)
+def _step(problem: Problem) -> dict[str, torch.Tensor]:
+    """The whole per-step build from lengths already on the device (one host-to-device copy) and the block table."""
+    meta = problem.meta
+    lengths = torch.stack([meta.query_start_loc.diff(), meta.seq_lens]).to(torch.int32)
+    sizes = HostSizes.of(list(meta.q_lens), list(meta.kv_lens), meta.page_size)
+    return fast.build_step(lengths, meta.block_table, meta.page_size, sizes)
 
 
-# The reference builders of mla_bench/metadata/reference.py that run on device tensors. Faster builders (issue 3's
-# mla_bench/metadata/fast.py) join this list when they land.
+# The per-step builders of mla_bench/metadata/fast.py (the reference builders are plain host loops, not meant for
+# the hot path).
 METADATA_BUILDERS: tuple[MetadataBuilder, ...] = (
-    MetadataBuilder("request_token_slots", lambda p: [
-        request_token_slots(p.meta.block_table, b, n, p.meta.page_size) for b, n in enumerate(p.meta.kv_lens)]),
-    MetadataBuilder("flat_token_slots", lambda p: flat_token_slots(p.meta.block_table, list(p.meta.kv_lens),
-                                                                   p.meta.page_size)),
-    MetadataBuilder("transform_indices_paged", lambda p: transform_indices_paged(
-        p.topk_indices, *_lengths(p), p.meta.block_table, p.meta.page_size), _has_topk),
-    MetadataBuilder("transform_indices_ragged", lambda p: transform_indices_ragged(p.topk_indices, *_lengths(p)),
-                    _has_topk),
+    MetadataBuilder("fast.build_step", _step),
+    MetadataBuilder("fast.transform_indices_paged", lambda p: fast.transform_indices_paged(
+        p.topk_indices, p.meta.query_start_loc, p.meta.seq_lens, p.meta.block_table, p.meta.page_size), _has_topk),
+    MetadataBuilder("fast.transform_indices_ragged", lambda p: fast.transform_indices_ragged(
+        p.topk_indices, p.meta.query_start_loc, p.meta.seq_lens, p.meta.kv_start_loc), _has_topk),
 )
 
 

@@ -171,7 +171,7 @@ def test_clean_impls_pass_every_rule_with_the_full_hidden_cost_row():
     # torch_eager keeps the cache with the queries: the host-memory traffic rule is not its to keep.
     assert not any(r.impl == "torch_eager" and r.check != "hidden_cost" for r in results)
     assert {r.label.split(" | ")[0] for r in results if r.check == "metadata_sync"} == \
-        {"request_token_slots", "flat_token_slots"}
+        {"fast.build_step"}
 
 
 def test_each_planted_bug_is_flagged_by_its_rule_naming_what_was_seen():
@@ -193,7 +193,7 @@ def test_a_metadata_builder_that_reads_a_device_value_on_the_host_is_flagged():
     status = {r.label.split(" | ")[0]: r for r in results}
     assert status["planted_max_qo_len_on_device"].status == "failed"
     assert "aten::_local_scalar_dense x1" in status["planted_max_qo_len_on_device"].message
-    assert status["request_token_slots"].status == "passed"
+    assert status["fast.build_step"].status == "passed"
 
 
 def test_refusals_and_crashes_become_results():
@@ -228,7 +228,7 @@ def test_hidden_cost_table_and_html_fragment():
     console.print(hidden_cost_table(results))
     text = console.export_text()
     assert "torch_eager_host_cache" in text and "cache_traffic failed" in text and "cache_traffic passed" in text
-    hostile = Result("placement", "hidden_cost", "unsupported", "<script>alert(1)</script>", None, "a & b",
+    hostile = Result("placement", "hidden_cost", "error", "<script>alert(1)</script>", None, "a & b",
                      message="refused <b>")
     fragment = hidden_cost_html(results + [hostile])
     assert fragment.startswith('<table class="hidden-costs">') and "<script>" not in fragment
