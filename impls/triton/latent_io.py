@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impls.triton.common import INTERPRETING, cast
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 
@@ -86,9 +87,9 @@ def load_rope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, LAYOUT: tl.c
 
 
 @triton.jit
-def _store_dequantized(out_rows, col0, codes, scale, mask_rows, WIDTH: tl.constexpr):
+def _store_dequantized(out_rows, col0, codes, scale, mask_rows, WIDTH: tl.constexpr, INTERP: tl.constexpr):
     values = codes.to(tl.float32) * scale[:, None]
-    tl.store(out_rows[:, None] + col0 + tl.arange(0, WIDTH)[None, :], values.to(out_rows.dtype.element_ty),
+    tl.store(out_rows[:, None] + col0 + tl.arange(0, WIDTH)[None, :], cast(values, out_rows.dtype.element_ty, INTERP),
              mask=mask_rows[:, None])
 
 
@@ -99,7 +100,7 @@ def cache_tensor_scale(cache: PagedCache) -> float:
 
 @triton.jit
 def _gather_kernel(cache_ptr, slots_ptr, out_ptr, n, num_slots, row_bytes, tensor_scale, s_out,
-                   LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr):
+                   LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = offs_t < n
     slots = tl.load(slots_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
@@ -108,9 +109,9 @@ def _gather_kernel(cache_ptr, slots_ptr, out_ptr, n, num_slots, row_bytes, tenso
     out_rows = out_ptr + offs_t.to(tl.int64) * s_out
     for k in tl.static_range(4):
         codes, scale = load_nope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, k, LAYOUT, tl.float32)
-        _store_dequantized(out_rows, k * 128, codes, scale, in_range, 128)
+        _store_dequantized(out_rows, k * 128, codes, scale, in_range, 128, INTERP)
     codes, scale = load_rope_tile(cache_ptr, rows, valid, row_bytes, tensor_scale, LAYOUT, tl.float32)
-    _store_dequantized(out_rows, 512, codes, scale, in_range, 64)
+    _store_dequantized(out_rows, 512, codes, scale, in_range, 64, INTERP)
 
 
 def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -129,5 +130,5 @@ def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> 
         _gather_kernel[(triton.cdiv(n, block_t),)](
             cache.rows(), slots, out, n, cache.num_slots, cache.layout.bytes_per_token, cache_tensor_scale(cache),
             out.stride(0),
-            LAYOUT=code, BLOCK_T=block_t)
+            LAYOUT=code, BLOCK_T=block_t, INTERP=INTERPRETING)
     return out[:n]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from impls.triton.common import INTERPRETING
+from impls.triton.common import INTERPRETING, cast
 
 LOG2E = 1.4426950408889634
 
@@ -24,7 +24,7 @@ def _as_neginf_if_posinf(lse):
 @triton.jit
 def _merge_kernel(out_ptr, lse_out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, R, H, D,
                   s_ot, s_oh, s_lot, s_loh, s_at, s_ah, s_lat, s_lah, s_bt, s_bh, s_lbt, s_lbh,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) rows, head fastest
     h_ok = r < R
     t = (r // H).to(tl.int64)
@@ -47,8 +47,8 @@ def _merge_kernel(out_ptr, lse_out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, R, H
         oa = tl.load(a_ptr + (t * s_at + heads * s_ah)[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         ob = tl.load(b_ptr + (t * s_bt + heads * s_bh)[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
         merged = tl.where(ca > 0, ca * oa, 0.0) + tl.where(cb > 0, cb * ob, 0.0)
-        tl.store(out_ptr + (t * s_ot + heads * s_oh)[:, None] + offs[None, :], merged.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + (t * s_ot + heads * s_oh)[:, None] + offs[None, :],
+                 cast(merged, out_ptr.dtype.element_ty, INTERP), mask=mask)
     tl.store(lse_out_ptr + t * s_lot + heads * s_loh, lse.to(lse_out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -91,7 +91,7 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
             out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
             out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1),
             out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
-            BLOCK_R=block_r, BLOCK_D=block_d)
+            BLOCK_R=block_r, BLOCK_D=block_d, INTERP=INTERPRETING)
     return out, lse_out
 
 

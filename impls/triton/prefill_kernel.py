@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from impls.triton.common import INTERPRETING, mma
+from impls.triton.common import INTERPRETING, cast, mma
 from impls.triton.merge import LOG2E
 
 NOPE, ROPE, VDIM = 128, 64, 128
@@ -73,7 +73,7 @@ def _attend_block(acc, m_i, l_i, q_nope, q_pe, kn_base, kp_base, v_base, k_start
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
-    acc = mma(p.to(v.dtype), v, acc, UPCAST)
+    acc = mma(cast(p, v.dtype, UPCAST), v, acc, UPCAST)
     return acc, m_new, l_i
 
 
@@ -134,7 +134,7 @@ def _prefill_kernel(Q, K_NOPE, K_PE, V, OUT, LSE, CU_Q, CU_K, qk_scale,
         out = acc / safe_l[:, None]
         lse = tl.where(live, (m_i + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))
         o_rows = OUT + (q_start + offs_m).to(tl.int64)[:, None] * s_ot + h * s_oh
-        tl.store(o_rows + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_rows + offs_dv[None, :], cast(out, OUT.dtype.element_ty, UPCAST), mask=row_ok[:, None])
         tl.store(LSE + (q_start + offs_m).to(tl.int64) * s_lt + h * s_lh, lse, mask=row_ok)
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from impls.triton.common import INTERPRETING, mma
+from impls.triton.common import INTERPRETING, cast, mma
 from impls.triton.latent_io import SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
@@ -63,7 +63,7 @@ def _values(acc, p, codes, scale, alpha, SCALED: tl.constexpr, UPCAST: tl.conste
     """``acc * alpha + (p * scale) @ codes``: the key's scale folds into the probabilities before rounding."""
     if SCALED:
         p = p * scale[None, :]
-    return mma(p.to(codes.dtype), codes, acc * alpha[:, None], UPCAST)
+    return mma(cast(p, codes.dtype, UPCAST), codes, acc * alpha[:, None], UPCAST)
 
 
 @triton.jit
@@ -119,10 +119,10 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_rows = OUT + t * s_ot + heads[:, None] * s_oh + offs[None, :]
     o_dt = OUT.dtype.element_ty
-    tl.store(o_rows, (acc0 * inv_l).to(o_dt), mask=h_ok[:, None])
-    tl.store(o_rows + 128, (acc1 * inv_l).to(o_dt), mask=h_ok[:, None])
-    tl.store(o_rows + 256, (acc2 * inv_l).to(o_dt), mask=h_ok[:, None])
-    tl.store(o_rows + 384, (acc3 * inv_l).to(o_dt), mask=h_ok[:, None])
+    tl.store(o_rows, cast(acc0 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(o_rows + 128, cast(acc1 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(o_rows + 256, cast(acc2 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(o_rows + 384, cast(acc3 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
     tl.store(LSE + t * s_lt + heads * s_lh, lse, mask=h_ok)
 
 
