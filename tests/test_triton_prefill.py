@@ -11,7 +11,7 @@ import torch
 
 import impls.triton  # noqa: F401
 from impls.triton.prefill import TritonPrefill
-from impls.triton.prefill_kernel import INTERPRETER_CONFIG, causal_pairs, mha_prefill, prefill_flops
+from impls.triton.prefill_kernel import PrefillConfig, causal_pairs, mha_prefill, prefill_flops
 from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
 from mla_bench.workload import Workload
@@ -21,7 +21,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CP
 
 MIXES = [
     ((6, 1, 9), (6, 30, 20)),        # full prompt, one new token on a context, a prefix of 11
-    ((17, 0, 33), (40, 5, 33)),      # several query blocks, a request asking nothing, lengths off the tile size
+    ((17, 0, 70), (40, 5, 70)),      # several query blocks and unmasked key blocks, a request asking nothing
     ((3,), (3,)),                    # one short request
 ]
 
@@ -44,6 +44,9 @@ class NotCausal(TritonPrefill):
                            p.meta.max_qo_len, p.scale, causal=False, out=plan.out, lse=plan.lse)
 
 
+SMALL_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
 class LastRequestsQueryLength(TritonPrefill):
     """Planted bug: the grid sized by the last request's query count, not the longest (ATOM). Small query
     tiles, so that the short last request covers fewer tiles than the long first one on a GPU too."""
@@ -51,7 +54,7 @@ class LastRequestsQueryLength(TritonPrefill):
     def run(self, plan):
         p = plan.problem
         return mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc,
-                           p.meta.q_lens[-1], p.scale, out=plan.out, lse=plan.lse, config=INTERPRETER_CONFIG)
+                           p.meta.q_lens[-1], p.scale, out=plan.out, lse=plan.lse, config=SMALL_TILES)
 
 
 @pytest.mark.parametrize("planted", [NotCausal, LastRequestsQueryLength])

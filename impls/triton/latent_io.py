@@ -126,7 +126,7 @@ def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> 
     if out.dim() != 2 or out.shape[1] != LATENT_DIM or out.shape[0] < n or out.stride(1) != 1:
         raise ValueError(f"gather_latent: out must be [>= {n}, {LATENT_DIM}] contiguous rows, got {list(out.shape)}")
     if n:
-        block_t = 16
+        block_t = 64 if INTERPRETING else 16  # the interpreter pays per program and op, not per element
         _gather_kernel[(triton.cdiv(n, block_t),)](
             cache.rows(), slots, out, n, cache.num_slots, cache.layout.bytes_per_token, cache_tensor_scale(cache),
             out.stride(0),

@@ -35,7 +35,7 @@ class PrefillConfig:
     num_stages: int = 3  # best of six tile shapes on an H200 at 8k tokens, 16 and 128 heads (NOTES-paths.md)
 
 
-INTERPRETER_CONFIG = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op, not per element
 
 
 def default_config(device: torch.device) -> PrefillConfig:

@@ -37,7 +37,7 @@ class SparseConfig:
     num_stages: int = 2
 
 
-INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op
 
 
 def default_config(device: torch.device, heads: int, layout_code: int = 0) -> SparseConfig:
