@@ -30,6 +30,7 @@ EMPTY_LSE = ("-inf", "+inf")
 
 BUILTIN_IMPLS: dict[str, str] = {
     "torch_eager": "impls.torch_eager:TorchEager",
+    "triton_decode": "impls.triton.decode:TritonDecode",
 }
 
 
