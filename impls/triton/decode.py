@@ -37,11 +37,13 @@ QUERY_DTYPES = (torch.bfloat16,)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``programs_per_sm`` sets the
-    split target (SMs times it); ``num_splits`` forces the splits per group (tests, sweeps)."""
+    """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
+    on the N side of the matrix products (see decode_kernel); ``programs_per_sm`` sets the split target (SMs
+    times it); ``num_splits`` forces the splits per group (tests, sweeps)."""
 
     block_m: int = 16
-    block_n: int = 32
+    block_n: int = 64
+    heads_as_n: bool = True
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 2
@@ -63,11 +65,15 @@ class DecodeConfig:
 
 
 def default_config(num_heads: int, max_q_len: int) -> DecodeConfig:
-    """Parameters for a workload: up to 64 query rows per program (the tensor cores' tile on Hopper; the
-    output tile 64x512 in float32 needs 8 warps), fewer where a request has fewer rows."""
+    """Parameters for a workload. Up to 64 query rows per program (Hopper's wgmma tile; the 64x512 float32
+    output tile needs 8 warps). Fewer rows (16 heads, one token) go on the N side of the products with 64 keys
+    per step, so the tensor cores' 64-row side is filled by keys, not padding."""
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    return DecodeConfig(block_m=block_m, num_warps=8 if block_m >= 64 else 4)
+    if block_m == 64:
+        return DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8, programs_per_sm=1)
+    return DecodeConfig(block_m=block_m, block_n=64, heads_as_n=True, num_warps=4 if block_m == 16 else 8,
+                        programs_per_sm=1)
 
 
 @dataclass
@@ -128,7 +134,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.out_scale,
             plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_DTYPE=_dot_dtype(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, DOT_DTYPE=_dot_dtype(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
         grid = (plan.groups.shape[0], cfg.block_m // cfg.merge_rows, NOPE.value // cfg.merge_cols)
         _merge_splits_kernel[grid](

@@ -27,11 +27,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-NOPE: tl.constexpr = tl.constexpr(512)
-ROPE: tl.constexpr = tl.constexpr(64)
+LOG2E = 1.4426950408889634  # host side: the softmax scale is passed premultiplied by log2(e)
+LN2 = tl.constexpr(0.6931471805599453)
+NOPE = tl.constexpr(512)  # latent (value) width of a cache entry
+ROPE = tl.constexpr(64)   # rope width
 
 
 @triton.jit
@@ -51,6 +50,30 @@ def _load_keys(cache, slot, n_ok, LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.cons
 
 
 @triton.jit
+def _scores(q_nope, q_rope, k_nope, k_rope, HEADS_AS_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """``Q K^T`` ``[BLOCK_M, BLOCK_N]`` in float32. ``HEADS_AS_N`` computes it as ``(K Q^T)^T``: the keys take the
+    tensor cores' 64-row side, so a block of 16 or 32 query rows uses Hopper's wgmma without padding."""
+    if HEADS_AS_N:
+        s = tl.dot(k_nope.to(DOT_DTYPE), tl.trans(q_nope.to(DOT_DTYPE)))
+        s = tl.trans(tl.dot(k_rope.to(DOT_DTYPE), tl.trans(q_rope.to(DOT_DTYPE)), s))
+    else:
+        s = tl.dot(q_nope.to(DOT_DTYPE), tl.trans(k_nope.to(DOT_DTYPE)))
+        s = tl.dot(q_rope.to(DOT_DTYPE), tl.trans(k_rope.to(DOT_DTYPE)), s)
+    return s
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, k_nope, HEADS_AS_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """``acc * alpha + P V`` with V = ``k_nope`` (the key tile is the value tile); ``acc`` is ``O^T`` ``[512, BLOCK_M]``
+    when ``HEADS_AS_N``, else ``O`` ``[BLOCK_M, 512]``."""
+    if HEADS_AS_N:
+        acc = tl.dot(tl.trans(k_nope.to(DOT_DTYPE)), tl.trans(p.to(DOT_DTYPE)), acc * alpha[None, :])
+    else:
+        acc = tl.dot(p.to(DOT_DTYPE), k_nope.to(DOT_DTYPE), acc * alpha[:, None])
+    return acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q, stride_qt, stride_qh,            # [T, H, 576] queries
     cache,                              # uint8 base of the paged cache, BYTES_PER_TOKEN bytes per slot
@@ -65,7 +88,7 @@ def _decode_split_kernel(
     out_scale,                          # the layout's global value scale (1 where there is none)
     num_heads,
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     item = tl.program_id(0)
     request = tl.load(work + item * 5)
@@ -90,7 +113,10 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
     l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_M, NOPE], tl.float32)
+    if HEADS_AS_N:
+        acc = tl.zeros([NOPE, BLOCK_M], tl.float32)      # transposed: O^T
+    else:
+        acc = tl.zeros([BLOCK_M, NOPE], tl.float32)
     pages = block_table + request.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -99,17 +125,18 @@ def _decode_split_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         k_nope, k_rope = _load_keys(cache, slot, n_ok, LAYOUT, BYTES_PER_TOKEN)
 
-        s = tl.dot(q_nope.to(DOT_DTYPE), tl.trans(k_nope.to(DOT_DTYPE)))
-        s = tl.dot(q_rope.to(DOT_DTYPE), tl.trans(k_rope.to(DOT_DTYPE)), s)
+        s = _scores(q_nope, q_rope, k_nope, k_rope, HEADS_AS_N, DOT_DTYPE)
         s = tl.where(offs_n[None, :] < limit[:, None], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(q.dtype.element_ty).to(DOT_DTYPE), k_nope.to(DOT_DTYPE), acc * alpha[:, None])
+        acc = _accumulate(acc, alpha, p.to(q.dtype.element_ty), k_nope, HEADS_AS_N, DOT_DTYPE)
         m_i = m_new
 
+    if HEADS_AS_N:
+        acc = tl.trans(acc)
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
