@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from mla_bench.layouts import NOPE_DIM, PagedCache
+from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache
 from mla_bench.layouts.ops import gather_cache
 from mla_bench.metadata import PagedMetadata
+from reference.checks import check_tensor
 from reference.core import ragged_attention
 
 
 def latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float,
                causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of ``q`` ``[T, H, 576]`` over ragged latent tokens ``kv`` ``[N, 576]``."""
+    check_tensor("q", q, 3, last=LATENT_DIM)
+    check_tensor("kv", kv, 2, last=LATENT_DIM)
     kv = kv.double()
     return ragged_attention(q, kv[:, None, :], kv[:, None, :NOPE_DIM], q_lens, kv_lens, scale, causal)
 

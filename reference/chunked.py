@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from reference.checks import check_lengths, check_positive
 from reference.core import attend, causal_visible
 from reference.merge import merge_attn_states
 from reference.mha import mha_attention, mha_keys, up_project
@@ -24,8 +25,8 @@ def chunked_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v
                     scale: float, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` / ``k_nope`` / ``k_pe`` / ``v`` hold the new tokens (ragged by ``q_lens``); ``context`` ``[sum ctx, 576]``
     the context latent of each request, request after request."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_positive("chunk_size", chunk_size)
+    check_lengths(q_lens, kv_lens)
     ctx_lens = context_lens(q_lens, kv_lens)
     if context.shape[0] != sum(ctx_lens):
         raise ValueError(f"context has {context.shape[0]} tokens, the requests need {sum(ctx_lens)}")

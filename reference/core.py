@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from reference.checks import check_lengths, check_same_device, check_tensor
+
 # Score-matrix elements per block of query rows: bounds the reference's memory on long contexts.
 _BLOCK_ELEMENTS = 1 << 25
 
@@ -18,6 +20,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     ``visible`` ``[M, N]`` (bool, or None for all) says which keys each query row may see.
     Returns ``out`` ``[M, H, Dv]`` and ``lse`` ``[M, H]``, both float64.
     """
+    check_tensor("q", q, 3)
+    check_tensor("k", k, 3, last=q.shape[-1])
+    check_tensor("v", v, 3)
+    check_same_device(q=q, k=k, v=v, visible=visible)
+    if k.shape[1] not in (1, q.shape[1]) or v.shape[1] != k.shape[1] or v.shape[0] != k.shape[0]:
+        raise ValueError(f"k / v must be [N, 1 or {q.shape[1]}, D] with matching N and heads, got "
+                         f"{list(k.shape)} and {list(v.shape)}")
+    if visible is not None and visible.shape != (q.shape[0], k.shape[0]):
+        raise ValueError(f"visible must be [{q.shape[0]}, {k.shape[0]}], got {list(visible.shape)}")
     q, k, v = q.double(), k.double(), v.double()
     rows, heads = q.shape[0], q.shape[1]
     n = k.shape[0]
@@ -64,6 +75,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: 
                      causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a ragged batch: request ``b`` owns ``q_lens[b]`` rows of ``q`` and ``kv_lens[b]`` rows of
     ``k`` / ``v``, each request after the previous one. Causal masking aligns queries to the end of the keys."""
+    check_lengths(q_lens, kv_lens)
     if q.shape[0] != sum(q_lens) or k.shape[0] != sum(kv_lens) or v.shape[0] != k.shape[0]:
         raise ValueError(f"ragged_attention: q has {q.shape[0]} rows for sum(q_lens)={sum(q_lens)}, "
                          f"k has {k.shape[0]} and v {v.shape[0]} rows for sum(kv_lens)={sum(kv_lens)}")

@@ -14,6 +14,7 @@ import torch
 
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.metadata.reference import dcp_rank_of_position
+from reference.checks import check_lengths, check_positive, check_tensor
 from reference.core import attend
 
 
@@ -43,8 +44,14 @@ def rank_partial(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: floa
 def dcp_latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float, world: int,
                    interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed decode over ragged latent ``kv`` ``[N, 576]`` computed as ``world`` DCP ranks would."""
-    if world < 1 or interleave < 1:
-        raise ValueError(f"dcp needs world >= 1 and interleave >= 1, got world={world}, interleave={interleave}")
+    check_positive("world", world)
+    check_positive("interleave", interleave)
+    check_tensor("q", q, 3, last=kv.shape[-1])
+    check_tensor("kv", kv, 2)
+    check_lengths(q_lens, kv_lens)
+    if q.shape[0] != sum(q_lens) or kv.shape[0] != sum(kv_lens):
+        raise ValueError(f"q has {q.shape[0]} rows for sum(q_lens)={sum(q_lens)}, kv {kv.shape[0]} for "
+                         f"sum(kv_lens)={sum(kv_lens)}")
     head_groups = torch.arange(q.shape[1], device=q.device).tensor_split(world)
     local_q = [q[:, heads] for heads in head_groups]            # each rank starts with its own heads
     gathered_q = torch.cat(local_q, dim=1)                       # all-gather over heads

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mla_bench.layouts import NOPE_DIM
+from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+from reference.checks import check_lengths, check_same_device, check_tensor
 from reference.core import masked_softmax
 
 _BLOCK_ELEMENTS = 1 << 24
@@ -18,8 +19,16 @@ _BLOCK_ELEMENTS = 1 << 24
 def sparse_latent_mqa(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, q_lens, kv_lens,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[T, H, 576]``, ragged latent ``kv`` ``[N, 576]``, ``topk_indices`` ``[T, topk]`` (request positions)."""
-    if topk_indices.shape[0] != q.shape[0]:
-        raise ValueError(f"topk_indices has {topk_indices.shape[0]} rows for {q.shape[0]} query tokens")
+    check_tensor("q", q, 3, last=LATENT_DIM)
+    check_tensor("kv", kv, 2, last=LATENT_DIM)
+    check_same_device(q=q, kv=kv, topk_indices=topk_indices)
+    check_lengths(q_lens, kv_lens)
+    if topk_indices.dim() != 2 or topk_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_indices must be int32/int64 [T, topk], got {topk_indices.dtype} "
+                         f"{list(topk_indices.shape)}")
+    if topk_indices.shape[0] != q.shape[0] or q.shape[0] != sum(q_lens) or kv.shape[0] != sum(kv_lens):
+        raise ValueError(f"topk_indices has {topk_indices.shape[0]} rows, q {q.shape[0]}, sum(q_lens) {sum(q_lens)}; "
+                         f"kv has {kv.shape[0]} rows for sum(kv_lens) {sum(kv_lens)}")
     kv = kv.double()
     owner = torch.repeat_interleave(torch.arange(len(q_lens), device=q.device),
                                     torch.tensor(list(q_lens), device=q.device))

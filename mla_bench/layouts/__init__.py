@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, POISON_BYTE, ROPE_DIM, CacheLayout, PagedCache
 from mla_bench.layouts.bf16 import BF16Layout
+from mla_bench.layouts.fp4 import FP4MX16Layout, MXFP4NSALayout, NVFP4Layout
+from mla_bench.layouts.fp8 import FP8DSMLALayout, FP8PerTensorLayout
 
-LAYOUTS: dict[str, CacheLayout] = {layout.name: layout for layout in (BF16Layout(),)}
+LAYOUTS: dict[str, CacheLayout] = {
+    layout.name: layout
+    for layout in (BF16Layout(), FP8PerTensorLayout(), FP8DSMLALayout(pow2=False), FP8DSMLALayout(pow2=True),
+                   FP4MX16Layout(), MXFP4NSALayout(), NVFP4Layout())
+}
 
 
 def get_layout(name: str) -> CacheLayout:

@@ -8,6 +8,7 @@ exactly these bytes. Layouts with a per-layer scale take it as ``tensor_scale`` 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -31,20 +32,45 @@ class CacheLayout(ABC):
         """The per-layer scale for values ``x`` (None for layouts without one)."""
         return None
 
-    @abstractmethod
-    def quantize(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
-        """Encode ``x`` ``[N, 576]`` (any float dtype) into ``[N, bytes_per_token]`` uint8."""
+    def quantize(self, x: torch.Tensor, tensor_scale: float | None = None,
+                 propagate_nonfinite: bool = False) -> torch.Tensor:
+        """Encode ``x`` ``[N, 576]`` (any float dtype) into ``[N, bytes_per_token]`` uint8.
 
-    @abstractmethod
+        NaN or Inf values are refused unless ``propagate_nonfinite``; then they decode as NaN/Inf (the whole
+        scale block for block-scaled parts), never as a plausible finite number.
+        """
+        self.check_input(x, propagate_nonfinite)
+        if self.needs_tensor_scale:
+            check_tensor_scale(self.name, tensor_scale)
+        return self._encode(x, tensor_scale)
+
     def dequantize(self, raw: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         """Decode ``[N, bytes_per_token]`` uint8 into float64 ``[N, 576]``, exactly."""
+        self.check_raw(raw)
+        if self.needs_tensor_scale:
+            check_tensor_scale(self.name, tensor_scale)
+        return self._decode(raw, tensor_scale)
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """Refuse what no layout can encode: wrong shape, non-float dtype."""
+    @abstractmethod
+    def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
+        """``quantize`` after validation."""
+
+    @abstractmethod
+    def _decode(self, raw: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
+        """``dequantize`` after validation."""
+
+    def check_input(self, x: torch.Tensor, propagate_nonfinite: bool = False) -> None:
+        """Refuse what no layout can encode: wrong shape, non-float dtype, NaN/Inf unless asked to propagate."""
         if x.dim() != 2 or x.shape[1] != LATENT_DIM:
             raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"layout {self.name}: expected floating-point values, got {x.dtype}")
+        if not propagate_nonfinite:
+            bad = ~torch.isfinite(x)
+            if bool(bad.any()):
+                token, column = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"layout {self.name}: {int(bad.sum())} NaN/Inf input values (first at token {token}, "
+                                 f"column {column}); pass propagate_nonfinite=True to encode them as NaN")
 
     def check_raw(self, raw: torch.Tensor) -> None:
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != self.bytes_per_token:
@@ -53,6 +79,13 @@ class CacheLayout(ABC):
 
     def __repr__(self) -> str:
         return f"<layout {self.name}: {self.bytes_per_token} B/token>"
+
+
+def check_tensor_scale(layout: str, tensor_scale: float | None) -> None:
+    """A per-layer scale must be a finite positive number."""
+    if tensor_scale is None or not isinstance(tensor_scale, (int, float)) or not math.isfinite(tensor_scale) \
+            or tensor_scale <= 0:
+        raise ValueError(f"layout {layout}: tensor_scale must be a finite positive number, got {tensor_scale!r}")
 
 
 @dataclass
@@ -72,8 +105,8 @@ class PagedCache:
             raise ValueError(f"PagedCache for {self.layout.name}: data must be uint8 "
                              f"[num_blocks, page_size, {self.layout.bytes_per_token}], got "
                              f"{self.data.dtype} {list(self.data.shape)}")
-        if self.layout.needs_tensor_scale and self.tensor_scale is None:
-            raise ValueError(f"layout {self.layout.name} needs a per-layer tensor_scale")
+        if self.layout.needs_tensor_scale:
+            check_tensor_scale(self.layout.name, self.tensor_scale)
 
     @classmethod
     def empty(cls, layout: CacheLayout, num_blocks: int, page_size: int, device: torch.device | str = "cpu",

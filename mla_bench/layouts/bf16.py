@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts.base import LATENT_DIM, CacheLayout
+from mla_bench.layouts.formats import bf16_bytes, bf16_from_bytes
 
 
 class BF16Layout(CacheLayout):
@@ -12,10 +13,8 @@ class BF16Layout(CacheLayout):
     bytes_per_token = 2 * LATENT_DIM
     description = "[kv_c 512 | k_pe 64] bfloat16; exact for bfloat16 inputs (all engines)"
 
-    def quantize(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
-        self.check_input(x)
-        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
+        return bf16_bytes(x)
 
-    def dequantize(self, raw: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
-        self.check_raw(raw)
-        return raw.contiguous().view(torch.bfloat16).to(torch.float64)
+    def _decode(self, raw: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
+        return bf16_from_bytes(raw)

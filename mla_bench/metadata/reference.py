@@ -45,7 +45,7 @@ def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Ge
 
 def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_size: int) -> torch.Tensor:
     """Physical slots of request ``b``'s tokens: ``page_table_1[b, :kv_len]`` (int64)."""
-    positions = torch.arange(kv_len, dtype=torch.int64)
+    positions = torch.arange(kv_len, dtype=torch.int64, device=block_table.device)
     return block_table[b].long()[positions // page_size] * page_size + positions % page_size
 
 

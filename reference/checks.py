@@ -1,0 +1,43 @@
+"""Input checks shared by the reference functions: refuse bad input with a clear error before any work."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(name: str, tensor: torch.Tensor, dims: int, last: int | None = None) -> None:
+    """``tensor`` is a floating-point tensor with ``dims`` dimensions (and last dimension ``last``)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tensor.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {list(tensor.shape)}")
+    if last is not None and tensor.shape[-1] != last:
+        raise ValueError(f"{name} must have last dimension {last}, got shape {list(tensor.shape)}")
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"inputs are on different devices: {', '.join(f'{n}={d}' for n, d in devices.items())}")
+
+
+def check_lengths(q_lens, kv_lens) -> None:
+    """Per-request lengths: as many of each, non-negative ints, queries no longer than their context
+    (a request with kv_len 0 is padding and may carry query rows)."""
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"q_lens has {len(q_lens)} requests but kv_lens has {len(kv_lens)}")
+    for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        if isinstance(q, bool) or isinstance(kv, bool) or not isinstance(q, int) or not isinstance(kv, int):
+            raise ValueError(f"request {i}: lengths must be ints, got q_len={q!r}, kv_len={kv!r}")
+        if q < 0 or kv < 0:
+            raise ValueError(f"request {i}: lengths must be >= 0, got q_len={q}, kv_len={kv}")
+        if kv > 0 and q > kv:
+            raise ValueError(f"request {i}: query longer than context (q_len={q} > kv_len={kv})")
+
+
+def check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

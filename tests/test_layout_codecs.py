@@ -1,0 +1,159 @@
+"""The reference codecs: exact formats, byte positions, scale rules, non-finite policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_bench.layouts import LAYOUTS, LATENT_DIM, NOPE_DIM, get_layout
+from mla_bench.layouts.formats import (E2M1_MAGNITUDES, ceil_log2, e2m1_decode, e2m1_encode, e4m3_decode,
+                                       e4m3_encode, pack_nibbles, unpack_nibbles)
+
+EXPECTED_BYTES = {"bf16": 1152, "fp8_e4m3": 576, "fp8_ds_mla": 656, "fp8_ds_mla_pow2": 656, "fp4_mx16": 324,
+                  "mxfp4_nsa": 400, "nvfp4": 416}
+
+
+def random_latent(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.exp(torch.randn(n, 1, generator=gen))
+    return (torch.randn(n, LATENT_DIM, generator=gen) * magnitude).to(torch.bfloat16)
+
+
+def test_every_layout_has_its_documented_size():
+    assert {name: layout.bytes_per_token for name, layout in LAYOUTS.items()} == EXPECTED_BYTES
+
+
+def test_e4m3_encode_is_nearest_even_over_every_midpoint_and_saturates():
+    codes = torch.arange(256, dtype=torch.uint8)
+    grid = torch.unique(e4m3_decode(codes)[torch.isfinite(e4m3_decode(codes))])
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    decoded = e4m3_decode(e4m3_encode(midpoints.float()))
+    lower_codes = e4m3_encode(grid[:-1].float())
+    # a midpoint goes to the neighbour whose code is even
+    expect = torch.where(lower_codes % 2 == 0, grid[:-1], grid[1:])
+    both_zero = (expect == 0) & (decoded == 0)
+    assert bool(((decoded == expect) | both_zero).all())
+    assert e4m3_decode(e4m3_encode(torch.tensor([1e6, -1e6]))).tolist() == [448.0, -448.0]
+    assert torch.isnan(e4m3_decode(e4m3_encode(torch.tensor([float("nan"), float("inf")])))).all()
+
+
+def test_ceil_log2_is_exact_next_to_powers_of_two():
+    below, at, above = torch.tensor([2.0 ** 3 * (1 - 2 ** -24), 2.0 ** 3, 2.0 ** 3 * (1 + 2 ** -23)])
+    assert ceil_log2(torch.stack([below, at, above])).tolist() == [3, 3, 4]
+    values = torch.rand(10000) * 1e3 + 1e-30
+    expect = [math.ceil(math.log2(v)) for v in values.double().tolist()]
+    assert ceil_log2(values).tolist() == expect
+
+
+@pytest.mark.parametrize("ties", ["away", "even"])
+def test_e2m1_rounds_to_the_nearest_magnitude(ties):
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+    values = (torch.rand(20000, dtype=torch.float64) * 14 - 7).float()
+    codes = e2m1_encode(values, torch.ones(()), ties)
+    decoded = e2m1_decode(codes)
+    clipped = values.double().clamp(-6, 6)
+    best = (clipped.abs()[:, None] - magnitudes[None, :]).abs().min(dim=1).values
+    assert torch.allclose((decoded.abs() - clipped.abs()).abs(), best)
+    assert bool((torch.sign(decoded) * torch.sign(clipped) >= 0).all())
+
+
+def test_e2m1_midpoints_follow_the_tie_rule():
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    away = e2m1_decode(e2m1_encode(midpoints, torch.ones(()), "away"))
+    even = e2m1_decode(e2m1_encode(midpoints, torch.ones(()), "even"))
+    assert away.tolist() == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert even.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert e2m1_encode(torch.tensor([-0.0, -0.1]), torch.ones(()), "away").tolist() == [0, 8]
+    assert e2m1_encode(torch.tensor([-0.0]), torch.ones(()), "even").tolist() == [8]
+
+
+def test_nibbles_pack_even_element_low():
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_decode_of_encode_is_a_fixed_point_of_the_decoded_values(name):
+    """Encoding the decoded values again decodes to the same numbers (a quantizer is idempotent on its grid)."""
+    layout = get_layout(name)
+    x = random_latent(300, seed=1)
+    scale = layout.fit_tensor_scale(x)
+    decoded = layout.dequantize(layout.quantize(x, scale), scale)
+    again = layout.dequantize(layout.quantize(decoded.float(), scale), scale)
+    assert torch.equal(decoded, again)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_all_zero_tiles_decode_to_zero_not_nan(name):
+    layout = get_layout(name)
+    x = random_latent(8, seed=2)
+    x[0] = 0
+    x[1, :128] = 0
+    scale = layout.fit_tensor_scale(x)
+    decoded = layout.dequantize(layout.quantize(x, scale), scale)
+    assert torch.isfinite(decoded).all()
+    assert bool((decoded[0] == 0).all()) and bool((decoded[1, :128] == 0).all())
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_nonfinite_inputs_are_refused_by_default_and_propagate_on_request(name):
+    layout = get_layout(name)
+    x = random_latent(4, seed=3)
+    scale = layout.fit_tensor_scale(x)
+    x[2, 5] = float("nan")
+    x[3, 530] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        layout.quantize(x, scale)
+    decoded = layout.dequantize(layout.quantize(x, scale, propagate_nonfinite=True), scale)
+    assert not torch.isfinite(decoded[2, 5]) and not torch.isfinite(decoded[3, 530])
+    assert torch.isfinite(decoded[:2]).all()
+
+
+def test_fp8_ds_mla_bytes_sit_where_the_format_says():
+    layout = get_layout("fp8_ds_mla")
+    x = random_latent(3, seed=4)
+    raw = layout.quantize(x)
+    tiles = x[:, :NOPE_DIM].float().reshape(3, 4, 128)
+    scales = raw[:, 512:528].contiguous().view(torch.float32)
+    assert torch.equal(scales, torch.clamp(tiles.abs().amax(-1) / 448, min=torch.finfo(torch.float32).tiny))
+    assert torch.equal(raw[:, 528:].contiguous().view(torch.bfloat16), x[:, NOPE_DIM:])
+    assert torch.equal(raw[:, :512], e4m3_encode((tiles / scales[..., None]).reshape(3, 512)))
+
+
+def test_pow2_scales_are_powers_of_two_at_least_amax_over_448():
+    layout = get_layout("fp8_ds_mla_pow2")
+    x = random_latent(50, seed=5)
+    scales = layout.quantize(x)[:, 512:528].contiguous().view(torch.float32).double()
+    amax = x[:, :NOPE_DIM].double().abs().reshape(50, 4, 128).amax(-1)
+    assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
+    assert bool((scales >= amax / 448).all()) and bool((scales < 2 * torch.clamp(amax / 448, min=1e-4)).all())
+
+
+def test_mx_scales_cover_the_block_amax():
+    x = random_latent(50, seed=6)
+    raw = get_layout("fp4_mx16").quantize(x)
+    exponents = raw[:, 288:].double() - 127
+    amax = x.double().abs().reshape(50, 36, 16).amax(-1)
+    assert bool((6 * torch.exp2(exponents) >= amax).all())
+    assert bool((6 * torch.exp2(exponents - 1) < torch.clamp(amax, min=6e-10)).all())
+
+
+def test_tensor_scale_is_required_and_validated():
+    x = random_latent(2, seed=7)
+    for name in ("fp8_e4m3", "nvfp4"):
+        layout = get_layout(name)
+        for bad in (None, 0.0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match="tensor_scale"):
+                layout.quantize(x, bad)
+
+
+@pytest.mark.parametrize("shape", [(4, 575), (4, 576, 1), (576,)])
+def test_wrong_shapes_are_refused(shape):
+    with pytest.raises(ValueError, match="shape"):
+        get_layout("fp8_ds_mla").quantize(torch.randn(shape))
+    with pytest.raises(ValueError, match="uint8"):
+        get_layout("fp8_ds_mla").dequantize(torch.zeros(4, 655, dtype=torch.uint8))

@@ -1,0 +1,125 @@
+"""Presets, softmax scale, Workload validation and serialization, Problem construction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mla_bench.dims import PRESETS, get_preset
+from mla_bench.layouts import POISON_BYTE
+from mla_bench.problem import build_problem
+from mla_bench.workload import Mode, Workload
+
+
+def test_softmax_scales_match_the_models():
+    assert get_preset("deepseek-v3").softmax_scale == pytest.approx(0.1352338, abs=5e-8)
+    assert get_preset("deepseek-v2-lite").softmax_scale == pytest.approx(0.1147214, abs=5e-8)
+    assert {name: dims.num_heads for name, dims in PRESETS.items()} == {
+        "deepseek-v3": 128, "deepseek-v3-tp8": 16, "deepseek-v2-lite": 16, "kimi-k2": 64, "tiny": 4}
+    for dims in PRESETS.values():
+        assert (dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim) == (512, 64, 128, 128)
+
+
+def test_workload_label_is_one_line_and_json_roundtrips():
+    w = Workload.uniform("decode", 32, 1, 4096, preset="deepseek-v3-tp8", layout="fp8_ds_mla")
+    assert w.label == "decode deepseek-v3-tp8 h16 b32 q1 ctx4096 ps64 fp8_ds_mla"
+    mixed = Workload(mode="sparse_prefill", q_lens=(3, 1), kv_lens=(40, 9), topk=8, seed=3)
+    assert "\n" not in mixed.label and "topk8 paged" in mixed.label and "#" in mixed.label
+    for workload in (w, mixed):
+        again = Workload.from_dict(json.loads(json.dumps(workload.to_dict())))
+        assert again == workload and hash(again) == hash(workload) and again.key == workload.key
+    assert Workload(mode="decode", q_lens=(3, 1), kv_lens=(40, 10)).label != \
+        Workload(mode="decode", q_lens=(3, 1), kv_lens=(40, 9)).label
+
+
+def test_query_length_kinds():
+    assert Workload(mode="decode", q_lens=(1, 1), kv_lens=(5, 6)).query_len_kind == "single"
+    assert Workload(mode="decode", q_lens=(2, 2), kv_lens=(5, 6)).query_len_kind == "uniform"
+    assert Workload(mode="decode", q_lens=(1, 3), kv_lens=(5, 6)).query_len_kind == "varlen"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(q_lens=(1, -1), kv_lens=(3, 3)), "must be >= 0"),
+    (dict(q_lens=(4,), kv_lens=(3,)), "query longer than context"),
+    (dict(q_lens=(1,), kv_lens=(3, 4)), "q_lens has 1 requests but kv_lens has 2"),
+    (dict(q_lens=(), kv_lens=()), "at least one request"),
+    (dict(q_lens=(0,), kv_lens=(3,)), "at least one query token"),
+    (dict(q_lens=(1.5,), kv_lens=(3,)), "must hold ints"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="sparse_decode", topk=4), "larger than the longest context"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="sparse_decode"), "needs topk"),
+    (dict(q_lens=(1,), kv_lens=(3,), topk=2), "only for sparse modes"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="dcp", dcp_world=0), "dcp_world must be a positive int"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="dcp", dcp_interleave=0), "dcp_interleave must be a positive int"),
+    (dict(q_lens=(1,), kv_lens=(3,), dcp_world=2), "only for mode dcp"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="chunked_prefill"), "needs chunk_size"),
+    (dict(q_lens=(1,), kv_lens=(0,), mode="prefill"), "needs the new tokens as keys"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="prefill", layout="fp8_ds_mla"), "leave layout"),
+    (dict(q_lens=(1,), kv_lens=(3,), mode="flash"), "unknown mode"),
+    (dict(q_lens=(1,), kv_lens=(3,), layout="int4"), "unknown cache layout"),
+    (dict(q_lens=(1,), kv_lens=(3,), preset="llama"), "unknown preset"),
+    (dict(q_lens=(1,), kv_lens=(3,), dtype="int8"), "dtype must be one of"),
+    (dict(q_lens=(1,), kv_lens=(3,), page_size=0), "page_size must be a positive int"),
+    (dict(q_lens=(1,), kv_lens=(3,), num_heads=0), "num_heads must be a positive int"),
+    (dict(q_lens=(1,), kv_lens=(3,), seed=-1), "seed must be an int >= 0"),
+])
+def test_bad_workloads_name_the_problem(fields, message):
+    fields = {"mode": "decode", **fields}
+    with pytest.raises(ValueError, match=message):
+        Workload(**fields)
+
+
+def test_from_dict_refuses_foreign_data():
+    with pytest.raises(ValueError, match="unknown workload fields"):
+        Workload.from_dict({"mode": "decode", "q_lens": [1], "kv_lens": [2], "evil": 1})
+    with pytest.raises(ValueError, match="missing fields"):
+        Workload.from_dict({"mode": "decode"})
+    with pytest.raises(ValueError, match="JSON object"):
+        Workload.from_dict([1, 2])
+
+
+def test_problems_are_deterministic_in_the_seed_and_never_zero():
+    w = Workload(mode="decode", q_lens=(1, 2), kv_lens=(30, 70), page_size=16, seed=5)
+    a, b = build_problem(w), build_problem(w)
+    c = build_problem(w.replace(seed=6))
+    assert torch.equal(a.q, b.q) and torch.equal(a.cache.data, b.cache.data)
+    assert torch.equal(a.meta.block_table, b.meta.block_table)
+    assert not torch.equal(a.q, c.q)
+    assert bool((a.q != 0).all()) and bool((a.kv != 0).all())
+
+
+def test_problem_cache_is_poisoned_outside_written_slots_and_blocks_are_permuted():
+    w = Workload(mode="decode", q_lens=(1, 1, 1), kv_lens=(30, 70, 16), page_size=16, seed=1)
+    p = build_problem(w)
+    rows = p.cache.rows()
+    written = torch.zeros(rows.shape[0], dtype=torch.bool)
+    written[p.meta.token_slots] = True
+    assert bool((rows[~written] == POISON_BYTE).all())
+    assert not bool((rows[written] == POISON_BYTE).all(dim=1).any())
+    owned = {int(s) // 16 for s in p.meta.token_slots}
+    table = p.meta.block_table
+    needed = [2, 5, 1]
+    owned_in_order = [int(x) for b, n in enumerate(needed) for x in table[b, :n]]
+    assert owned_in_order != sorted(owned_in_order)  # a permutation, not the identity
+    for b, n in enumerate(needed):  # padding entries point at pages nobody owns
+        assert all(int(x) not in owned for x in table[b, n:])
+
+
+@pytest.mark.parametrize("mode, extra", [("prefill", {}), ("chunked_prefill", {"chunk_size": 8}),
+                                         ("sparse_prefill", {"topk": 6}), ("dcp", {"dcp_world": 2})])
+def test_problem_shapes_per_mode(mode, extra):
+    w = Workload(mode=mode, q_lens=(2, 3), kv_lens=(9, 20), page_size=4, **extra)
+    p = build_problem(w)
+    width = 576 if Mode(mode).absorbed else 192
+    assert p.q.shape == (5, 4, width)
+    if mode == "chunked_prefill":
+        assert p.k_nope.shape == (5, 4, 128) and p.k_pe.shape == (5, 64) and p.v.shape == (5, 4, 128)
+    if mode == "prefill":
+        assert p.k_nope.shape == (29, 4, 128) and p.cache is None
+    if mode == "sparse_prefill":
+        idx = p.topk_indices
+        assert idx.shape == (5, 6)
+        frontier = torch.tensor([7, 8, 17, 18, 19])[:, None]
+        assert bool(((idx == -1) | ((idx >= 0) & (idx <= frontier))).all())
+        assert bool(((p.sparse_indices == -1) == (idx == -1)).all())
