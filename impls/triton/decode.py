@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import triton.language as tl
 
 from impls.triton import interpreting
 from impls.triton.decode_kernel import LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
@@ -30,8 +29,12 @@ from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
 
-# Cache layouts the kernel decodes, and whether the layout's per-layer tensor scale multiplies every key value.
-KERNEL_LAYOUTS: dict[str, bool] = {"bf16": False}
+# Cache layouts the kernel decodes, and which values the layout's per-layer tensor scale multiplies
+# (None: the layout has none).
+KERNEL_LAYOUTS: dict[str, str | None] = {
+    "bf16": None, "fp8_e4m3": "all", "fp8_ds_mla": None, "fp8_ds_mla_pow2": None, "fp4_mx16": None,
+    "mxfp4_nsa": None, "nvfp4": "nope",
+}
 QUERY_DTYPES = (torch.bfloat16,)
 
 
@@ -92,6 +95,7 @@ class DecodePlan:
     part_out: torch.Tensor
     part_lse: torch.Tensor
     qk_scale: float
+    nope_scale: float
     out_scale: float
     config: DecodeConfig
     schedule: Schedule
@@ -112,7 +116,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     config = config or default_config(num_heads, max(q_lens))
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               _sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
-    global_scale = cache.tensor_scale if KERNEL_LAYOUTS[cache.layout.name] else 1.0
+    scaled = KERNEL_LAYOUTS[cache.layout.name]
+    global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
     query_start = torch.tensor(cumulative(q_lens), dtype=torch.int32)
     return DecodePlan(
         q=q, cache=cache, block_table=block_table, query_start=query_start.to(device), visible=visible,
@@ -121,7 +126,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
         part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
         part_lse=torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device),
-        qk_scale=scale * LOG2E * global_scale, out_scale=global_scale, config=config, schedule=schedule)
+        qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
+        out_scale=global_scale, config=config, schedule=schedule)
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,17 +137,19 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         _decode_split_kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.query_start, plan.visible, plan.work, plan.out, plan.out.stride(0), plan.out.stride(1),
-            plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.out_scale,
-            plan.q.shape[1],
+            plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.nope_scale,
+            plan.out_scale, plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, DOT_DTYPE=_dot_dtype(),
+            TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"), SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
         grid = (plan.groups.shape[0], cfg.block_m // cfg.merge_rows, NOPE.value // cfg.merge_cols)
         _merge_splits_kernel[grid](
             plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
-            BLOCK_M=cfg.block_m, ROWS=cfg.merge_rows, COLS=cfg.merge_cols, num_warps=4)
+            BLOCK_M=cfg.block_m, ROWS=cfg.merge_rows, COLS=cfg.merge_cols, INTERPRET=interpreting(),
+            num_warps=4)
     return plan.out, plan.lse
 
 
@@ -259,11 +267,6 @@ def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list
         t = int(bad.nonzero()[0, 0])
         raise ValueError(f"visible_lens[{t}] = {int(visible_lens[t])} is outside [0, kv_len = {limits[t]}]")
     return visible_lens
-
-
-def _dot_dtype() -> tl.dtype:
-    """Operand type of the kernels' matrix products (see decode_kernel's docstring)."""
-    return tl.float32 if interpreting() else tl.bfloat16
 
 
 def _sm_count(device: torch.device) -> int:

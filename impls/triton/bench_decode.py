@@ -1,0 +1,279 @@
+"""Check and time the Triton paged MLA decode on a GPU: ``python -m impls.triton.bench_decode [--profile NAME]``.
+
+Self-contained (the bench's latency suite will supersede the timing part):
+
+1. correctness of every layout, page size and query-length mode against the float64 reference (``judge``);
+2. the device's ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul;
+3. latency of the issue's shapes under several kernel configurations: CUDA-graph replay of calls that rotate
+   over enough input copies to exceed 4x the L2 (cold L2), median of the samples; GB/s counts the cache bytes
+   of the real tokens, the queries and the outputs; TFLOP/s counts 2 * (576 + 512) per (query row, visible key).
+
+Writes ``$OUT/decode_bench.json`` (or ``--out``) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from impls.triton.decode import DecodeConfig, TritonDecode, default_config, plan_decode, run_decode
+from mla_bench.dims import get_preset
+from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache, get_layout
+from mla_bench.layouts.ops import write_cache
+from mla_bench.metadata import PagedMetadata
+from mla_bench.problem import build_problem
+from mla_bench.workload import Workload
+from suites.judge import judge
+
+FLOPS_PER_ROW_KEY = 2 * (LATENT_DIM + NOPE_DIM)
+
+
+# ---- correctness -------------------------------------------------------------------------------------------------
+
+def correctness_workloads() -> list[Workload]:
+    """Every layout, page size and query-length mode at least once, heads 16, 128 and a padded count."""
+    layouts = ["bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4"]
+    cases = []
+    for i, layout in enumerate(layouts):
+        cases.append(Workload(mode="decode", preset="deepseek-v3-tp8", layout=layout, page_size=64,
+                              q_lens=(1, 1, 1, 1), kv_lens=(3000, 1, 0, 777), seed=i))
+        cases.append(Workload(mode="decode", preset="deepseek-v3", layout=layout, page_size=(16, 48, 1)[i % 3],
+                              q_lens=(2, 3, 1), kv_lens=(1500, 64, 9), seed=10 + i))
+    for page_size in (1, 7, 16, 32, 128):
+        cases.append(Workload(mode="decode", preset="kimi-k2", page_size=page_size, q_lens=(4, 4),
+                              kv_lens=(2049, 130), seed=20 + page_size))
+    cases.append(Workload(mode="decode", preset="tiny", num_heads=20, q_lens=(1, 5), kv_lens=(40000, 6), seed=3))
+    cases.append(Workload(mode="decode", preset="deepseek-v3-tp8", num_heads=32, q_lens=(1,), kv_lens=(131072,)))
+    return cases
+
+
+def check_correctness(device: torch.device) -> list[dict]:
+    impl = TritonDecode()
+    records = []
+    for workload in correctness_workloads():
+        verdict = judge(impl, build_problem(workload, device))
+        record = {"label": workload.label, "status": verdict.status, "violations": verdict.violations,
+                  "kernel": verdict.kernel.to_dict() if verdict.kernel else None,
+                  "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "message": verdict.message[-800:]}
+        records.append(record)
+        kernel = f"kernel rel_l2 {verdict.kernel.rel_l2:.2e} lse {verdict.kernel.lse_max_abs:.1e}" if verdict.kernel else ""
+        e2e = f"e2e rel_l2 {verdict.e2e.rel_l2:.2e}" if verdict.e2e else ""
+        print(f"[check] {verdict.status:7s} {workload.label}  {kernel}  {e2e} {verdict.violations or ''}"
+              f"{verdict.message[-400:] if verdict.status == 'error' else ''}", flush=True)
+    return records
+
+
+# ---- ceilings ----------------------------------------------------------------------------------------------------
+
+def time_ms(fn, reps: int = 20, warmup: int = 3) -> list[float]:
+    """Per-call times (ms) of ``fn`` with CUDA events, one sample per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    copy_ms = statistics.median(time_ms(lambda: dst.copy_(src)))
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_ms = statistics.median(time_ms(lambda: a @ b, reps=10))
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    ceilings = {"copy_GBps": 2 * (1 << 30) / copy_ms / 1e6, "bf16_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
+    print(f"[ceilings] copy {ceilings['copy_GBps']:.0f} GB/s (read+write), bf16 matmul "
+          f"{ceilings['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    return ceilings
+
+
+# ---- latency -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    batch: int
+    ctx: int
+    q_len: int = 1
+    page_size: int = 64
+    layout: str = "bf16"
+
+    @property
+    def label(self) -> str:
+        q = f" q{self.q_len}" if self.q_len > 1 else ""
+        return f"h{self.heads} b{self.batch} ctx{self.ctx}{q} ps{self.page_size} {self.layout}"
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    cache: PagedCache
+    block_table: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int) -> Inputs:
+    """Random inputs drawn on the device (quick for large shapes): N(0,1) latents, permuted pages."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, kv_lens = [shape.q_len] * shape.batch, [shape.ctx] * shape.batch
+    meta = PagedMetadata.build(tuple(q_lens), tuple(kv_lens), shape.page_size, gen)
+    layout = get_layout(shape.layout)
+    torch.manual_seed(seed)
+    kv = torch.randn(sum(kv_lens), LATENT_DIM, device=device)
+    cache = PagedCache.empty(layout, meta.num_blocks, shape.page_size, device, layout.fit_tensor_scale(kv))
+    write_cache(cache, kv, meta.token_slots.to(device))
+    del kv
+    q = (0.5 * torch.randn(sum(q_lens), shape.heads, LATENT_DIM, device=device)).to(torch.bfloat16)
+    return Inputs(q, cache, meta.block_table.to(device), q_lens, kv_lens)
+
+
+def traffic(shape: Shape) -> tuple[float, float]:
+    """(bytes, flops) of one call: cache bytes of real tokens + queries + outputs; causal visible keys."""
+    rows = shape.batch * shape.q_len * shape.heads
+    nbytes = shape.batch * shape.ctx * get_layout(shape.layout).bytes_per_token
+    nbytes += rows * (LATENT_DIM * 2 + NOPE_DIM * 2 + 4)
+    visible = sum(shape.ctx - shape.q_len + i + 1 for i in range(shape.q_len)) * shape.batch * shape.heads
+    return nbytes, visible * FLOPS_PER_ROW_KEY
+
+
+def time_config(inputs: list[Inputs], config: DecodeConfig, samples: int = 15) -> dict:
+    """Median per-call time (ms) over CUDA-graph replays that rotate over the input copies."""
+    scale = get_preset("deepseek-v3").softmax_scale
+    plans = [plan_decode(x.q, x.cache, x.block_table, x.q_lens, x.kv_lens, scale, config=config) for x in inputs]
+    for plan in plans:  # compile and warm up
+        run_decode(plan)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for plan in plans:
+            run_decode(plan)
+    times = [t / len(plans) for t in time_ms(graph.replay, reps=samples, warmup=2)]
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "items": plans[0].work.shape[0], "merge_groups": plans[0].groups.shape[0],
+            "max_splits": plans[0].schedule.max_splits}
+
+
+PROFILES: dict[str, list[tuple[Shape, list[DecodeConfig | None]]]] = {}
+
+
+def _sweep_small_rows() -> list[DecodeConfig | None]:
+    return [None, DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_warps=8, programs_per_sm=1),
+            DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_warps=4, num_stages=3, programs_per_sm=1),
+            DecodeConfig(block_m=16, block_n=32, heads_as_n=False, num_warps=4, programs_per_sm=2),
+            DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_warps=4, programs_per_sm=2)]
+
+
+def _sweep_big_rows() -> list[DecodeConfig | None]:
+    return [None, DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8, num_stages=3, programs_per_sm=1),
+            DecodeConfig(block_m=64, block_n=16, heads_as_n=False, num_warps=8, num_stages=4, programs_per_sm=1),
+            DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8, num_stages=2, programs_per_sm=1),
+            DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8, num_stages=2, programs_per_sm=2)]
+
+
+PROFILES["first"] = (
+    [(Shape(16, 1, 8192), _sweep_small_rows()), (Shape(16, 32, 4096), _sweep_small_rows()),
+     (Shape(16, 128, 4096), [None]), (Shape(16, 64, 16384), [None]),
+     (Shape(128, 32, 4096), _sweep_big_rows()), (Shape(128, 128, 4096), [None]), (Shape(128, 64, 16384), [None]),
+     (Shape(128, 1, 8192), [None]),
+     (Shape(16, 32, 4096, page_size=1), [None]), (Shape(128, 32, 4096, page_size=1), [None]),
+     (Shape(16, 32, 4096, q_len=2), [None])]
+    + [(Shape(16, 64, 4096, layout=layout), [None]) for layout in
+       ("bf16", "fp8_e4m3", "fp8_ds_mla", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
+)
+
+
+def run_latency(profile: str, device: torch.device, ceilings: dict, deadline: float) -> list[dict]:
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    records = []
+    for shape, configs in PROFILES[profile]:
+        if time.time() > deadline:
+            print(f"[time] out of time before {shape.label}", flush=True)
+            break
+        nbytes, flops = traffic(shape)
+        copies = max(2, math.ceil(4 * l2 / nbytes))
+        try:
+            inputs = [make_inputs(shape, device, seed) for seed in range(copies)]
+        except torch.OutOfMemoryError:
+            print(f"[time] {shape.label}: out of memory building inputs", flush=True)
+            continue
+        for config in configs:
+            resolved = config or default_config(shape.heads, shape.q_len)
+            try:
+                result = time_config(inputs, resolved)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
+                print(f"[time] {shape.label} {resolved}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            ms = result["ms"]
+            record = {"shape": asdict(shape), "label": shape.label, "config": asdict(resolved),
+                      "default": config is None, **result, "GBps": nbytes / ms / 1e6, "TFLOPs": flops / ms / 1e9,
+                      "copy_fraction": nbytes / ms / 1e6 / ceilings["copy_GBps"],
+                      "floor_ms": max(nbytes / ceilings["copy_GBps"] / 1e6, flops / ceilings["bf16_TFLOPs"] / 1e9)}
+            records.append(record)
+            print(f"[time] {shape.label:36s} {_config_label(resolved):34s} {ms * 1e3:8.1f} us "
+                  f"{record['GBps']:6.0f} GB/s ({record['copy_fraction']:.2f}) {record['TFLOPs']:5.0f} TFLOP/s "
+                  f"items {result['items']} splits {result['max_splits']}", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    return records
+
+
+def _config_label(c: DecodeConfig) -> str:
+    return (f"M{c.block_m} N{c.block_n} {'hN' if c.heads_as_n else 'st'} w{c.num_warps} s{c.num_stages} "
+            f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else ""))
+
+
+def print_table(records: list[dict]) -> None:
+    """Best config per shape, compact."""
+    best: dict[str, dict] = {}
+    for r in records:
+        if r["label"] not in best or r["ms"] < best[r["label"]]["ms"]:
+            best[r["label"]] = r
+    print("\nshape                                 best config                          us      GB/s  copy  TFLOP/s  floor_us")
+    for label, r in best.items():
+        print(f"{label:37s} {_config_label(DecodeConfig(**r['config'])):34s} {r['ms'] * 1e3:7.1f} {r['GBps']:7.0f} "
+              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:8.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="first", choices=sorted(PROFILES))
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="stop timing new shapes after this")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    start = time.time()
+    device = torch.device("cuda")
+    import triton
+    env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+           "sms": torch.cuda.get_device_properties(device).multi_processor_count}
+    print(f"[env] {env}", flush=True)
+    checks = [] if args.skip_check else check_correctness(device)
+    ceilings = measure_ceilings(device)
+    records = run_latency(args.profile, device, ceilings, start + args.budget_s)
+    with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
+        json.dump({"env": env, "ceilings": ceilings, "checks": checks, "latency": records}, f, indent=1)
+    failed = [c["label"] for c in checks if c["status"] != "passed"]
+    print(f"\n[check] {len(checks) - len(failed)}/{len(checks)} passed" + (f"; FAILED: {failed}" if failed else ""))
+    print_table(records)
+    print(f"[total] {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
