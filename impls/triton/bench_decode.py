@@ -173,30 +173,52 @@ def time_config(inputs: list[Inputs], config: DecodeConfig, samples: int = 15) -
 PROFILES: dict[str, list[tuple[Shape, list[DecodeConfig | None]]]] = {}
 
 
-def _sweep_small_rows() -> list[DecodeConfig | None]:
-    return [None, DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_warps=8, programs_per_sm=1),
-            DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_warps=4, num_stages=3, programs_per_sm=1),
-            DecodeConfig(block_m=16, block_n=32, heads_as_n=False, num_warps=4, programs_per_sm=2),
-            DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_warps=4, programs_per_sm=2)]
+def _cfg(block_m: int, block_n: int, heads_as_n: bool, warps: int, stages: int = 2, per_sm: int = 1,
+         **more) -> DecodeConfig:
+    return DecodeConfig(block_m=block_m, block_n=block_n, heads_as_n=heads_as_n, num_warps=warps, num_stages=stages,
+                        programs_per_sm=per_sm, **more)
 
 
-def _sweep_big_rows() -> list[DecodeConfig | None]:
-    return [None, DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8, num_stages=3, programs_per_sm=1),
-            DecodeConfig(block_m=64, block_n=16, heads_as_n=False, num_warps=8, num_stages=4, programs_per_sm=1),
-            DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8, num_stages=2, programs_per_sm=1),
-            DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8, num_stages=2, programs_per_sm=2)]
-
+SMALL_ROWS = [None, _cfg(16, 64, True, 4, 3), _cfg(16, 64, True, 4, 1, 2), _cfg(16, 32, False, 4, 2, 2),
+              _cfg(16, 32, False, 4, 2, 3), _cfg(16, 32, False, 4, 3, 3), _cfg(16, 16, False, 4, 3, 4),
+              _cfg(16, 64, False, 4, 2, 1)]
+BIG_ROWS = [None, _cfg(64, 64, False, 8, 2, 2), _cfg(64, 64, False, 8, 3), _cfg(64, 32, False, 8, 2),
+            _cfg(64, 128, False, 8, 1)]
+QUANT = [None, _cfg(16, 16, False, 4, 2, 2), _cfg(16, 16, False, 4, 2, 3), _cfg(16, 32, False, 4, 2, 2),
+         _cfg(16, 32, False, 4, 3, 3)]
+B1 = [None, _cfg(16, 64, True, 4, 2, 1, min_split=128), _cfg(16, 64, True, 4, 2, 1, min_split=256),
+      _cfg(16, 32, False, 4, 2, 2, min_split=64), _cfg(16, 64, True, 4, 2, 1, merge_splits=16)]
 
 PROFILES["first"] = (
-    [(Shape(16, 1, 8192), _sweep_small_rows()), (Shape(16, 32, 4096), _sweep_small_rows()),
-     (Shape(16, 128, 4096), [None]), (Shape(16, 64, 16384), [None]),
-     (Shape(128, 32, 4096), _sweep_big_rows()), (Shape(128, 128, 4096), [None]), (Shape(128, 64, 16384), [None]),
-     (Shape(128, 1, 8192), [None]),
-     (Shape(16, 32, 4096, page_size=1), [None]), (Shape(128, 32, 4096, page_size=1), [None]),
-     (Shape(16, 32, 4096, q_len=2), [None])]
-    + [(Shape(16, 64, 4096, layout=layout), [None]) for layout in
-       ("bf16", "fp8_e4m3", "fp8_ds_mla", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
+    [(Shape(16, 1, 8192), B1), (Shape(16, 32, 4096), SMALL_ROWS), (Shape(16, 128, 4096), SMALL_ROWS[:4]),
+     (Shape(16, 64, 16384), SMALL_ROWS[:4]),
+     (Shape(128, 32, 4096), BIG_ROWS), (Shape(128, 128, 4096), BIG_ROWS[:3]), (Shape(128, 64, 16384), BIG_ROWS[:3]),
+     (Shape(128, 1, 8192), [None, _cfg(64, 64, False, 8, 2, 1, min_split=128)]),
+     (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:6]), (Shape(128, 32, 4096, page_size=1), BIG_ROWS[:3]),
+     (Shape(16, 32, 4096, q_len=2), [None, _cfg(32, 64, True, 4, 2), _cfg(32, 32, False, 4, 2, 2),
+                                     _cfg(32, 64, False, 8, 2)]),
+     (Shape(16, 32, 4096, q_len=4), [None, _cfg(64, 32, False, 8, 2)])]
+    + [(Shape(16, 64, 4096, layout=layout), QUANT) for layout in
+       ("fp8_e4m3", "fp8_ds_mla", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
+    + [(Shape(16, 64, 4096), SMALL_ROWS[:6])]
 )
+# One run of a few kernels for a profiler (ncu): no graphs, no rotation.
+PROFILES["ncu"] = [(Shape(16, 32, 4096), [None, _cfg(16, 32, False, 4, 2, 2)]),
+                   (Shape(128, 32, 4096), [None])]
+
+
+def run_once(profile: str, device: torch.device) -> None:
+    """Each config of the profile once after a warm-up, for a profiler to catch."""
+    scale = get_preset("deepseek-v3").softmax_scale
+    for shape, configs in PROFILES[profile]:
+        x = make_inputs(shape, device, 0)
+        for config in configs:
+            plan = plan_decode(x.q, x.cache, x.block_table, x.q_lens, x.kv_lens, scale, config=config)
+            run_decode(plan)
+            torch.cuda.synchronize()
+            run_decode(plan)
+            torch.cuda.synchronize()
+            print(f"[once] {shape.label} {_config_label(plan.config)}", flush=True)
 
 
 def run_latency(profile: str, device: torch.device, ceilings: dict, deadline: float) -> list[dict]:
@@ -236,7 +258,8 @@ def run_latency(profile: str, device: torch.device, ceilings: dict, deadline: fl
 
 def _config_label(c: DecodeConfig) -> str:
     return (f"M{c.block_m} N{c.block_n} {'hN' if c.heads_as_n else 'st'} w{c.num_warps} s{c.num_stages} "
-            f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else ""))
+            f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else "")
+            + (f" min{c.min_split}" if c.min_split != 64 else "") + (f" ms{c.merge_splits}" if c.merge_splits != 8 else ""))
 
 
 def print_table(records: list[dict]) -> None:
@@ -257,9 +280,13 @@ def main() -> None:
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--budget-s", type=float, default=330.0, help="stop timing new shapes after this")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--once", action="store_true", help="run each config once (for ncu), time nothing")
     args = parser.parse_args()
     start = time.time()
     device = torch.device("cuda")
+    if args.once:
+        run_once(args.profile, device)
+        return
     import triton
     env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
            "sms": torch.cuda.get_device_properties(device).multi_processor_count}

@@ -42,27 +42,26 @@ QUERY_DTYPES = (torch.bfloat16,)
 class DecodeConfig:
     """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
     on the N side of the matrix products (see decode_kernel); ``programs_per_sm`` sets the split target (SMs
-    times it); ``num_splits`` forces the splits per group (tests, sweeps)."""
+    times it), ``min_split`` the fewest keys per split; ``num_splits`` forces the splits per group (tests,
+    sweeps); the merge reads ``merge_splits`` partials at a time."""
 
     block_m: int = 16
     block_n: int = 64
     heads_as_n: bool = True
     num_warps: int = 4
     num_stages: int = 2
-    programs_per_sm: int = 2
-    min_split: int = 256
+    programs_per_sm: int = 1
+    min_split: int = 64
     num_splits: int | None = None
-    merge_rows: int = 16
-    merge_cols: int = 64
+    merge_splits: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "merge_rows", "merge_cols"):
+        for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, got {value}")
-        if self.merge_rows > self.block_m or NOPE.value % self.merge_cols:
-            raise ValueError(f"DecodeConfig: merge tile {self.merge_rows}x{self.merge_cols} must divide "
-                             f"{self.block_m}x{NOPE.value}")
+        if self.merge_splits < 1 or self.merge_splits & (self.merge_splits - 1):
+            raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
 
@@ -74,9 +73,8 @@ def default_config(num_heads: int, max_q_len: int) -> DecodeConfig:
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if block_m == 64:
-        return DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8, programs_per_sm=1)
-    return DecodeConfig(block_m=block_m, block_n=64, heads_as_n=True, num_warps=4 if block_m == 16 else 8,
-                        programs_per_sm=1)
+        return DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8)
+    return DecodeConfig(block_m=block_m, block_n=64, heads_as_n=True, num_warps=4 if block_m == 16 else 8)
 
 
 @dataclass
@@ -99,6 +97,7 @@ class DecodePlan:
     out_scale: float
     config: DecodeConfig
     schedule: Schedule
+    merge_tile: tuple[int, int]  # (rows, columns) per merge program
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -127,7 +126,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
         part_lse=torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device),
         qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
-        out_scale=global_scale, config=config, schedule=schedule)
+        out_scale=global_scale, config=config, schedule=schedule,
+        merge_tile=_merge_tile(len(schedule.groups), config.block_m, _sm_count(device)))
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,11 +144,12 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
-        grid = (plan.groups.shape[0], cfg.block_m // cfg.merge_rows, NOPE.value // cfg.merge_cols)
+        rows, cols = plan.merge_tile
+        grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
         _merge_splits_kernel[grid](
             plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
-            BLOCK_M=cfg.block_m, ROWS=cfg.merge_rows, COLS=cfg.merge_cols, INTERPRET=interpreting(),
+            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=cfg.merge_splits, INTERPRET=interpreting(),
             num_warps=4)
     return plan.out, plan.lse
 
@@ -267,6 +268,15 @@ def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list
         t = int(bad.nonzero()[0, 0])
         raise ValueError(f"visible_lens[{t}] = {int(visible_lens[t])} is outside [0, kv_len = {limits[t]}]")
     return visible_lens
+
+
+def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:
+    """Rows and columns per merge program: 16 x 64, narrowed until the merge has two programs per SM (a batch of
+    one request with many splits would otherwise merge on a handful of SMs)."""
+    rows, cols = min(16, block_m), 64
+    while cols > 16 and groups * (block_m // rows) * (NOPE.value // cols) < 2 * sms:
+        cols //= 2
+    return rows, cols
 
 
 def _sm_count(device: torch.device) -> int:
