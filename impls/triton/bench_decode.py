@@ -28,6 +28,7 @@ from mla_bench.dims import get_preset
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import write_cache
 from mla_bench.metadata import PagedMetadata
+from mla_bench.metadata.reference import flat_token_slots
 from mla_bench.problem import build_problem
 from mla_bench.workload import Workload
 from suites.judge import judge
@@ -113,11 +114,13 @@ class Shape:
     q_len: int = 1
     page_size: int = 64
     layout: str = "bf16"
+    sequential: bool = False  # pages in allocation order instead of a random permutation
 
     @property
     def label(self) -> str:
         q = f" q{self.q_len}" if self.q_len > 1 else ""
-        return f"h{self.heads} b{self.batch} ctx{self.ctx}{q} ps{self.page_size} {self.layout}"
+        return (f"h{self.heads} b{self.batch} ctx{self.ctx}{q} ps{self.page_size} {self.layout}"
+                + (" seq" if self.sequential else ""))
 
 
 @dataclass
@@ -134,6 +137,11 @@ def make_inputs(shape: Shape, device: torch.device, seed: int) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
     q_lens, kv_lens = [shape.q_len] * shape.batch, [shape.ctx] * shape.batch
     meta = PagedMetadata.build(tuple(q_lens), tuple(kv_lens), shape.page_size, gen)
+    if shape.sequential:
+        width = meta.block_table.shape[1]
+        meta.block_table = torch.arange(shape.batch * width, dtype=torch.int32).reshape(shape.batch, width)
+        meta.num_blocks = shape.batch * width
+        meta.token_slots = flat_token_slots(meta.block_table, kv_lens, shape.page_size)
     layout = get_layout(shape.layout)
     torch.manual_seed(seed)
     kv = torch.randn(sum(kv_lens), LATENT_DIM, device=device)
@@ -151,6 +159,23 @@ def traffic(shape: Shape) -> tuple[float, float]:
     nbytes += rows * (LATENT_DIM * 2 + NOPE_DIM * 2 + 4)
     visible = sum(shape.ctx - shape.q_len + i + 1 for i in range(shape.q_len)) * shape.batch * shape.heads
     return nbytes, visible * FLOPS_PER_ROW_KEY
+
+
+_CHECKED: dict[tuple, str] = {}
+
+
+def check_config(shape: Shape, config: DecodeConfig, device: torch.device) -> str:
+    """Judge ``config`` on a small problem of the shape's heads, query length, layout and page size (cached):
+    every timed configuration is first shown to compute the right thing."""
+    key = (shape.heads, shape.q_len, shape.layout, shape.page_size, config)
+    if key not in _CHECKED:
+        impl = type("Configured", (TritonDecode,), {"config": config})()
+        workload = Workload(mode="decode", preset="deepseek-v3", num_heads=shape.heads, layout=shape.layout,
+                            page_size=shape.page_size, q_lens=(shape.q_len,) * 3, kv_lens=(2100, 333, shape.q_len),
+                            seed=len(_CHECKED))
+        verdict = judge(impl, build_problem(workload, device))
+        _CHECKED[key] = verdict.status + ("" if verdict.ok else f" {verdict.violations} {verdict.message[-300:]}")
+    return _CHECKED[key]
 
 
 def time_config(inputs: list[Inputs], config: DecodeConfig, samples: int = 15) -> dict:
@@ -179,28 +204,29 @@ def _cfg(block_m: int, block_n: int, heads_as_n: bool, warps: int, stages: int =
                         programs_per_sm=per_sm, **more)
 
 
-SMALL_ROWS = [None, _cfg(16, 64, True, 4, 3), _cfg(16, 64, True, 4, 1, 2), _cfg(16, 32, False, 4, 2, 2),
-              _cfg(16, 32, False, 4, 2, 3), _cfg(16, 32, False, 4, 3, 3), _cfg(16, 16, False, 4, 3, 4),
-              _cfg(16, 64, False, 4, 2, 1)]
-BIG_ROWS = [None, _cfg(64, 64, False, 8, 2, 2), _cfg(64, 64, False, 8, 3), _cfg(64, 32, False, 8, 2),
-            _cfg(64, 128, False, 8, 1)]
-QUANT = [None, _cfg(16, 16, False, 4, 2, 2), _cfg(16, 16, False, 4, 2, 3), _cfg(16, 32, False, 4, 2, 2),
-         _cfg(16, 32, False, 4, 3, 3)]
-B1 = [None, _cfg(16, 64, True, 4, 2, 1, min_split=128), _cfg(16, 64, True, 4, 2, 1, min_split=256),
-      _cfg(16, 32, False, 4, 2, 2, min_split=64), _cfg(16, 64, True, 4, 2, 1, merge_splits=16)]
+SMALL_ROWS = [None, _cfg(16, 16, False, 4, 7, 3), _cfg(16, 16, False, 4, 10, 2), _cfg(16, 32, False, 4, 7, 1),
+              _cfg(16, 32, False, 4, 2, 2), _cfg(16, 64, True, 4, 2), _cfg(16, 32, False, 4, 6, 1),
+              _cfg(16, 16, False, 4, 7, 2)]
+BIG_ROWS = [None, _cfg(64, 32, False, 8, 5), _cfg(32, 64, True, 4, 2), _cfg(64, 64, False, 8, 2, 2)]
+QUANT = [None, _cfg(16, 32, False, 4, 6, 2), _cfg(16, 32, False, 4, 4, 2), _cfg(16, 16, False, 4, 7, 3),
+         _cfg(16, 16, False, 4, 2, 2)]
+B1 = [None, _cfg(16, 32, False, 4, 6, 2, min_split=128), _cfg(16, 32, False, 4, 6, 2, min_split=256),
+      _cfg(16, 64, True, 4, 2, 1, min_split=128)]
+Q2 = [None, _cfg(32, 32, False, 4, 6, 2), _cfg(32, 64, False, 8, 2), _cfg(32, 16, False, 4, 7, 2)]
 
 PROFILES["first"] = (
-    [(Shape(16, 1, 8192), B1), (Shape(16, 32, 4096), SMALL_ROWS), (Shape(16, 128, 4096), SMALL_ROWS[:4]),
-     (Shape(16, 64, 16384), SMALL_ROWS[:4]),
-     (Shape(128, 32, 4096), BIG_ROWS), (Shape(128, 128, 4096), BIG_ROWS[:3]), (Shape(128, 64, 16384), BIG_ROWS[:3]),
+    [(Shape(16, 32, 4096), SMALL_ROWS), (Shape(128, 32, 4096), BIG_ROWS), (Shape(16, 1, 8192), B1),
+     (Shape(16, 128, 4096), SMALL_ROWS[:5]), (Shape(16, 64, 16384), SMALL_ROWS[:5]),
+     (Shape(128, 128, 4096), BIG_ROWS[:2]), (Shape(128, 64, 16384), BIG_ROWS[:2]),
      (Shape(128, 1, 8192), [None, _cfg(64, 64, False, 8, 2, 1, min_split=128)]),
-     (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:6]), (Shape(128, 32, 4096, page_size=1), BIG_ROWS[:3]),
-     (Shape(16, 32, 4096, q_len=2), [None, _cfg(32, 64, True, 4, 2), _cfg(32, 32, False, 4, 2, 2),
-                                     _cfg(32, 64, False, 8, 2)]),
-     (Shape(16, 32, 4096, q_len=4), [None, _cfg(64, 32, False, 8, 2)])]
+     (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:5]), (Shape(16, 32, 4096, page_size=1, sequential=True), [None]),
+     (Shape(128, 32, 4096, page_size=1), [None]), (Shape(128, 32, 4096, page_size=1, sequential=True), [None]),
+     (Shape(16, 32, 4096, sequential=True), [None]),
+     (Shape(16, 32, 4096, q_len=2), Q2), (Shape(16, 32, 4096, q_len=4), [None])]
     + [(Shape(16, 64, 4096, layout=layout), QUANT) for layout in
-       ("fp8_e4m3", "fp8_ds_mla", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
-    + [(Shape(16, 64, 4096), SMALL_ROWS[:6])]
+       ("fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
+    + [(Shape(16, 64, 4096), SMALL_ROWS[:5])]
+    + [(Shape(128, 32, 4096, layout=layout), [None]) for layout in ("fp8_ds_mla", "nvfp4")]
 )
 # One run of a few kernels for a profiler (ncu): no graphs, no rotation.
 PROFILES["ncu"] = [(Shape(16, 32, 4096), [None, _cfg(16, 32, False, 4, 2, 2)]),
@@ -236,7 +262,11 @@ def run_latency(profile: str, device: torch.device, ceilings: dict, deadline: fl
             print(f"[time] {shape.label}: out of memory building inputs", flush=True)
             continue
         for config in configs:
-            resolved = config or default_config(shape.heads, shape.q_len)
+            resolved = config or default_config(shape.heads, shape.q_len, shape.layout)
+            status = check_config(shape, resolved, device)
+            if status != "passed":
+                print(f"[time] {shape.label} {_config_label(resolved)}: check {status}", flush=True)
+                continue
             try:
                 result = time_config(inputs, resolved)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result

@@ -66,15 +66,24 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
 
 
-def default_config(num_heads: int, max_q_len: int) -> DecodeConfig:
-    """Parameters for a workload. Up to 64 query rows per program (Hopper's wgmma tile; the 64x512 float32
-    output tile needs 8 warps). Fewer rows (16 heads, one token) go on the N side of the products with 64 keys
-    per step, so the tensor cores' 64-row side is filled by keys, not padding."""
+def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> DecodeConfig:
+    """Parameters for a workload on Hopper (measurements in NOTES.md).
+
+    64 query rows or more (heads x new tokens): 64 per program, 8 warps (the 64x512 float32 output tile needs
+    two warpgroups), 64 keys per step. 16 rows (16 heads, one token): memory-bound; the legacy mma path with
+    the queries as the 16-row side, small key tiles, deep enough pipelining that each program keeps two or three
+    tiles in flight, and two or three programs per SM. 32 rows: the keys take the wgmma's 64-row side.
+    """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    quantized = layout != "bf16"
     if block_m == 64:
-        return DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8)
-    return DecodeConfig(block_m=block_m, block_n=64, heads_as_n=True, num_warps=4 if block_m == 16 else 8)
+        return DecodeConfig(block_m=64, block_n=32 if quantized else 64, heads_as_n=False, num_warps=8)
+    if block_m == 32:
+        return DecodeConfig(block_m=32, block_n=64, heads_as_n=True, num_warps=8)
+    if quantized:
+        return DecodeConfig(block_m=16, block_n=16, heads_as_n=False, num_warps=4, num_stages=7, programs_per_sm=2)
+    return DecodeConfig(block_m=16, block_n=32, heads_as_n=False, num_warps=4, num_stages=6, programs_per_sm=2)
 
 
 @dataclass
@@ -112,7 +121,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
-    config = config or default_config(num_heads, max(q_lens))
+    config = config or default_config(num_heads, max(q_lens), cache.layout.name)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               _sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
     scaled = KERNEL_LAYOUTS[cache.layout.name]
