@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from impls.triton.decode import DecodeConfig, TritonDecode, mla_decode, plan_decode, run_decode
+from impls.triton.decode import DecodeConfig, TritonDecode, mla_decode, plan_decode
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
@@ -61,10 +61,10 @@ def test_every_layout_page_size_and_query_mode_passes_the_judge(layout, page_siz
     assert verdict.e2e.rel_l2 >= verdict.kernel.rel_l2 or layout == "bf16"
 
 
-CONFIGS = [
-    DecodeConfig(block_m=16, block_n=16, heads_as_n=False, num_splits=5, merge_splits=2),
+CONFIGS = [  # the merge reads partials in blocks (serial_merge_max below the splits) or one by one
+    DecodeConfig(block_m=16, block_n=16, heads_as_n=False, num_splits=5, merge_splits=2, serial_merge_max=1),
     DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_splits=3),
-    DecodeConfig(block_m=32, block_n=32, heads_as_n=True, num_splits=7, merge_splits=4),
+    DecodeConfig(block_m=32, block_n=32, heads_as_n=True, num_splits=7, merge_splits=4, serial_merge_max=2),
     DecodeConfig(block_m=64, block_n=16, heads_as_n=False, num_splits=2),
 ]
 
@@ -142,7 +142,7 @@ class SeesOneKeyTooMany(TritonDecode):
 class DropsTheOtherSplits(TritonDecode):
     """Planted bug: the merge only reads each group's first split."""
 
-    config = DecodeConfig(num_splits=3)
+    config = DecodeConfig(num_splits=3, block_n=16)
 
     def plan(self, problem):
         plan = super().plan(problem)
@@ -191,6 +191,12 @@ def test_unsupported_dtypes_head_dims_and_modes_are_refused():
                       (Workload(mode="decode", q_lens=(1,), kv_lens=(8,), dtype="float32"), "dtype float32")]:
         with pytest.raises(UnsupportedConfig, match=reason):
             impl.checked_plan(build_problem(w))
+
+
+def test_the_fp4_block_size_that_miscompiles_on_hopper_is_refused():
+    problem = build_problem(workload("nvfp4", 16, SINGLE))
+    with pytest.raises(UnsupportedConfig, match="block_n 16 with the FP4 layout"):
+        Configured(DecodeConfig(block_n=16, heads_as_n=False)).checked_plan(problem)
 
 
 def test_a_block_table_pointing_past_the_cache_is_an_error_in_plan():

@@ -64,7 +64,8 @@ def check_correctness(device: torch.device) -> list[dict]:
                   "kernel": verdict.kernel.to_dict() if verdict.kernel else None,
                   "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "message": verdict.message[-800:]}
         records.append(record)
-        kernel = f"kernel rel_l2 {verdict.kernel.rel_l2:.2e} lse {verdict.kernel.lse_max_abs:.1e}" if verdict.kernel else ""
+        kernel = (f"kernel rel_l2 {verdict.kernel.rel_l2:.2e} lse {verdict.kernel.lse_max_abs:.1e}"
+                  if verdict.kernel else "")
         e2e = f"e2e rel_l2 {verdict.e2e.rel_l2:.2e}" if verdict.e2e else ""
         print(f"[check] {verdict.status:7s} {workload.label}  {kernel}  {e2e} {verdict.violations or ''}"
               f"{verdict.message[-400:] if verdict.status == 'error' else ''}", flush=True)
@@ -90,18 +91,25 @@ def time_ms(fn, reps: int = 20, warmup: int = 3) -> list[float]:
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    copy_ms = statistics.median(time_ms(lambda: dst.copy_(src)))
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_ms = statistics.median(time_ms(lambda: a @ b, reps=10))
-    del src, dst, a, b
+    ceilings = {"copy_GBps": _copy_GBps(device), "bf16_TFLOPs": _matmul_TFLOPs(device)}
     torch.cuda.empty_cache()
-    ceilings = {"copy_GBps": 2 * (1 << 30) / copy_ms / 1e6, "bf16_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
     print(f"[ceilings] copy {ceilings['copy_GBps']:.0f} GB/s (read+write), bf16 matmul "
           f"{ceilings['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     return ceilings
+
+
+def _copy_GBps(device: torch.device) -> float:
+    """Device-to-device copy of 1 GiB of random bytes, counting bytes read and written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * (1 << 30) / statistics.median(time_ms(lambda: dst.copy_(src))) / 1e6
+
+
+def _matmul_TFLOPs(device: torch.device) -> float:
+    """bf16 8192^3 matrix product on random data."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / statistics.median(time_ms(lambda: a @ b, reps=10)) / 1e9
 
 
 # ---- latency -----------------------------------------------------------------------------------------------------
@@ -228,6 +236,16 @@ PROFILES["first"] = (
     + [(Shape(16, 64, 4096), SMALL_ROWS[:5])]
     + [(Shape(128, 32, 4096, layout=layout), [None]) for layout in ("fp8_ds_mla", "nvfp4")]
 )
+# The issue's shapes with the default configuration of each: the closing table.
+PROFILES["final"] = (
+    [(Shape(16, 1, 8192), [None]), (Shape(16, 32, 4096), [None]), (Shape(16, 64, 4096), [None]),
+     (Shape(16, 128, 4096), [None]), (Shape(16, 64, 16384), [None]), (Shape(128, 1, 8192), [None]),
+     (Shape(128, 32, 4096), [None]), (Shape(128, 128, 4096), [None]), (Shape(128, 64, 16384), [None]),
+     (Shape(16, 32, 4096, page_size=1), [None]), (Shape(128, 32, 4096, page_size=1), [None]),
+     (Shape(16, 32, 4096, q_len=2), [None]), (Shape(16, 32, 4096, q_len=4), [None])]
+    + [(Shape(16, 64, 4096, layout=layout), [None]) for layout in
+       ("fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
+)
 # One run of a few kernels for a profiler (ncu): no graphs, no rotation.
 PROFILES["ncu"] = [(Shape(16, 32, 4096), [None, _cfg(16, 32, False, 4, 2, 2)]),
                    (Shape(128, 32, 4096), [None])]
@@ -287,9 +305,12 @@ def run_latency(profile: str, device: torch.device, ceilings: dict, deadline: fl
 
 
 def _config_label(c: DecodeConfig) -> str:
+    default = DecodeConfig()
     return (f"M{c.block_m} N{c.block_n} {'hN' if c.heads_as_n else 'st'} w{c.num_warps} s{c.num_stages} "
             f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else "")
-            + (f" min{c.min_split}" if c.min_split != 64 else "") + (f" ms{c.merge_splits}" if c.merge_splits != 8 else ""))
+            + (f" min{c.min_split}" if c.min_split != default.min_split else "")
+            + (f" ms{c.merge_splits}" if c.merge_splits != default.merge_splits else "")
+            + (f" sm{c.serial_merge_max}" if c.serial_merge_max != default.serial_merge_max else ""))
 
 
 def print_table(records: list[dict]) -> None:
@@ -298,7 +319,7 @@ def print_table(records: list[dict]) -> None:
     for r in records:
         if r["label"] not in best or r["ms"] < best[r["label"]]["ms"]:
             best[r["label"]] = r
-    print("\nshape                                 best config                          us      GB/s  copy  TFLOP/s  floor_us")
+    print(f"\n{'shape':37s} {'best config':34s} {'us':>7s} {'GB/s':>7s} {'copy':>5s} {'TFLOP/s':>7s} {'floor_us':>8s}")
     for label, r in best.items():
         print(f"{label:37s} {_config_label(DecodeConfig(**r['config'])):34s} {r['ms'] * 1e3:7.1f} {r['GBps']:7.0f} "
               f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:8.1f}")

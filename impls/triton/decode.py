@@ -35,6 +35,7 @@ KERNEL_LAYOUTS: dict[str, str | None] = {
     "bf16": None, "fp8_e4m3": "all", "fp8_ds_mla": None, "fp8_ds_mla_pow2": None, "fp4_mx16": None,
     "mxfp4_nsa": None, "nvfp4": "nope",
 }
+FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 QUERY_DTYPES = (torch.bfloat16,)
 
 
@@ -43,7 +44,8 @@ class DecodeConfig:
     """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
     on the N side of the matrix products (see decode_kernel); ``programs_per_sm`` sets the split target (SMs
     times it), ``min_split`` the fewest keys per split; ``num_splits`` forces the splits per group (tests,
-    sweeps); the merge reads ``merge_splits`` partials at a time."""
+    sweeps). The merge reads the partials one by one where no group has more than ``serial_merge_max`` splits,
+    else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits, blocks at 32-128)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -51,9 +53,10 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 1
-    min_split: int = 64
+    min_split: int = 128
     num_splits: int | None = None
     merge_splits: int = 8
+    serial_merge_max: int = 16
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -67,23 +70,24 @@ class DecodeConfig:
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> DecodeConfig:
-    """Parameters for a workload on Hopper (measurements in NOTES.md).
+    """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
 
-    64 query rows or more (heads x new tokens): 64 per program, 8 warps (the 64x512 float32 output tile needs
-    two warpgroups), 64 keys per step. 16 rows (16 heads, one token): memory-bound; the legacy mma path with
-    the queries as the 16-row side, small key tiles, deep enough pipelining that each program keeps two or three
-    tiles in flight, and two or three programs per SM. 32 rows: the keys take the wgmma's 64-row side.
+    Query rows per request (heads x new tokens) set the row block: 64 rows (128 heads, or 16 heads x 4 tokens):
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups), 64 keys per step (32 for
+    quantized caches, whose decoded tiles live in registers first). 16 or 32 rows: memory-bound; the legacy
+    mma path with 32 keys per step and two programs per SM; bf16 pipelines deeper (six stages), which
+    keeps page size 1 as fast as page size 64.
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    quantized = layout != "bf16"
+    if layout == "bf16":
+        if block_m == 64:
+            return DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8)
+        return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=6,
+                            programs_per_sm=2)
     if block_m == 64:
-        return DecodeConfig(block_m=64, block_n=32 if quantized else 64, heads_as_n=False, num_warps=8)
-    if block_m == 32:
-        return DecodeConfig(block_m=32, block_n=64, heads_as_n=True, num_warps=8)
-    if quantized:
-        return DecodeConfig(block_m=16, block_n=16, heads_as_n=False, num_warps=4, num_stages=7, programs_per_sm=2)
-    return DecodeConfig(block_m=16, block_n=32, heads_as_n=False, num_warps=4, num_stages=6, programs_per_sm=2)
+        return DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8)
+    return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=4, programs_per_sm=2)
 
 
 @dataclass
@@ -122,6 +126,10 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
     config = config or default_config(num_heads, max(q_lens), cache.layout.name)
+    if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
+        raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
+                                f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
+                                f"use block_n >= 32")
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               _sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
     scaled = KERNEL_LAYOUTS[cache.layout.name]
@@ -149,7 +157,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.nope_scale,
             plan.out_scale, plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
-            TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"), SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
+            TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
+            SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
@@ -158,7 +167,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         _merge_splits_kernel[grid](
             plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
-            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=cfg.merge_splits, INTERPRET=interpreting(),
+            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=interpreting(),
             num_warps=4)
     return plan.out, plan.lse
 
@@ -277,6 +286,12 @@ def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list
         t = int(bad.nonzero()[0, 0])
         raise ValueError(f"visible_lens[{t}] = {int(visible_lens[t])} is outside [0, kv_len = {limits[t]}]")
     return visible_lens
+
+
+def _merge_step(plan: DecodePlan) -> int:
+    """Partials the merge reads per step: 1 (one by one) for few splits, else ``merge_splits``."""
+    cfg = plan.config
+    return 1 if plan.schedule.max_splits <= cfg.serial_merge_max else cfg.merge_splits
 
 
 def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:

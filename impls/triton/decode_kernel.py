@@ -360,8 +360,9 @@ def _merge_splits_kernel(
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns, reading ``SPLITS``
-    partials at a time (independent loads, so a long list of splits is not a chain of memory latencies)."""
+    """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns. ``SPLITS`` 1 reads the
+    partials one after the other (cheapest for a few); more reads that many per step with independent loads, so
+    a long list of splits (batch 1) is not a chain of memory latencies."""
     group = tl.program_id(0)
     request = tl.load(groups + group * 4)
     row_block = tl.load(groups + group * 4 + 1)
@@ -375,26 +376,42 @@ def _merge_splits_kernel(
     rows = row_block * BLOCK_M + local
     row_ok = rows < q_len * num_heads
 
-    m = tl.full([ROWS], float("-inf"), tl.float32)  # pass 1: the largest log2-sum-exp of each row
-    for i in range(0, count, SPLITS):
-        split = i + tl.arange(0, SPLITS)
-        part = (first + split).to(tl.int64) * BLOCK_M
-        lse_i = tl.load(part_lse + part[:, None] + local[None, :], mask=(split < count)[:, None],
-                        other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse_i, 0))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([ROWS], tl.float32)            # pass 2: the weighted sum of the normalized partials
-    acc = tl.zeros([ROWS, COLS], tl.float32)
-    for i in range(0, count, SPLITS):
-        split = i + tl.arange(0, SPLITS)
-        part = (first + split).to(tl.int64) * BLOCK_M
-        ok = split < count
-        w = tl.math.exp2(tl.load(part_lse + part[:, None] + local[None, :], mask=ok[:, None],
-                                 other=float("-inf")) - m_use[None, :])
-        o = tl.load(part_out + ((part[:, None] + local[None, :]) * NOPE)[:, :, None] + cols[None, None, :],
-                    mask=ok[:, None, None], other=0.0)
-        total += tl.sum(w, 0)
-        acc += tl.sum(w[:, :, None] * o, 0)
+    if SPLITS == 1:  # few splits: one partial at a time, rescaling online
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, COLS], tl.float32)
+        for i in range(count):
+            part = (first + i).to(tl.int64) * BLOCK_M + local
+            lse_i = tl.load(part_lse + part)
+            o_i = tl.load(part_out + part[:, None] * NOPE + cols[None, :])
+            m_new = tl.maximum(m, lse_i)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_use)
+            w = tl.math.exp2(lse_i - m_use)
+            total = total * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o_i
+            m = m_new
+    else:  # many splits: SPLITS partials per step, independent loads instead of a chain of latencies
+        m = tl.full([ROWS], float("-inf"), tl.float32)  # pass 1: the largest log2-sum-exp of each row
+        for i in range(0, count, SPLITS):
+            split = i + tl.arange(0, SPLITS)
+            part = (first + split).to(tl.int64) * BLOCK_M
+            lse_i = tl.load(part_lse + part[:, None] + local[None, :], mask=(split < count)[:, None],
+                            other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse_i, 0))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([ROWS], tl.float32)            # pass 2: the weighted sum of the normalized partials
+        acc = tl.zeros([ROWS, COLS], tl.float32)
+        for i in range(0, count, SPLITS):
+            split = i + tl.arange(0, SPLITS)
+            part = (first + split).to(tl.int64) * BLOCK_M
+            ok = split < count
+            w = tl.math.exp2(tl.load(part_lse + part[:, None] + local[None, :], mask=ok[:, None],
+                                     other=float("-inf")) - m_use[None, :])
+            o = tl.load(part_out + ((part[:, None] + local[None, :]) * NOPE)[:, :, None] + cols[None, None, :],
+                        mask=ok[:, None, None], other=0.0)
+            total += tl.sum(w, 0)
+            acc += tl.sum(w[:, :, None] * o, 0)
 
     seen = total > 0.0
     o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
