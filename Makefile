@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test baseline setup clean
 
 setup: $(STAMP)
 
@@ -22,11 +22,24 @@ $(STAMP): pyproject.toml
 	fi
 	@touch $(STAMP)
 
+# The default sweep on the best device present (CUDA, else CPU with the Triton interpreter on the tiny preset):
+# results/<time>-<device>/run.json and report.html.
 run: $(STAMP)
-	$(VENV)/bin/mla-bench run --suite all --out results
+	$(VENV)/bin/mla-bench run --impl all --suite all
 
+# pytest, then the tiny CPU sweep gated against the committed baseline (the run's own exit status is left to
+# the gate, which knows failures that the baseline already had from new ones).
 test: $(STAMP)
 	$(PY) -m pytest -q
+	rm -rf results/ci-tiny
+	$(VENV)/bin/mla-bench run --impl all --suite accuracy --device cpu --out results/ci-tiny --no-report \
+		|| echo "the run reported failures: the gate decides"
+	$(VENV)/bin/mla-bench gate --baseline baselines/cpu-tiny.json results/ci-tiny/run.json
+
+# Rewrite the CPU baseline after an intended change of results (review the diff before committing it).
+baseline: $(STAMP)
+	$(VENV)/bin/mla-bench run --impl all --suite accuracy --device cpu --out results/baseline-tiny --no-report
+	mkdir -p baselines && cp results/baseline-tiny/run.json baselines/cpu-tiny.json
 
 clean:
 	rm -rf $(VENV) results

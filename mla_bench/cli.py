@@ -1,18 +1,52 @@
-"""The ``mla-bench`` command line."""
+"""The ``mla-bench`` command line: run, list, report, compare, gate.
+
+Heavy modules are imported inside the commands: ``run`` must set ``TRITON_INTERPRET`` (on a machine without
+CUDA) before anything that defines Triton kernels is imported.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
+from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from mla_bench.registry import ImplNotInstalled, discover
 
 
+class _Console:
+    """Rich output to the current stdout; wide when it is not a terminal (logs, CI), so tables do not fold."""
+
+    def print(self, *objects) -> None:
+        Console(width=None if sys.stdout.isatty() else 200).print(*objects)
+
+
+console = _Console()
+SUITE_CHOICES = ("accuracy", "roundtrip", "metadata", "equivalence", "latency", "placement", "all")
+
+
+# ---- list ---------------------------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
-    """Print every discoverable impl with its capabilities (or why it cannot load)."""
+    """Print every discoverable impl with its capabilities (or why it cannot load), or the cache layouts."""
+    from mla_bench.device import prepare
+
+    prepare("auto")  # on a machine without CUDA, impls import their Triton kernels for the interpreter
+    if args.layouts:
+        from mla_bench.layouts import LAYOUTS
+
+        table = Table(title="cache layouts")
+        for column in ("layout", "bytes/token", "description"):
+            table.add_column(column, overflow="fold")
+        for name, layout in LAYOUTS.items():
+            table.add_row(Text(name), str(layout.bytes_per_token), Text(layout.description))
+        console.print(table)
+        return 0
+    from mla_bench.registry import ImplNotInstalled, discover
+
     table = Table(title="MLA implementations")
     columns = ["impl", "origin", "modes", "layouts", "dtypes", "devices", "page sizes", "heads", "query lengths",
                "lse"]
@@ -22,17 +56,194 @@ def cmd_list(args: argparse.Namespace) -> int:
         try:
             summary = entry.load().capabilities.summary()
         except ImplNotInstalled as exc:
-            table.add_row(name, entry.origin, f"[yellow]not installed[/]: {exc}", *[""] * (len(columns) - 3))
+            table.add_row(Text(name), Text(entry.origin), Text.assemble(("not installed", "yellow"), f": {exc}"),
+                          *[""] * (len(columns) - 3))
             continue
-        table.add_row(name, entry.origin, *[summary[c] for c in columns[2:]])
-    Console().print(table)
+        table.add_row(Text(name), Text(entry.origin), *[Text(summary[c]) for c in columns[2:]])
+    console.print(table)
     return 0
 
 
+# ---- run ----------------------------------------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run suites over impls, write ``run.json`` (and ``report.html``), print the summary; 0 only if all passed."""
+    from mla_bench.device import prepare
+
+    try:
+        device = prepare(args.device)  # sets TRITON_INTERPRET on CPU before any impl is imported
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    from mla_bench.runner import RunOptions, execute
+    from mla_bench.results import save_run
+    from reports.console import failures_table, summary_table
+    from reports.hidden_costs import hidden_cost_table
+    from suites.capability import print_capability_matrix
+
+    preset = args.preset or ("tiny" if device.type == "cpu" else None)
+    options = RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device), preset=preset,
+                         modes=_split(args.mode), layouts=_split(args.layout),
+                         page_sizes=[int(p) for p in _split(args.page_size)], seed=args.seed, sweep=args.sweep,
+                         devices=[int(d) for d in _split(args.devices)], isolate=args.isolate)
+    notes: list[str] = []
+    try:
+        with _RichProgress() as progress:
+            run = execute(options, progress, notes)
+    except ValueError as exc:  # unknown impl, suite, sweep, preset, layout...
+        return _usage_error(str(exc))
+    for note in notes:
+        console.print(Text(note, style="yellow"))
+    out = Path(args.out) if args.out else Path("results") / _run_name(device)
+    path = save_run(run, out / "run.json")
+    print_capability_matrix(run.results, console)
+    if any(r.check == "hidden_cost" for r in run.results):
+        console.print(hidden_cost_table(run.results))
+    console.print(summary_table(run))
+    failures = failures_table(run)
+    if failures is not None:
+        console.print(failures)
+    console.print(f"results: {path}")
+    if not args.no_report:
+        from reports.html import write_report
+
+        console.print(f"report:  {write_report(run, out / 'report.html')}")
+    return 0 if run.ok else 1
+
+
+def _run_name(device) -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{device.type}"
+
+
+class _RichProgress:
+    """A rich progress bar over workload steps (implements ``mla_bench.runner.Progress``)."""
+
+    def __enter__(self) -> "_RichProgress":
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
+            TimeElapsedColumn
+
+        self._bar = Progress(SpinnerColumn(), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             TextColumn("{task.description}"), console=Console(stderr=True), transient=False)
+        self._bar.__enter__()
+        self._task = self._bar.add_task("starting", total=None)
+        return self
+
+    def start(self, total: int | None) -> None:
+        self._bar.update(self._task, total=total, completed=0)
+
+    def advance(self, label: str) -> None:
+        self._bar.update(self._task, advance=1, description=escape(label))
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+
+# ---- report, compare, gate --------------------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> int:
+    from reports.html import write_report
+
+    run = _load(args.run)
+    if run is None:
+        return 2
+    target = Path(args.output) if args.output else Path(args.run).with_name("report.html")
+    console.print(f"report: {write_report(run, target)}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from reports.console import compare_table
+
+    a, b = _load(args.a), _load(args.b)
+    if a is None or b is None:
+        return 2
+    console.print(compare_table(a, b, title=Text(f"{args.a} -> {args.b}").plain))
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    """Exit 1 when the run regresses against the baseline (see reports.gate), else 0."""
+    from reports.console import gate_table
+    from reports.gate import GateLimits, gate
+
+    baseline, run = _load(args.baseline), _load(args.run)
+    if baseline is None or run is None:
+        return 2
+    findings = gate(baseline, run, GateLimits(args.error_slack, args.latency_slack, args.noise_factor))
+    if findings:
+        console.print(gate_table(findings))
+    fatal = [f for f in findings if f.fatal]
+    compared = len(run.results)
+    if fatal:
+        console.print(Text(f"gate: FAILED, {len(fatal)} regression(s) in {compared} results", style="bold red"))
+        return 1
+    console.print(Text(f"gate: passed ({compared} results against {args.baseline})", style="green"))
+    return 0
+
+
+def _load(path: str):
+    from mla_bench.results import RunFileError, load_run
+
+    try:
+        return load_run(path)
+    except RunFileError as exc:
+        console.print(Text(f"error: {exc}", style="bold red"))
+        return None
+
+
+# ---- parser -------------------------------------------------------------------------------------------------------
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+def _usage_error(message: str) -> int:
+    console.print(Text(f"error: {message}", style="bold red"))
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mla-bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mla-bench", description="Correctness and performance test-bench for "
+                                     "Multi-head Latent Attention.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list implementations and their capabilities").set_defaults(func=cmd_list)
+
+    p = sub.add_parser("list", help="list implementations and their capabilities")
+    p.add_argument("--layouts", action="store_true", help="list the cache layouts instead")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("run", help="run suites over implementations, write results and a report")
+    p.add_argument("--impl", default="all", help="impl names or module:Class, comma-separated, or 'all'")
+    p.add_argument("--suite", default="accuracy", help=f"comma-separated of {', '.join(SUITE_CHOICES)}")
+    p.add_argument("--preset", help="model preset (default: tiny on CPU, the GPU sweep's presets on CUDA)")
+    p.add_argument("--mode", help="only these modes (comma-separated)")
+    p.add_argument("--layout", help="run the cache-reading workloads with these layouts (comma-separated)")
+    p.add_argument("--page-size", help="run the cache-reading workloads with these page sizes (comma-separated)")
+    p.add_argument("--sweep", help="sweep name (tiny, gpu, gpu-quick; default from the preset and device)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--devices", help="shard workloads over these GPUs, one worker process each (e.g. 0,1,2,3)")
+    p.add_argument("--isolate", action="store_true", help="run each impl in its own process (crashes become errors)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="directory for run.json and report.html (default results/<time>-<device>)")
+    p.add_argument("--no-report", action="store_true", help="write run.json only")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("report", help="write the self-contained HTML report of a run")
+    p.add_argument("run", help="run.json")
+    p.add_argument("-o", "--output", help="report path (default: report.html beside the run file)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("compare", help="table of the differences between two runs")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("gate", help="fail (exit 1) when a run regresses against a baseline")
+    p.add_argument("run")
+    p.add_argument("--baseline", required=True)
+    p.add_argument("--error-slack", type=float, default=0.25,
+                   help="allowed error increase, as a fraction of the accuracy bound (default 0.25)")
+    p.add_argument("--latency-slack", type=float, default=0.10,
+                   help="allowed relative slowdown before noise is considered (default 0.10)")
+    p.add_argument("--noise-factor", type=float, default=3.0,
+                   help="a slowdown must also exceed this many IQRs of the timings (default 3)")
+    p.set_defaults(func=cmd_gate)
     return parser
 
 

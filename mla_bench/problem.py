@@ -1,7 +1,8 @@
 """The tensors of a Workload on a device: queries, the paged cache, metadata, weights, indices.
 
 Everything is drawn from one seeded CPU generator and then moved, so a workload gives the same values on
-every device. Values are fresh random numbers (never zeros), scaled so that scores have a standard deviation
+every device. The paged cache goes to the workload's ``cache_device`` when it names one (host memory while the
+rest lives on the GPU), else with the rest. Values are fresh random numbers (never zeros), scaled so that scores have a standard deviation
 near 2: softmax is neither uniform nor one-hot. Unused cache bytes and block-table padding read as NaN.
 
 Per mode:
@@ -140,5 +141,10 @@ def _to_device(problem: Problem, device: torch.device) -> Problem:
             setattr(problem, name, value.to(device))
     problem.meta = problem.meta.to(device)
     if problem.cache is not None:
-        problem.cache = problem.cache.to(device)
+        wanted = problem.workload.cache_device or device.type
+        cache_device = device if wanted == device.type else torch.device(wanted)
+        if cache_device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"the workload puts the cache on cuda, but CUDA is not available "
+                             f"({problem.workload.label})")
+        problem.cache = problem.cache.to(cache_device)
     return problem

@@ -1,6 +1,19 @@
-"""pytest plugin (entry point ``pytest11``): registers the bench's marks."""
+"""pytest plugin (entry point ``pytest11``): the bench's marks, ``--mla-impl``, fixtures, GPU skips.
+
+- ``--mla-impl NAME`` (repeatable; a registered name or ``module:Class``) picks the impls that the conformance
+  suite (``pytest --pyargs suites -m conformance``) and the ``mla_impl`` fixture run; default: every
+  discoverable impl.
+- ``--mla-device`` (auto, cpu, cuda, cuda:N): where they run. On CPU, ``TRITON_INTERPRET=1`` is set at
+  configure time, before any test module imports a Triton kernel.
+- Tests marked ``gpu`` are skipped with a reason where CUDA is absent.
+- Fixtures: ``mla_device``, ``mla_impl`` (parametrized over the chosen impls), ``cuda_timer`` (a CUDA-event
+  clock for pytest-benchmark: ``benchmark.pedantic(...)`` after ``@pytest.mark.benchmark(timer=...)``, or
+  ``mla_bench.timing.cuda_event_timer`` directly).
+"""
 
 from __future__ import annotations
+
+import pytest
 
 MARKS = {
     "conformance": "conformance checks of an impl against the float64 reference",
@@ -16,8 +29,97 @@ MARKS = {
     "gpu": "needs a CUDA GPU",
     "slow": "slow; not part of the CI run",
 }
+MODE_MARKS = {"decode": "decode", "prefill": "prefill", "chunked_prefill": "chunked", "sparse_decode": "sparse",
+              "sparse_prefill": "sparse", "dcp": "dcp"}
+NO_GPU = "needs a CUDA GPU (none present)"
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("mla-bench")
+    group.addoption("--mla-impl", action="append", default=[], metavar="NAME",
+                    help="impl to test: a registered name or module:Class (repeatable; default: all)")
+    group.addoption("--mla-device", default="auto", help="device for mla-bench impls: auto, cpu, cuda, cuda:N")
 
 
 def pytest_configure(config) -> None:
     for name, text in MARKS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    from mla_bench.device import prepare
+
+    try:
+        config._mla_device = prepare(config.getoption("mla_device"))  # TRITON_INTERPRET on CPU, before imports
+    except ValueError as exc:
+        raise pytest.UsageError(f"--mla-device: {exc}") from None
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(NO_GPU)
+
+
+def impl_specs(config) -> list[str]:
+    """The impls chosen with ``--mla-impl``, or every discoverable one."""
+    from mla_bench.registry import discover
+
+    return list(config.getoption("mla_impl")) or sorted(discover())
+
+
+def resolve_spec(spec: str):
+    """The registry entry of ``spec``; an unknown name is a usage error naming the known ones."""
+    from mla_bench.registry import ImplNotInstalled, resolve
+
+    try:
+        return resolve(spec)
+    except ImplNotInstalled as exc:  # module:Class whose module is absent
+        raise pytest.UsageError(f"--mla-impl {spec}: {exc}") from None
+    except ValueError as exc:
+        raise pytest.UsageError(f"--mla-impl: {exc}") from None
+
+
+def workload_marks(workload) -> list:
+    """Marks of a workload: its path (decode, prefill, chunked, sparse, dcp) and fp8 / fp4 by layout."""
+    marks = [getattr(pytest.mark, MODE_MARKS[workload.mode.value])]
+    layout = workload.layout if workload.mode.uses_cache else ""
+    if "fp8" in layout:
+        marks.append(pytest.mark.fp8)
+    if "fp4" in layout:
+        marks.append(pytest.mark.fp4)
+    return marks
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if "mla_impl" in metafunc.fixturenames:
+        specs = impl_specs(metafunc.config)
+        metafunc.parametrize("mla_impl", [resolve_spec(s) for s in specs], ids=specs, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def mla_device(request):
+    """The device chosen with ``--mla-device`` (auto: CUDA when present)."""
+    return request.config._mla_device
+
+
+@pytest.fixture
+def mla_impl(request):
+    """An instance of one chosen impl (skipped, with the reason, when its package is not installed)."""
+    from mla_bench.registry import ImplNotInstalled
+
+    try:
+        return request.param.load()
+    except ImplNotInstalled as exc:
+        pytest.skip(f"not installed: {exc}")
+
+
+@pytest.fixture
+def cuda_timer():
+    """A clock in seconds read from CUDA events (skips without CUDA): for pytest-benchmark's ``timer``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(NO_GPU)
+    from mla_bench.timing import CudaEventTimer
+
+    return CudaEventTimer()

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.workload import DTYPES, INDEX_TRANSFORMS, Mode, Workload
+from mla_bench.workload import DEVICE_TYPES, DTYPES, INDEX_TRANSFORMS, Mode, Workload
 
 ENTRY_POINT_GROUP = "mla_bench.impls"
 QUERY_LEN_KINDS = ("single", "uniform", "varlen")
@@ -30,7 +30,12 @@ EMPTY_LSE = ("-inf", "+inf")
 
 BUILTIN_IMPLS: dict[str, str] = {
     "torch_eager": "impls.torch_eager:TorchEager",
+    "torch_eager_host_cache": "impls.torch_eager:TorchEagerHostCache",
     "triton_decode": "impls.triton.decode:TritonDecode",
+    "vllm_triton_mla": "impls.external.vllm_triton:VllmTritonMLA",
+    "flashinfer_mla": "impls.external.flashinfer_mla:FlashInferMLA",
+    "flashmla": "impls.external.flash_mla:FlashMLA",
+    "flashmla_sparse": "impls.external.flash_mla:FlashMLASparsePrefill",
 }
 
 
@@ -40,6 +45,12 @@ class Capabilities:
 
     ``page_sizes`` / ``head_counts`` of None mean any. ``lse_base`` is the base of the returned lse ("e" or "2");
     ``empty_lse`` what it returns for a row that sees no key ("-inf", or FlashMLA's "+inf").
+
+    Placement: ``cache_devices`` are the device types the paged cache may live on (None: only with the queries,
+    on the problem's device); ``attention_device`` is where attention runs (None: on the problem's device;
+    "cpu": on the host, whatever the problem's device). ``graph_safe`` promises that ``run`` neither synchronizes
+    the host nor allocates (outputs and workspaces come from ``plan``), so it can be captured in a CUDA graph;
+    the placement suite checks it.
     """
 
     modes: frozenset[Mode]
@@ -52,6 +63,9 @@ class Capabilities:
     index_transforms: frozenset[str] = frozenset(INDEX_TRANSFORMS)
     lse_base: str = "e"
     empty_lse: str = "-inf"
+    cache_devices: frozenset[str] | None = None
+    attention_device: str | None = None
+    graph_safe: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", frozenset(Mode(m) for m in self.modes))
@@ -64,6 +78,14 @@ class Capabilities:
             raise ValueError(f"Capabilities.lse_base must be one of {LSE_BASES}, got {self.lse_base!r}")
         if self.empty_lse not in EMPTY_LSE:
             raise ValueError(f"Capabilities.empty_lse must be one of {EMPTY_LSE}, got {self.empty_lse!r}")
+        if self.cache_devices is not None:
+            object.__setattr__(self, "cache_devices", frozenset(self.cache_devices))
+        if self.cache_devices is not None and not self.cache_devices <= set(DEVICE_TYPES):
+            raise ValueError(f"Capabilities.cache_devices: unknown values {sorted(set(self.cache_devices))}; "
+                             f"allowed {DEVICE_TYPES}")
+        if self.attention_device not in (None, *DEVICE_TYPES):
+            raise ValueError(f"Capabilities.attention_device must be None or one of {DEVICE_TYPES}, "
+                             f"got {self.attention_device!r}")
 
     def refusal(self, workload: Workload, device: torch.device | str) -> str | None:
         """Why this workload on this device is not supported, or None when it is."""
@@ -77,9 +99,12 @@ class Capabilities:
             (workload.query_len_kind in self.query_len_kinds, f"{workload.query_len_kind} query lengths"),
         ]
         if workload.mode.uses_cache:
+            cache_type = workload.cache_device or device_type
             checks += [
                 (workload.layout in self.layouts, f"layout {workload.layout}"),
                 (self.page_sizes is None or workload.page_size in self.page_sizes, f"page size {workload.page_size}"),
+                (cache_type == device_type if self.cache_devices is None else cache_type in self.cache_devices,
+                 f"cache on {cache_type} with queries on {device_type}"),
             ]
         if workload.mode.sparse:
             checks.append((workload.index_transform in self.index_transforms,
@@ -95,7 +120,13 @@ class Capabilities:
         return {"modes": names(self.modes), "layouts": names(self.layouts), "dtypes": names(self.dtypes),
                 "devices": names(self.devices), "page sizes": names(self.page_sizes),
                 "heads": names(self.head_counts), "query lengths": names(self.query_len_kinds),
-                "lse": f"base {self.lse_base}, empty {self.empty_lse}"}
+                "lse": f"base {self.lse_base}, empty {self.empty_lse}", "placement": self.placement()}
+
+    def placement(self) -> str:
+        """Where the cache lives and where attention runs, in words (for ``mla-bench list``)."""
+        cache = "with the queries" if self.cache_devices is None else "on " + ", ".join(sorted(self.cache_devices))
+        text = f"cache {cache}, attention on {self.attention_device or 'the device'}"
+        return text + (", graph-safe" if self.graph_safe else "")
 
 
 class Impl(ABC):

@@ -1,14 +1,20 @@
-"""The record every suite produces: one ``Result`` per (suite, check, impl, workload).
+"""The record every suite produces: one ``Result`` per (suite, check, impl, workload); and the run file.
 
 ``metrics`` holds numbers only (error metrics with ``kernel.`` / ``e2e.`` prefixes, timing statistics,
 counts); ``details`` holds small JSON-able extras (tolerances, tables); ``message`` the refusal reason,
 violations or traceback. Results serialize to plain JSON and load back with validation.
+
+A run file (``save_run`` / ``load_run``) is one versioned JSON object: format tag, version, environment,
+device ceilings and every Result. It may come from anyone, so loading never uses pickle or eval and checks
+every field's type; a corrupt or foreign file raises ``RunFileError``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 STATUSES = ("passed", "failed", "unsupported", "error")
@@ -46,6 +52,14 @@ class Result:
     def ok(self) -> bool:
         return self.status in ("passed", "unsupported")
 
+    @property
+    def brief(self) -> str:
+        """The message in one line: a traceback's last line (the exception), else the first line."""
+        lines = [line.strip() for line in self.message.strip().splitlines() if line.strip()]
+        if not lines:
+            return ""
+        return lines[-1] if lines[0].startswith("Traceback") else lines[0]
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         # JSON has no NaN/Inf: store them as strings and restore on load.
@@ -75,4 +89,114 @@ def _encode_number(value: float) -> float | str:
 def _decode_number(value: Any) -> Any:
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
+    return value
+
+
+# ---- run files ---------------------------------------------------------------------------------------------------
+RUN_FORMAT = "mla-bench-run"
+RUN_VERSION = 1
+
+
+class RunFileError(ValueError):
+    """A results file that is not a valid mla-bench run: corrupt, foreign, or of another version."""
+
+
+@dataclass
+class Run:
+    """One run: where it ran (environment), the device ceilings measured during it, and its Results.
+
+    ``ceilings`` maps a device name to its measured ``copy_gbps`` (read + write) and ``matmul_tflops`` (bf16).
+    """
+
+    environment: dict[str, Any]
+    results: list[Result]
+    ceilings: dict[str, dict[str, float]] = field(default_factory=dict)
+    created: str = ""
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": RUN_FORMAT, "version": RUN_VERSION, "created": self.created, "command": self.command,
+                "environment": self.environment, "ceilings": self.ceilings,
+                "results": [r.to_dict() for r in self.results]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Run":
+        """Validate and rebuild; every problem is a ``RunFileError`` saying where it is."""
+        if not isinstance(data, dict):
+            raise RunFileError(f"a run file holds a JSON object, got {type(data).__name__}")
+        if data.get("format") != RUN_FORMAT:
+            raise RunFileError(f"not an mla-bench run file (format is {data.get('format')!r}, "
+                               f"expected {RUN_FORMAT!r})")
+        if data.get("version") != RUN_VERSION:
+            raise RunFileError(f"unsupported run file version {data.get('version')!r} (this mla-bench reads "
+                               f"version {RUN_VERSION})")
+        unknown = set(data) - {"format", "version", "created", "command", "environment", "ceilings", "results"}
+        if unknown:
+            raise RunFileError(f"unknown top-level fields: {sorted(unknown)}")
+        created, command = data.get("created", ""), data.get("command", [])
+        if not isinstance(created, str):
+            raise RunFileError("'created' must be a string")
+        if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+            raise RunFileError("'command' must be a list of strings")
+        environment = data.get("environment")
+        if not isinstance(environment, dict) or not all(
+                isinstance(v, (str, int, float, bool)) or v is None for v in environment.values()):
+            raise RunFileError("'environment' must be an object of strings, numbers, booleans or nulls")
+        ceilings = data.get("ceilings", {})
+        if not isinstance(ceilings, dict) or not all(
+                isinstance(c, dict) and all(_is_number(v) for v in c.values()) for c in ceilings.values()):
+            raise RunFileError("'ceilings' must map device names to objects of numbers")
+        results = data.get("results")
+        if not isinstance(results, list):
+            raise RunFileError("'results' must be a list")
+        parsed = []
+        for i, item in enumerate(results):
+            try:
+                parsed.append(Result.from_dict(item))
+            except (TypeError, ValueError) as exc:
+                raise RunFileError(f"results[{i}]: {exc}") from None
+        return cls(environment=environment, results=parsed, ceilings=ceilings, created=created, command=command)
+
+
+def save_run(run: Run, path: str | Path) -> Path:
+    """Write ``run`` as strict JSON (non-finite numbers in details become strings)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _json_safe(run.to_dict())
+    path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def load_run(path: str | Path) -> Run:
+    """Read and validate a run file; ``RunFileError`` (naming the file) when it is corrupt or foreign."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunFileError(f"{path}: cannot read ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RunFileError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        return Run.from_dict(data)
+    except RunFileError as exc:
+        raise RunFileError(f"{path}: {exc}") from None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
     return value

@@ -5,6 +5,10 @@ A ``Workload`` is a frozen, validated, hashable record. It prints as one line
 Per request, ``kv_lens`` counts every key the queries may see (context plus the new tokens, vLLM's
 ``seq_lens``); query ``i`` of a request sees keys ``j <= kv_len - q_len + i``. A request with
 ``kv_len == 0`` is padding: its rows attend nothing and give out 0, lse -inf.
+
+``cache_device`` says where the paged cache lives: None (the default) with the queries on the problem's device,
+or a device type ("cpu": host memory, the queries and outputs on the GPU). Left unset it appears neither in the
+label nor in the JSON, so existing workloads keep their labels and keys.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Mode(str, Enum):
 
 INDEX_TRANSFORMS = ("paged", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def query_len_kind(q_lens: tuple[int, ...]) -> str:
@@ -80,6 +85,7 @@ class Workload:
     dcp_interleave: int = 1
     chunk_size: int | None = None
     seed: int = 0
+    cache_device: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse_mode(self.mode))
@@ -116,6 +122,10 @@ class Workload:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.cache_device not in (None, *DEVICE_TYPES):
+            raise ValueError(f"cache_device must be None or one of {DEVICE_TYPES}, got {self.cache_device!r}")
+        if self.cache_device is not None and not self.mode.uses_cache:
+            raise ValueError(f"cache_device is only for modes that read the cache, not {self.mode.value}")
         self._validate_mode_fields()
 
     def _validate_mode_fields(self) -> None:
@@ -186,6 +196,8 @@ class Workload:
             parts.append(f"mcc{self.chunk_size}")
         if self.seed:
             parts.append(f"seed{self.seed}")
+        if self.cache_device:
+            parts.append(f"cache-{self.cache_device}")
         if len(set(self.q_lens)) > 1 or len(set(self.kv_lens)) > 1:
             parts.append("#" + self.key[:6])
         return " ".join(parts)
@@ -213,6 +225,8 @@ class Workload:
         data["mode"] = self.mode.value
         data["q_lens"] = list(self.q_lens)
         data["kv_lens"] = list(self.kv_lens)
+        if self.cache_device is None:
+            del data["cache_device"]  # unset: the JSON (and so the key) of a workload stays as before the field
         return data
 
     @classmethod

@@ -10,8 +10,8 @@ from reference.dcp import dcp_latent_mqa
 from reference.expected import Expected, expected
 from reference.merge import merge_attn_states, merge_many
 from reference.mha import mha_attention
-from reference.sparse import sparse_latent_mqa
+from reference.sparse import indexed_latent_mqa, sparse_latent_mqa
 
-__all__ = ["Expected", "attend", "chunked_prefill", "dcp_latent_mqa", "expected", "latent_mqa", "merge_attn_states",
-           "merge_many", "mha_attention", "paged_latent_mqa", "prefill_with_context", "ragged_attention",
-           "sparse_latent_mqa"]
+__all__ = ["Expected", "attend", "chunked_prefill", "dcp_latent_mqa", "expected", "indexed_latent_mqa", "latent_mqa",
+           "merge_attn_states", "merge_many", "mha_attention", "paged_latent_mqa", "prefill_with_context",
+           "ragged_attention", "sparse_latent_mqa"]

@@ -34,7 +34,7 @@ def latent_tokens(problem: Problem, source: str) -> torch.Tensor:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if source == "original" or problem.cache is None:
         return problem.kv.double()
-    return gather_cache(problem.cache, problem.meta.token_slots)
+    return gather_cache(problem.cache, problem.meta.token_slots).to(problem.device)  # the cache may live elsewhere
 
 
 def expected(problem: Problem, source: str = "cache") -> Expected:

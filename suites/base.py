@@ -6,12 +6,13 @@ results; a suite never exits the process and never lets one impl's crash stop th
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 import torch
 
-from mla_bench.registry import ImplEntry
+from mla_bench.registry import Impl, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
 
 
@@ -27,10 +28,33 @@ class RunContext:
     page_sizes: list[int] = field(default_factory=list)
     seed: int = 0
     progress: Callable[[str], None] = lambda label: None  # called once per unit of work, for the progress bar
+    sweep: str | None = None  # a name in suites.sweeps.SWEEPS; None: the default for the preset and device
+    shard: int = 0            # this worker's index when workloads are sharded over GPUs (suites.sweeps.shard)
+    shards: int = 1
 
 
 class Suite(Protocol):
+    """A named generator of Results. A suite that splits its workloads with ``suites.sweeps.shard`` sets
+    ``shardable = True`` (the runner then runs it on every GPU); others run once, on the first worker.
+    A suite may define ``workloads(ctx)`` so the progress bar knows its length."""
+
     name: str
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
         """Yield one Result per check."""
+
+
+def load_impls(ctx: RunContext, suite: str) -> tuple[list[Impl], list[Result]]:
+    """Instantiate the context's impls. One that is not installed gives an ``unsupported`` Result with the
+    reason, one that fails to load an ``error`` Result with the traceback; neither stops the others."""
+    impls, results = [], []
+    for entry in ctx.impls:
+        try:
+            impls.append(entry.load())
+        except ImplNotInstalled as exc:
+            results.append(Result(suite, suite, "unsupported", impl=entry.name, label="(all workloads)",
+                                  message=f"not installed: {exc}"))
+        except Exception:  # noqa: BLE001 - a broken impl is a result, not a crash of the run
+            results.append(Result(suite, suite, "error", impl=entry.name, label="(all workloads)",
+                                  message=f"could not load {entry.target}:\n{traceback.format_exc()}"))
+    return impls, results

@@ -1,9 +1,10 @@
 """Conformance of the Triton paged MLA decode (``triton_decode``) against the float64 reference.
 
-Without a GPU the kernels run in Triton's interpreter (``impls.triton`` turns ``TRITON_INTERPRET`` on before any
-kernel module is imported), on the tiny preset's real 512/64 dims. Every cache layout, page size and
-query-length mode is judged at least once, with 4 heads (padded to a 16-row block) and 16; forced splits
-exercise the LSE merge; planted bugs prove the judge fails a wrong kernel; bad input is refused by ``plan``.
+Without a GPU the kernels run in Triton's interpreter (the test session sets ``TRITON_INTERPRET`` before any
+kernel module is imported: tests/conftest.py, mla_bench's pytest plugin), on the tiny preset's real 512/64 dims.
+Every cache layout, page size and query-length mode is judged at least once, with 4 heads (padded to a 16-row
+block) and 16; forced splits exercise the LSE merge; planted bugs prove the judge fails a wrong kernel; bad input
+is refused by ``plan``.
 """
 
 from __future__ import annotations

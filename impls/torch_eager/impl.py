@@ -49,9 +49,7 @@ class TorchEager(Impl):
     def run(self, plan: TorchEagerPlan) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan.problem
         if p.workload.mode is Mode.DECODE:
-            cache_rows = p.cache.rows().view(torch.bfloat16)
-            keys = [cache_rows[slots] for slots in plan.request_slots]
-            return _attention(p, keys, [k[:, :NOPE_DIM] for k in keys])
+            return decode(p, p.q, plan.request_slots)
         starts = cumulative(list(p.meta.kv_lens))
         heads = p.q.shape[1]
         keys, values = [], []
@@ -60,16 +58,25 @@ class TorchEager(Impl):
             k_pe = p.k_pe[rows][:, None, :].expand(-1, heads, -1)
             keys.append(torch.cat([p.k_nope[rows], k_pe], dim=-1))
             values.append(p.v[rows])
-        return _attention(p, keys, values)
+        return _attention(p, p.q, keys, values)
 
 
-def _attention(p: Problem, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention request by request. ``keys[b]`` / ``values[b]`` are ``[N, D]`` (one head shared by all
-    query heads: MQA) or ``[N, H, D]`` (MHA)."""
-    dtype = p.q.dtype
-    heads = p.q.shape[1]
-    out = torch.zeros(p.q.shape[0], heads, p.out_dim, dtype=dtype, device=p.q.device)
-    lse = torch.full((p.q.shape[0], heads), float("-inf"), dtype=torch.float32, device=p.q.device)
+def decode(p: Problem, q: torch.Tensor, request_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed decode of queries ``q`` over the cache slots of each request, on the device of ``q`` (which must
+    hold the cache and the slots)."""
+    cache_rows = p.cache.rows().view(torch.bfloat16)
+    keys = [cache_rows[slots] for slots in request_slots]
+    return _attention(p, q, keys, [k[:, :NOPE_DIM] for k in keys])
+
+
+def _attention(p: Problem, q_all: torch.Tensor, keys: list[torch.Tensor],
+               values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention request by request, on the device of ``q_all``. ``keys[b]`` / ``values[b]`` are ``[N, D]``
+    (one head shared by all query heads: MQA) or ``[N, H, D]`` (MHA)."""
+    dtype = q_all.dtype
+    heads = q_all.shape[1]
+    out = torch.zeros(q_all.shape[0], heads, p.out_dim, dtype=dtype, device=q_all.device)
+    lse = torch.full((q_all.shape[0], heads), float("-inf"), dtype=torch.float32, device=q_all.device)
     q_starts = cumulative(list(p.meta.q_lens))
     for b, (q_len, kv_len) in enumerate(zip(p.meta.q_lens, p.meta.kv_lens)):
         if q_len == 0 or kv_len == 0:
@@ -80,7 +87,7 @@ def _attention(p: Problem, keys: list[torch.Tensor], values: list[torch.Tensor])
         step = max(1, _BLOCK_ELEMENTS // (heads * kv_len))
         for r0 in range(0, q_len, step):
             rows = slice(q_starts[b] + r0, q_starts[b] + min(q_len, r0 + step))
-            q = p.q[rows].float()
+            q = q_all[rows].float()
             scores = (torch.einsum("mhd,nd->hmn", q, k) if shared else torch.einsum("mhd,nhd->hmn", q, k)) * p.scale
             frontier = kv_len - q_len + torch.arange(r0, r0 + q.shape[0], device=q.device)
             masked = torch.arange(kv_len, device=q.device)[None, :] > frontier[:, None]

@@ -6,6 +6,9 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
+On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
+(``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
+
 Other code calls the kernel directly with ``plan_decode(...)`` / ``run_decode(plan)`` or ``mla_decode(...)``;
 decode context parallel runs it over a KV shard with ``visible_lens`` (per query token, the number of leading
 keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``).
@@ -18,8 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
-from impls.triton import interpreting
 from impls.triton.decode_kernel import LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
 from mla_bench.errors import UnsupportedConfig
@@ -37,6 +40,8 @@ KERNEL_LAYOUTS: dict[str, str | None] = {
 }
 FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 QUERY_DTYPES = (torch.bfloat16,)
+# The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
+INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
             TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=interpreting(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
         rows, cols = plan.merge_tile
@@ -167,7 +172,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         _merge_splits_kernel[grid](
             plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
-            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=interpreting(),
+            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=INTERPRETED,
             num_warps=4)
     return plan.out, plan.lse
 
@@ -198,7 +203,7 @@ class TritonDecode(Impl):
 
     def refusal(self, problem: Problem) -> str | None:
         reason = super().refusal(problem)
-        if reason is None and problem.device.type == "cpu" and not interpreting():
+        if reason is None and problem.device.type == "cpu" and not INTERPRETED:
             reason = "device cpu without TRITON_INTERPRET"
         return reason
 
@@ -226,7 +231,7 @@ def _check_supported(q: torch.Tensor, cache: PagedCache) -> None:
                                 f"got {list(q.shape)}")
     if q.dtype not in QUERY_DTYPES:
         raise UnsupportedConfig(f"triton_decode: query dtype {q.dtype} (supported: bfloat16)")
-    if q.device.type == "cpu" and not interpreting():
+    if q.device.type == "cpu" and not INTERPRETED:
         raise UnsupportedConfig("triton_decode: CPU tensors need TRITON_INTERPRET=1")
 
 

@@ -27,6 +27,8 @@ class CacheLayout(ABC):
     bytes_per_token: int
     description: str
     needs_tensor_scale: bool = False
+    # Columns that share a scale, in kv_c and in k_pe: a NaN/Inf input spreads over its block (1: per element).
+    scale_blocks: tuple[int, int] = (1, 1)
 
     def fit_tensor_scale(self, x: torch.Tensor) -> float | None:
         """The per-layer scale for values ``x`` (None for layouts without one)."""
@@ -50,6 +52,12 @@ class CacheLayout(ABC):
         if self.needs_tensor_scale:
             check_tensor_scale(self.name, tensor_scale)
         return self._decode(raw, tensor_scale)
+
+    @abstractmethod
+    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        """The format's stated accuracy: the largest ``|x - dequantize(quantize(x))|`` allowed per element (float64
+        ``[N, 576]``) for finite ``x``, derived from the values alone (never from the scales a codec stored, so a
+        wrong scale cannot hide behind its own bound)."""
 
     @abstractmethod
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts.base import LATENT_DIM, CacheLayout
-from mla_bench.layouts.formats import bf16_bytes, bf16_from_bytes
+from mla_bench.layouts.formats import bf16_bytes, bf16_error_bound, bf16_from_bytes
 
 
 class BF16Layout(CacheLayout):
     name = "bf16"
     bytes_per_token = 2 * LATENT_DIM
     description = "[kv_c 512 | k_pe 64] bfloat16; exact for bfloat16 inputs (all engines)"
+
+    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        return bf16_error_bound(x)
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         return bf16_bytes(x)

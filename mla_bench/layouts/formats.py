@@ -17,15 +17,17 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between consecutive e2m1 magnitudes: a value at or past bound i rounds to magnitude i + 1.
 E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 UE8M0_NAN = 0xFF
+E4M3_NAN = 0x7F  # the one NaN code the codecs write (a NaN's sign is not portable across devices)
+BF16_NAN = 0x7FC0  # likewise for bfloat16 (torch on CPU writes 0x7FC0, CUDA's cvt 0x7FFF)
 
 
 def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
-    """float32 values -> e4m3fn bytes, round to nearest even, saturating at +-448 (CUDA's SATFINITE); NaN stays
-    NaN (0x7F / 0xFF) and +-Inf becomes NaN, since e4m3fn has no infinity."""
+    """float32 values -> e4m3fn bytes as CUDA's SATFINITE conversion: round to nearest even, anything beyond
+    +-448 (+-Inf too) saturates to +-448, NaN becomes ``E4M3_NAN``. Codecs that must propagate an Inf *input*
+    mark it NaN themselves (an overflowing quotient of finite inputs saturates, as in the engines)."""
     values = values.float()
     encoded = values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    nan_code = torch.where(torch.signbit(values), 0xFF, 0x7F).to(torch.uint8)
-    return torch.where(torch.isfinite(values), encoded, nan_code)
+    return torch.where(torch.isnan(values), E4M3_NAN, encoded).to(torch.uint8)
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -90,8 +92,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_bytes(values: torch.Tensor) -> torch.Tensor:
-    """Values -> bfloat16 (round to nearest even) -> ``[..., 2 * n]`` little-endian bytes."""
-    return values.to(torch.bfloat16).contiguous().view(torch.uint8)
+    """Values -> bfloat16 (round to nearest even; every NaN as ``BF16_NAN``) -> ``[..., 2 * n]`` little-endian
+    bytes."""
+    bits = values.to(torch.bfloat16).contiguous().view(torch.int16)
+    bits = torch.where(torch.isnan(values), BF16_NAN, bits).to(torch.int16)
+    return bits.view(torch.uint8)
 
 
 def bf16_from_bytes(raw: torch.Tensor) -> torch.Tensor:
@@ -104,3 +109,29 @@ def f32_bytes(values: torch.Tensor) -> torch.Tensor:
 
 def f32_from_bytes(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float32).double()
+
+
+# ---- stated accuracy: the largest |x - decode(encode(x))| each format allows, in float64 -----------------------
+# A factor 1 + 2^-20 absorbs the fp32 roundings of the quotients and products the codecs compute.
+SLACK = 1 + 2.0 ** -20
+
+
+def bf16_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """Rounding to bfloat16: 0 where ``x`` is a bfloat16 number, else half an ulp (2^-8 relative, 2^-134 absolute
+    below the normal range)."""
+    x = x.double()
+    representable = x == x.to(torch.bfloat16).double()
+    return torch.where(representable, 0.0, x.abs() * 2.0 ** -8 * SLACK + 2.0 ** -134)
+
+
+def e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e4m3(x / scale) * scale`` for a scale at most ``scale``: half an e4m3 step (2^-4 relative, 2^-10 scale in
+    the subnormal range), plus the saturation error past ``448 * scale``."""
+    magnitude, limit = x.double().abs(), E4M3_MAX * scale
+    return (2.0 ** -4 * torch.minimum(magnitude, limit) + 2.0 ** -10 * scale) * SLACK + (magnitude - limit).clamp(min=0)
+
+
+def e2m1_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e2m1(x / s) * s`` for a block scale ``s <= scale`` with ``|x| <= 6 s``: half the grid spacing, at most
+    ``0.25 * max(s, |x|)`` (spacing s/2 below 2s, s up to 4s, 2s up to 6s)."""
+    return 0.25 * torch.maximum(scale, x.double().abs()) * SLACK

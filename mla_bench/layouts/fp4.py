@@ -9,8 +9,9 @@
   e4m3 rounding of ``amax / (6 g)`` (SGLang's writer instead searches five nearby scales for the least squared
   error; the bytes decode the same way).
 
-MX codecs round midpoints away from zero; nvfp4 rounds to nearest even. A block whose amax is NaN/Inf gets
-the NaN scale (ue8m0 0xFF), so it decodes as NaN.
+MX codecs round midpoints away from zero; nvfp4 rounds to nearest even. A block holding a NaN/Inf input gets
+the NaN scale (ue8m0 0xFF, e4m3 0x7F) and all-zero codes, so it decodes as NaN and its bytes do not depend on
+the device.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
-from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, UE8M0_NAN, bf16_bytes, bf16_from_bytes, ceil_log2,
-                                       e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, pack_nibbles,
-                                       ue8m0_decode, unpack_nibbles)
+from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, SLACK, UE8M0_NAN, bf16_bytes,
+                                       bf16_error_bound, bf16_from_bytes, ceil_log2, e2m1_decode, e2m1_encode,
+                                       e2m1_error_bound, e4m3_decode, e4m3_encode, pack_nibbles, ue8m0_decode,
+                                       unpack_nibbles)
 
 
 def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,9 +34,19 @@ def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tup
     amax = blocks.abs().amax(dim=-1)
     target = torch.clamp(amax / E2M1_MAX, min=1e-10) if floor_after_divide else torch.clamp(amax, min=1e-12) / E2M1_MAX
     exponent = ceil_log2(target)
+    finite = torch.isfinite(amax)
     codes = e2m1_encode(blocks, torch.exp2(exponent.float())[..., None], ties="away")
-    scale_bytes = torch.where(torch.isfinite(amax), exponent + 127, UE8M0_NAN).to(torch.uint8)
+    codes = torch.where(finite[..., None], codes, 0)
+    scale_bytes = torch.where(finite, exponent + 127, UE8M0_NAN).to(torch.uint8)
     return pack_nibbles(codes.reshape(values.shape[0], -1)), scale_bytes
+
+
+def mx_error_bound(values: torch.Tensor, block: int, floor_after_divide: bool) -> torch.Tensor:
+    """The MX scale is the power of two at or above its target, so at most twice the target."""
+    blocks = values.double().reshape(values.shape[0], -1, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    target = (amax / E2M1_MAX).clamp(min=1e-10) if floor_after_divide else amax.clamp(min=1e-12) / E2M1_MAX
+    return e2m1_error_bound(blocks, 2 * target * SLACK).reshape(values.shape[0], -1)
 
 
 def mx_decode(packed: torch.Tensor, scale_bytes: torch.Tensor, block: int) -> torch.Tensor:
@@ -46,6 +58,10 @@ class FP4MX16Layout(CacheLayout):
     name = "fp4_mx16"
     bytes_per_token = LATENT_DIM // 2 + LATENT_DIM // 16
     description = "[288 packed e2m1 (all 576, rope too) | 36 ue8m0 scales per 16] (SGLang MLATokenToKVPoolFP4)"
+    scale_blocks = (16, 16)
+
+    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        return mx_error_bound(x, 16, floor_after_divide=True)
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         packed, scales = mx_encode(x, 16, floor_after_divide=True)
@@ -59,6 +75,11 @@ class MXFP4NSALayout(CacheLayout):
     name = "mxfp4_nsa"
     bytes_per_token = NOPE_DIM // 2 + NOPE_DIM // 32 + 2 * ROPE_DIM
     description = "[256 packed e2m1 nope | 16 ue8m0 scales per 32 | 64 bf16 rope] (SGLang NSA fp4)"
+    scale_blocks = (32, 1)
+
+    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        nope = mx_error_bound(x[:, :NOPE_DIM], 32, floor_after_divide=False)
+        return torch.cat([nope, bf16_error_bound(x[:, NOPE_DIM:])], dim=1)
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         packed, scales = mx_encode(x[:, :NOPE_DIM], 32, floor_after_divide=False)
@@ -76,6 +97,20 @@ class NVFP4Layout(CacheLayout):
     description = ("[256 packed e2m1 nope | 32 e4m3 scales per 16 | 64 bf16 rope] + fp32 global scale per layer "
                    "(SGLang GLM DSA)")
     needs_tensor_scale = True
+    scale_blocks = (16, 1)
+
+    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+        """Block scale ``s = e4m3(amax / 6g) * g``: at most ``amax / 6 * (1 + 2^-4) + 2^-10 g`` (e4m3 rounding), and
+        when it rounds down the largest values saturate by up to ``2^-4 |x|`` more; past ``6 * 448 * g`` the
+        saturation error."""
+        g = float(torch.tensor(tensor_scale, dtype=torch.float32))
+        blocks = x[:, :NOPE_DIM].double().reshape(-1, NOPE_DIM // 16, 16)
+        magnitude = blocks.abs()
+        scale = magnitude.amax(dim=-1, keepdim=True) / E2M1_MAX * (1 + 2.0 ** -4) + 2.0 ** -10 * g
+        limit = E2M1_MAX * E4M3_MAX * g
+        bound = (e2m1_error_bound(blocks.clamp(-limit, limit), scale.clamp(max=E4M3_MAX * g))
+                 + (2.0 ** -4 * magnitude + E2M1_MAX * 2.0 ** -10 * g) * SLACK + (magnitude - limit).clamp(min=0))
+        return torch.cat([bound.reshape(-1, NOPE_DIM), bf16_error_bound(x[:, NOPE_DIM:])], dim=1)
 
     def fit_tensor_scale(self, x: torch.Tensor) -> float:
         """``amax / (6 * 448)`` over the nope values, so the largest block scale is e4m3's largest value."""
@@ -88,7 +123,7 @@ class NVFP4Layout(CacheLayout):
         g = torch.tensor(tensor_scale, dtype=torch.float32, device=x.device)
         blocks = x[:, :NOPE_DIM].float().reshape(-1, NOPE_DIM // 16, 16)
         amax = blocks.abs().amax(dim=-1)
-        scale_codes = e4m3_encode(amax / (E2M1_MAX * g))
+        scale_codes = torch.where(torch.isfinite(amax), e4m3_encode(amax / (E2M1_MAX * g)), E4M3_NAN).to(torch.uint8)
         denominator = scale_codes.view(torch.float8_e4m3fn).float() * g
         codes = e2m1_encode(blocks, denominator[..., None], ties="even").reshape(-1, NOPE_DIM)
         return torch.cat([pack_nibbles(codes), scale_codes, bf16_bytes(x[:, NOPE_DIM:])], dim=1)

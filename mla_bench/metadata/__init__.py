@@ -1,6 +1,7 @@
 """Paged metadata: the block table and length arrays every MLA kernel reads.
 
-``reference`` holds the plain builders; ``PagedMetadata`` bundles what a Problem carries.
+``reference`` holds the plain builders (the ground truth), ``fast`` the vectorized device builders with no host
+synchronization (checked against them by the metadata suite); ``PagedMetadata`` bundles what a Problem carries.
 """
 
 from __future__ import annotations

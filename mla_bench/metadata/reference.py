@@ -2,7 +2,12 @@
 
 Conventions (vLLM / FlashInfer): ``query_start_loc`` (``qo_indptr``) ``[B+1]``, ``seq_lens`` ``[B]``,
 block table ``[B, max_blocks]`` int32, slot = ``block * page_size + offset``, token page table
-``page_table_1[b, j] = block_table[b, j // ps] * ps + j % ps``.
+``page_table_1[b, j] = block_table[b, j // ps] * ps + j % ps``. The new tokens of a step are the last ``q_len``
+positions of each request (``kv_len - q_len + i``). Slots are int64; a slot of -1 means "no token" (padding, or
+a token another DCP rank holds).
+
+``mla_bench.metadata.fast`` builds the same tensors on the device without host synchronization; these are the
+ground truth it is checked against.
 """
 
 from __future__ import annotations
@@ -31,20 +36,30 @@ def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Ge
     """
     if spare_blocks < 1:
         raise ValueError("spare_blocks must be >= 1: padding entries need a page no request owns")
+    num_blocks = sum(blocks_needed(n, page_size) for n in kv_lens) + spare_blocks
+    pool = torch.randperm(num_blocks, generator=generator)
+    return assign_blocks(kv_lens, page_size, pool), num_blocks
+
+
+def assign_blocks(kv_lens: list[int], page_size: int, pool: torch.Tensor) -> torch.Tensor:
+    """The block table when request after request takes its pages from the front of ``pool`` (a permutation of
+    the block ids); entry ``j`` past request ``b``'s last page is spare page ``(b + j) % spares`` of the pages
+    left over. Width: the most pages any request needs (at least 1)."""
     needed = [blocks_needed(n, page_size) for n in kv_lens]
-    num_blocks = sum(needed) + spare_blocks
-    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    pool = pool.tolist()
+    if len(pool) <= sum(needed):
+        raise ValueError(f"a pool of {len(pool)} blocks leaves no spare page after the {sum(needed)} the requests need")
     spare = pool[sum(needed):]
     width = max(max(needed), 1)
     rows, start = [], 0
     for b, n in enumerate(needed):
         rows.append(pool[start:start + n] + [spare[(b + j) % len(spare)] for j in range(n, width)])
         start += n
-    return torch.tensor(rows, dtype=torch.int32), num_blocks
+    return torch.tensor(rows, dtype=torch.int32)
 
 
 def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_size: int) -> torch.Tensor:
-    """Physical slots of request ``b``'s tokens: ``page_table_1[b, :kv_len]`` (int64)."""
+    """Physical slots of request ``b``'s tokens: ``page_table_1[b, :kv_len]`` (int64, on the block table's device)."""
     positions = torch.arange(kv_len, dtype=torch.int64, device=block_table.device)
     return block_table[b].long()[positions // page_size] * page_size + positions % page_size
 
@@ -55,9 +70,63 @@ def flat_token_slots(block_table: torch.Tensor, kv_lens: list[int], page_size: i
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
+def token_page_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int) -> torch.Tensor:
+    """``page_table_1`` ``[B, max kv_len]`` (int64): the slot of each request's token ``j``, -1 past its length."""
+    table = torch.full((len(kv_lens), max(kv_lens, default=0)), -1, dtype=torch.int64)
+    for b, n in enumerate(kv_lens):
+        table[b, :n] = request_token_slots(block_table, b, n, page_size)
+    return table
+
+
+def slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slots of the step's new tokens (the last ``q_len`` positions of each request), request after request; -1 for
+    the queries of a padding request (``kv_len == 0``), which store nothing."""
+    slots = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        row = block_table[b].tolist()
+        positions = range(kv_len - q_len, kv_len) if kv_len else [-1] * q_len  # a padding request stores nothing
+        slots += [row[p // page_size] * page_size + p % page_size if p >= 0 else -1 for p in positions]
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def flashinfer_csr(kv_lens: list[int], block_table: torch.Tensor,
+                   page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's paged KV as CSR, int32: ``kv_indptr`` ``[B+1]`` (page offsets), ``kv_indices`` (each request's
+    pages in order) and ``kv_last_page_len`` ``[B]`` (tokens in the last page; 0 for a request with no page)."""
+    pages = [blocks_needed(n, page_size) for n in kv_lens]
+    rows = block_table.tolist()
+    indices = [page for row, n in zip(rows, pages) for page in row[:n]]
+    last = [n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)]
+    return (torch.tensor(cumulative(pages), dtype=torch.int32), torch.tensor(indices, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32))
+
+
+def block_table_from_csr(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, width: int) -> torch.Tensor:
+    """The owned part of a block table back from FlashInfer's CSR; entries past a request's pages are -1."""
+    rows = []
+    for b in range(kv_indptr.numel() - 1):
+        pages = kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])].tolist()
+        rows.append(pages + [-1] * (width - len(pages)))
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+
+
+def block_table_from_token_table(table: torch.Tensor, kv_lens: list[int], page_size: int, width: int) -> torch.Tensor:
+    """The owned part of a block table back from ``page_table_1``: page ``j`` is the slot of token ``j * ps`` over
+    ``ps``; entries past a request's pages are -1."""
+    out = torch.full((len(kv_lens), width), -1, dtype=torch.int32)
+    for b, n in enumerate(kv_lens):
+        for j in range(blocks_needed(n, page_size)):
+            out[b, j] = int(table[b, j * page_size]) // page_size
+    return out
+
+
 def max_qo_len(q_lens: list[int]) -> int:
     """The longest query of the batch (not the last request's: ATOM shipped that bug)."""
     return max(q_lens)
+
+
+def max_kv_len(kv_lens: list[int]) -> int:
+    return max(kv_lens)
 
 
 def transform_indices_paged(topk_indices: torch.Tensor, q_lens: list[int], kv_lens: list[int],
@@ -96,3 +165,50 @@ def dcp_local_len(kv_len: int, rank: int, world: int, interleave: int) -> int:
     base = (kv_len // interleave // world) * interleave
     rem = kv_len - base * world
     return base + min(max(rem - rank * interleave, 0), interleave)
+
+
+def dcp_local_position(position: int, world: int, interleave: int) -> int:
+    """Where global token ``position`` sits among the tokens its rank holds (they keep their global order)."""
+    return (position // (interleave * world)) * interleave + position % interleave
+
+
+def check_dcp(page_size: int, world: int, interleave: int) -> None:
+    """DCP layouts this bench (and vLLM) support: the interleave divides the page size."""
+    if world < 1 or interleave < 1 or page_size % interleave:
+        raise ValueError(f"DCP needs world >= 1 and an interleave that divides the page size; got world={world}, "
+                         f"interleave={interleave}, page_size={page_size}")
+
+
+def dcp_slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.Tensor, page_size: int, rank: int,
+                     world: int, interleave: int) -> torch.Tensor:
+    """Slots on ``rank`` of the step's new tokens: a token the rank holds goes to its local position in the
+    request's pages (every rank uses the same block table); tokens other ranks hold get -1."""
+    check_dcp(page_size, world, interleave)
+    slots = []
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        positions = range(kv_len - q_len, kv_len) if kv_len else [-1] * q_len  # a padding request stores nothing
+        for position in positions:
+            if position < 0 or dcp_rank_of_position(position, world, interleave) != rank:
+                slots.append(-1)
+                continue
+            local = dcp_local_position(position, world, interleave)
+            slots.append(int(block_table[b, local // page_size]) * page_size + local % page_size)
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def build_step(q_lens: list[int], kv_lens: list[int], block_table: torch.Tensor,
+               page_size: int) -> dict[str, torch.Tensor]:
+    """Everything a decode/prefill step needs, built on the host (the ground truth of ``fast.build_step``)."""
+    kv_indptr, kv_indices, last_page_len = flashinfer_csr(kv_lens, block_table, page_size)
+    return {
+        "query_start_loc": torch.tensor(cumulative(q_lens), dtype=torch.int32),
+        "kv_start_loc": torch.tensor(cumulative(kv_lens), dtype=torch.int32),
+        "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
+        "slot_mapping": slot_mapping(q_lens, kv_lens, block_table, page_size),
+        "kv_indptr": kv_indptr,
+        "kv_indices": kv_indices,
+        "kv_last_page_len": last_page_len,
+        "token_slots": flat_token_slots(block_table, kv_lens, page_size),
+        "max_qo_len": torch.tensor(max_qo_len(q_lens), dtype=torch.int32),
+        "max_kv_len": torch.tensor(max_kv_len(kv_lens), dtype=torch.int32),
+    }

@@ -1,0 +1,68 @@
+"""What a workload costs: bytes it must move and FLOPs it must do (the numerators of GB/s and TFLOP/s).
+
+Bytes = cache bytes of the tokens each request really reads (``bytes_per_token`` of the layout; sparse: only
+the valid top-k entries of each query token; prefill: the q/k/v tensors) + the queries + the outputs (out in
+the compute dtype, lse in float32). FLOPs count only the keys each query token sees:
+absorbed paths ``2 * visible * (576 + 512)`` per head per query token (QK^T over 576, PV over 512), MHA paths
+``2 * visible * (192 + 128)``. Chunked prefill counts its attention only, not the up-projection of the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mla_bench.layouts import get_layout
+from mla_bench.workload import Mode, Workload
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+LSE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes: int
+    flops: int
+
+    def gbps(self, ms: float) -> float:
+        return self.bytes / (ms * 1e-3) / 1e9
+
+    def tflops(self, ms: float) -> float:
+        return self.flops / (ms * 1e-3) / 1e12
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte (the roofline's x axis)."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+def visible_keys(w: Workload) -> list[int]:
+    """Keys each query token sees, request after request (causal: query i of a request sees
+    ``kv_len - q_len + i + 1``; sparse: the valid top-k entries, ``min(topk, causally visible)``)."""
+    visible = []
+    for q_len, kv_len in zip(w.q_lens, w.kv_lens):
+        for i in range(q_len):
+            seen = max(kv_len - q_len + i + 1, 0) if kv_len else 0
+            visible.append(min(seen, w.topk) if w.mode.sparse else seen)
+    return visible
+
+
+def cost(w: Workload) -> Cost:
+    """Bytes and FLOPs of one step of ``w`` (see the module docstring)."""
+    dims, heads, elem = w.dims, w.dims.num_heads, DTYPE_BYTES[w.dtype]
+    visible = visible_keys(w)
+    if w.mode.absorbed:
+        head_flops = 2 * (dims.latent_dim + dims.kv_lora_rank)
+        q_bytes = w.total_q * heads * dims.latent_dim * elem
+        out_bytes = w.total_q * heads * (dims.kv_lora_rank * elem + LSE_BYTES)
+        bpt = get_layout(w.layout).bytes_per_token
+        kv_bytes = (sum(visible) if w.mode.sparse else w.total_kv) * bpt
+    else:
+        head_flops = 2 * (dims.qk_head_dim + dims.v_head_dim)
+        q_bytes = w.total_q * heads * dims.qk_head_dim * elem
+        out_bytes = w.total_q * heads * (dims.v_head_dim * elem + LSE_BYTES)
+        new_tokens = w.total_kv if w.mode is Mode.PREFILL else w.total_q
+        per_token = heads * (dims.qk_nope_head_dim + dims.v_head_dim) * elem + dims.qk_rope_head_dim * elem
+        kv_bytes = new_tokens * per_token
+        if w.mode is Mode.CHUNKED_PREFILL:
+            kv_bytes += (w.total_kv - w.total_q) * get_layout(w.layout).bytes_per_token
+    return Cost(bytes=kv_bytes + q_bytes + out_bytes, flops=sum(visible) * heads * head_flops)

@@ -1,0 +1,34 @@
+"""Which device a run uses, and the Triton interpreter switch that a CPU run needs.
+
+``TRITON_INTERPRET`` is read when a module defining ``@triton.jit`` kernels is imported, so ``prepare`` must run
+before any impl (or layout with a kernel) is imported. This module imports nothing but torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; asking for CUDA where there is none is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {name!r} ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    return device
+
+
+def prepare(name: str) -> torch.device:
+    """The device for ``name``; on CPU, Triton kernels run in the interpreter (set before they are imported)."""
+    device = pick_device(name)
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device

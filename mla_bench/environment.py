@@ -1,0 +1,75 @@
+"""Where a run ran: GPU, driver, CUDA, torch, triton, python, platform and the bench's git commit.
+
+No hostname and no user names: a results file may be shared. ``gpu`` is what the gate compares before it
+compares latencies (only runs on the same GPU model are comparable).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import mla_bench
+
+PROJECT_ROOT = Path(mla_bench.__file__).resolve().parent.parent
+
+
+def collect(device: torch.device) -> dict[str, Any]:
+    """The environment of a run on ``device``."""
+    env: dict[str, Any] = {
+        "device": str(device),
+        "gpu": None,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "compute_capability": None,
+        "driver": None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "mla_bench": mla_bench.__version__,
+    }
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        env.update(gpu=torch.cuda.get_device_name(index), compute_capability=f"{major}.{minor}",
+                   driver=_driver_version())
+    env.update(_git())
+    return env
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _driver_version() -> str | None:
+    out = _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out else None
+
+
+def _git() -> dict[str, Any]:
+    """The commit of the checkout the bench runs from (None when it is not its own git work tree)."""
+    top = _command(["git", "-C", str(PROJECT_ROOT), "rev-parse", "--show-toplevel"])
+    if not top or Path(top.strip()).resolve() != PROJECT_ROOT:
+        return {"git_commit": None, "git_dirty": None}
+    commit = _command(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"])
+    status = _command(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain", "--untracked-files=no"])
+    return {"git_commit": commit.strip() if commit else None, "git_dirty": bool(status and status.strip())}
+
+
+def _command(argv: list[str]) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None

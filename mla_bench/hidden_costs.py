@@ -1,0 +1,255 @@
+"""Count what a piece of work really costs: kernel launches, copies across and within memories, host
+synchronizations and allocations, read from one torch profiler trace.
+
+``profile_costs(fn, device)`` runs ``fn`` under ``torch.profiler`` (``profile_memory=True``, shapes recorded, the
+CUDA activity added when ``device`` is a CUDA device), marks the call with a ``record_function`` window, exports
+the trace and counts ``fn``'s events: host-side ones inside the window (the profiler's own synchronizing stop
+falls outside it) and, on CUDA, the GPU activities.
+
+What each count means depends on what the trace can see:
+
+- on CUDA: ``launches`` are GPU kernels; copies are the GPU's memcpy activities (``Memcpy HtoD`` / ``DtoH`` /
+  ``DtoD``, bytes as the driver reports them); ``syncs`` are host waits (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``); allocations are the CUDA caching
+  allocator's (host allocations, such as the 0-dim tensors Python scalars become, are left out). The GPU is idle
+  when profiling starts and ``fn`` is all that runs under the profiler, so every GPU activity of the trace is
+  ``fn``'s; host-side events count inside the window.
+- on a CPU-only run host and device memory are one: ``launches`` are top-level operator calls (each would launch
+  at least one kernel on a GPU); same-dtype ``aten::copy_`` calls are ``d2d`` copies (a dtype conversion is
+  compute, as on a GPU where it is a kernel, not a memcpy); ``syncs`` are host reads of tensor values that would
+  wait for a GPU (``.item()``, ``bool(t)``, ``int(t)``: ``aten::_local_scalar_dense``; data-dependent shapes:
+  ``aten::nonzero``; ``aten::equal``); allocations are every host allocation, Python scalars wrapped into
+  0-dim tensors included. ``.tolist()`` and ``.cpu()`` of a CPU tensor leave no event here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+# The metric names of the hidden-cost table, in display order (reports read them by these names).
+COST_METRICS = ("plan_ms", "run_ms", "launches", "h2d_copies", "h2d_bytes", "d2h_copies", "d2h_bytes",
+                "d2d_copies", "d2d_bytes", "syncs", "allocations", "alloc_bytes")
+COUNTS = COST_METRICS[2:]
+
+_WINDOW = "mla_bench::measured"
+_CUDA_SYNCS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
+_CPU_MEMORY, _CUDA_MEMORY = 0, 1  # the trace's "Device Type" of an allocation (c10::DeviceType)
+_HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::equal"})
+# CUPTI's memcpy kinds (A: CUDA arrays, device memory; P: a peer GPU); HtoH never touches a GPU: not counted.
+_MEMCPY_KINDS = {"HtoD": "h2d", "HtoA": "h2d", "DtoH": "d2h", "AtoH": "d2h", "DtoD": "d2d", "DtoA": "d2d",
+                 "AtoD": "d2d", "AtoA": "d2d", "PtoP": "d2d"}
+# Element sizes by the C++ type names the profiler records for operator inputs (an unknown one counts 1 B).
+_ITEMSIZE = {"double": 8, "float": 4, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "short int": 2,
+             "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+             "c10::Float8_e8m0fnu": 1, "c10::Float4_e2m1fn_x2": 1, "c10::complex<float>": 8,
+             "c10::complex<double>": 16}
+
+
+@dataclass
+class Costs:
+    """The counts of one profiled call, and what was seen (for messages naming the culprit)."""
+
+    traced: str = "cpu"  # "cuda" when the trace holds GPU activities, else "cpu"
+    launches: int = 0
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+    d2d_copies: int = 0
+    d2d_bytes: int = 0
+    syncs: int = 0
+    allocations: int = 0
+    alloc_bytes: int = 0
+    sync_events: dict[str, int] = field(default_factory=dict)   # event name -> count
+    copy_events: dict[str, int] = field(default_factory=dict)   # "<kind> <bytes> B" -> count
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes moved between memories: over the bus on CUDA; on a CPU-only run (one memory) the plain copies
+        within it, which stand in for them."""
+        return self.h2d_bytes + self.d2h_bytes if self.traced == "cuda" else self.d2d_bytes
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in COUNTS}
+
+    def __add__(self, other: "Costs") -> "Costs":
+        total = Costs(self.traced, **{n: getattr(self, n) + getattr(other, n) for n in COUNTS})
+        total.sync_events = dict(Counter(self.sync_events) + Counter(other.sync_events))
+        total.copy_events = dict(Counter(self.copy_events) + Counter(other.copy_events))
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe_syncs(self) -> str:
+        return ", ".join(f"{name} x{n}" for name, n in sorted(self.sync_events.items())) or "none"
+
+    def describe_copies(self) -> str:
+        return ", ".join(f"{what} x{n}" for what, n in sorted(self.copy_events.items())) or "none"
+
+
+def profile_costs(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, Costs]:
+    """Call ``fn()`` once under the profiler; return its result and the costs of that call."""
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)  # no earlier GPU work in the trace: every GPU activity in it is fn's
+    with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
+        with record_function(_WINDOW):
+            result = fn()
+        if cuda:
+            torch.cuda.synchronize(device)  # outside the window: lets the GPU finish before the trace is read
+    return result, count_trace(_export(prof), cuda)
+
+
+def _export(prof: profile) -> list[dict[str, Any]]:
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="mla_bench_trace_")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+
+
+def count_trace(events: list[dict[str, Any]], cuda: bool) -> Costs:
+    """Count the events of a chrome trace that lie in the measured window (see the module docstring)."""
+    windows = [e for e in events if e.get("name") == _WINDOW and e.get("ph") == "X"
+               and str(e.get("cat", "")).lower() == "user_annotation"]
+    if len(windows) != 1:
+        raise RuntimeError(f"expected one profiler window {_WINDOW!r} in the trace, found {len(windows)}")
+    start, end = windows[0]["ts"], windows[0]["ts"] + windows[0]["dur"]
+
+    def inside(e: dict[str, Any]) -> bool:
+        return start <= e.get("ts", -1.0) <= end
+
+    costs = Costs(traced="cuda" if cuda else "cpu")
+    syncs: Counter[str] = Counter()
+    copies: Counter[str] = Counter()
+    ops = [e for e in events if _cat(e) == "cpu_op" and inside(e)]
+    memory = _CUDA_MEMORY if cuda else _CPU_MEMORY
+    for e in events:
+        if e.get("name") == "[memory]" and inside(e) and _arg(e, "Device Type") == memory and _arg(e, "Bytes", 0) > 0:
+            costs.allocations += 1
+            costs.alloc_bytes += int(_arg(e, "Bytes", 0))
+    if cuda:
+        for e in events:
+            if _cat(e) in ("cuda_runtime", "cuda_driver") and inside(e):
+                name = re.sub(r"(_v\d+)?(_ptsz|_ptds)?$", "", e["name"])
+                if name in _CUDA_SYNCS:
+                    syncs[name] += 1
+            elif _cat(e) == "kernel":
+                costs.launches += 1
+            elif _cat(e) == "gpu_memcpy":
+                words = e["name"].split()  # "Memcpy HtoD (Pageable -> Device)"
+                kind = _MEMCPY_KINDS.get(words[1] if len(words) > 1 else "")
+                if kind:
+                    _add_copy(costs, copies, kind, int(_arg(e, "bytes", 0)))
+    else:
+        costs.launches = len(_top_level(ops))
+        for e in ops:
+            if e["name"] in _HOST_READS:
+                syncs[e["name"]] += 1
+            elif e["name"] == "aten::copy_":
+                nbytes = _plain_copy_bytes(e)
+                if nbytes is not None:
+                    _add_copy(costs, copies, "d2d", nbytes)
+    costs.syncs = sum(syncs.values())
+    costs.sync_events, costs.copy_events = dict(syncs), dict(copies)
+    return costs
+
+
+def _cat(e: dict[str, Any]) -> str:
+    return str(e.get("cat", "")).lower()
+
+
+def _arg(e: dict[str, Any], name: str, default: Any = None) -> Any:
+    return e.get("args", {}).get(name, default)
+
+
+def _add_copy(costs: Costs, seen: Counter[str], kind: str, nbytes: int) -> None:
+    setattr(costs, f"{kind}_copies", getattr(costs, f"{kind}_copies") + 1)
+    setattr(costs, f"{kind}_bytes", getattr(costs, f"{kind}_bytes") + nbytes)
+    seen[f"{kind} {nbytes} B"] += 1
+
+
+def _plain_copy_bytes(e: dict[str, Any]) -> int | None:
+    """Bytes of a same-dtype ``aten::copy_(self, src)``; None for a dtype conversion."""
+    types, dims = _arg(e, "Input type", []), _arg(e, "Input Dims", [])
+    if len(types) < 2 or len(dims) < 2 or types[0] != types[1]:
+        return None
+    numel = 1
+    for d in dims[1]:
+        numel *= d
+    return numel * _ITEMSIZE.get(types[1], 1)
+
+
+def _top_level(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Operator calls not nested in another operator call of the same thread."""
+    top, open_ends = [], {}
+    for e in sorted(ops, key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+        tid = e.get("tid")
+        if e["ts"] >= open_ends.get(tid, float("-inf")):
+            top.append(e)
+            open_ends[tid] = e["ts"] + e.get("dur", 0.0)
+    return top
+
+
+# ---- one decode/prefill step of an impl -------------------------------------------------------------------------
+@dataclass
+class StepCosts:
+    """The costs of an impl's ``plan`` and ``run`` on one problem, and their wall times (median, ms)."""
+
+    plan: Costs
+    run: Costs
+    plan_ms: float
+    run_ms: float
+
+    @property
+    def step(self) -> Costs:
+        return self.plan + self.run
+
+    def metrics(self) -> dict[str, float]:
+        """The hidden-cost table's row: times plus the step's counts (plan and run together)."""
+        return {"plan_ms": self.plan_ms, "run_ms": self.run_ms, **self.step.counts()}
+
+
+def measure_step(impl: Any, problem: Any, reps: int = 3) -> StepCosts:
+    """Plan and run ``impl`` on ``problem``: once to warm up (lazy init, JIT compiles, capability refusal as
+    ``UnsupportedConfig``), then once each under the profiler, then ``reps`` timed steps without it."""
+    device = problem.device
+    plan = impl.checked_plan(problem)
+    impl.run(plan)
+    _sync(device)
+    plan, plan_costs = profile_costs(lambda: impl.plan(problem), device)
+    _, run_costs = profile_costs(lambda: impl.run(plan), device)
+    plan_times, run_times = [], []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        plan = impl.plan(problem)
+        _sync(device)
+        t1 = time.perf_counter()
+        impl.run(plan)
+        _sync(device)
+        t2 = time.perf_counter()
+        plan_times.append((t1 - t0) * 1e3)
+        run_times.append((t2 - t1) * 1e3)
+    return StepCosts(plan_costs, run_costs, statistics.median(plan_times), statistics.median(run_times))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,256 @@
+"""Run suites over impls and collect one ``Run``: in this process, or in worker processes.
+
+In-process is the default. ``isolate`` runs each impl in its own worker, so a hard crash (an illegal memory
+access, an abort) becomes an ``error`` Result for that impl instead of the end of the run. ``devices`` shards
+the workloads of shardable suites over GPUs, one worker per GPU (``CUDA_VISIBLE_DEVICES`` set to it); other
+suites run once, on the first worker. On CPU, ``devices`` gives that many CPU workers.
+
+A worker is this module run as ``python -m mla_bench.runner``: it reads its job (JSON) on stdin and writes
+JSON lines (progress, results, done) on a private copy of stdout; anything the impls print goes to stderr,
+whose tail is kept when the worker dies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from mla_bench import environment
+from mla_bench.device import pick_device
+from mla_bench.registry import ImplEntry, discover, resolve
+from mla_bench.results import Result, Run
+from mla_bench.timing import CEILINGS_CHECK
+
+_STDERR_TAIL = 4000
+
+
+@dataclass
+class RunOptions:
+    """What ``mla-bench run`` was asked for (``impls`` / ``suites`` may be ``["all"]``)."""
+
+    impls: list[str] = field(default_factory=lambda: ["all"])
+    suites: list[str] = field(default_factory=lambda: ["accuracy"])
+    device: str = "auto"
+    preset: str | None = None
+    modes: list[str] = field(default_factory=list)
+    layouts: list[str] = field(default_factory=list)
+    page_sizes: list[int] = field(default_factory=list)
+    seed: int = 0
+    sweep: str | None = None
+    devices: list[int] = field(default_factory=list)
+    isolate: bool = False
+
+
+class Progress:
+    """What the runner reports while it works (the CLI draws a rich progress bar from it)."""
+
+    def start(self, total: int | None) -> None:
+        """The number of workload steps to come, or None when a suite cannot say."""
+
+    def advance(self, label: str) -> None:
+        """One workload step began."""
+
+
+def resolve_impls(specs: list[str]) -> list[ImplEntry]:
+    """Impl entries by name or ``module:Class``; ``all`` is every discoverable impl."""
+    if specs == ["all"] or "all" in specs:
+        return [entry for _, entry in sorted(discover().items())]
+    return [resolve(spec) for spec in specs]
+
+
+def execute(options: RunOptions, progress: Progress | None = None, notes: list[str] | None = None) -> Run:
+    """Run everything ``options`` asks for. ``notes`` collects remarks for the user (suites not available)."""
+    progress = progress or Progress()
+    notes = notes if notes is not None else []
+    device = pick_device(options.device)
+    entries = resolve_impls(options.impls)
+    suites, results = _select_suites(options.suites, notes)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if options.isolate or options.devices:
+        results += _execute_workers(options, device, entries, [name for name, _ in suites], progress)
+    else:
+        ctx = _context(options, device, entries, progress)
+        progress.start(_total(suites, [ctx]))
+        for name, suite in suites:
+            results += list(run_suite(name, suite, ctx))
+    ceilings = {r.label: dict(r.metrics) for r in results if r.check == CEILINGS_CHECK}
+    results = [r for r in results if r.check != CEILINGS_CHECK]
+    return Run(environment=environment.collect(device), results=results, ceilings=ceilings, created=started,
+               command=list(sys.argv))
+
+
+def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
+    """The suite's Results; if the suite itself crashes, one ``error`` Result with the traceback ends it."""
+    try:
+        yield from suite.run(ctx)
+    except Exception:  # noqa: BLE001 - a broken suite must not stop the other suites
+        yield Result(name, name, "error", label="(suite)", message=f"suite {name} crashed:\n{traceback.format_exc()}")
+
+
+def _select_suites(names: list[str], notes: list[str]) -> tuple[list[tuple[str, Any]], list[Result]]:
+    from suites.registry import SUITES, SuiteNotAvailable, load_suite
+
+    wanted = list(SUITES) if "all" in names else names
+    chosen, results = [], []
+    for name in wanted:
+        try:
+            chosen.append((name, load_suite(name)))
+        except SuiteNotAvailable as exc:
+            if "all" in names:
+                notes.append(f"skipped: {exc}")
+            else:
+                results.append(Result(name, name, "error", label="(suite)", message=str(exc)))
+        except ValueError:
+            raise
+        except Exception:  # noqa: BLE001 - a suite that fails to import is an error of that suite only
+            results.append(Result(name, name, "error", label="(suite)",
+                                  message=f"suite {name} failed to load:\n{traceback.format_exc()}"))
+    return chosen, results
+
+
+def _context(options: RunOptions, device: torch.device, entries: list[ImplEntry], progress: Progress,
+             shard: int = 0, shards: int = 1):
+    from suites.base import RunContext
+
+    return RunContext(impls=entries, device=device, preset=options.preset, modes=list(options.modes),
+                      layouts=list(options.layouts), page_sizes=list(options.page_sizes), seed=options.seed,
+                      progress=progress.advance, sweep=options.sweep, shard=shard, shards=shards)
+
+
+def _runs_in_shard(suite: Any, shard: int) -> bool:
+    return shard == 0 or getattr(suite, "shardable", False)
+
+
+def _total(suites: list[tuple[str, Any]], contexts: list) -> int | None:
+    """Workload steps to come over ``contexts`` (one per worker job), or None if a suite cannot say."""
+    total = 0
+    for ctx in contexts:
+        for _, suite in suites:
+            if not _runs_in_shard(suite, ctx.shard):
+                continue
+            workloads = getattr(suite, "workloads", None)
+            if not callable(workloads):
+                return None
+            try:
+                total += len(workloads(ctx))
+            except Exception:  # noqa: BLE001 - the suite itself will report the problem when it runs
+                return None
+    return total
+
+
+# ---- workers ------------------------------------------------------------------------------------------------------
+def _spec(entry: ImplEntry) -> str:
+    return entry.target if entry.origin == "path" else entry.name
+
+
+def _execute_workers(options: RunOptions, device: torch.device, entries: list[ImplEntry], suite_names: list[str],
+                     progress: Progress) -> list[Result]:
+    from suites.registry import load_suite
+
+    slots = options.devices or [None]
+    groups = [[e] for e in entries] if options.isolate else [entries]
+    jobs: dict[int, list[dict[str, Any]]] = {}
+    for shard, slot in enumerate(slots):
+        jobs[shard] = [{"options": asdict(options), "impls": [_spec(e) for e in group],
+                        "names": [e.name for e in group], "suites": suite_names, "device": device.type,
+                        "shard": shard, "shards": len(slots), "visible_device": slot} for group in groups]
+    suites = [(name, load_suite(name)) for name in suite_names]
+    contexts = [_context(options, device, group, progress, shard, len(slots))
+                for shard in jobs for group in groups]
+    progress.start(_total(suites, contexts))
+    collected: dict[tuple[int, int], list[Result]] = {}
+    lock = threading.Lock()
+
+    def work(shard: int) -> None:
+        for index, job in enumerate(jobs[shard]):
+            found = _run_worker(job, progress)
+            with lock:
+                collected[(shard, index)] = found
+
+    threads = [threading.Thread(target=work, args=(shard,)) for shard in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [r for key in sorted(collected) for r in collected[key]]
+
+
+def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
+    """Run one job in a fresh interpreter; a worker that dies yields an ``error`` Result per impl of the job."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    if job["visible_device"] is not None and job["device"] == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(job["visible_device"])
+    results, last, done = [], "(before the first workload)", False
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "mla_bench.runner"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+        for line in proc.stdout:
+            try:
+                message = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "progress" in message:
+                last = str(message["progress"])
+                progress.advance(last)
+            elif "result" in message:
+                results.append(Result.from_dict(message["result"]))
+            elif message.get("done"):
+                done = True
+        code = proc.wait()
+        stderr.seek(0)
+        tail = stderr.read()[-_STDERR_TAIL:]
+    if code == 0 and done:
+        return results
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    for name in job["names"]:
+        results.append(Result("run", "worker", "error", impl=name, label=last,
+                              message=f"the worker running {name} {how} during '{last}' "
+                                      f"(shard {job['shard']} of {job['shards']}).\nstderr tail:\n{tail}"))
+    return results
+
+
+def _worker_main() -> int:
+    """Entry of a worker process: run the job read from stdin, stream JSON lines to the parent."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the impls print (even from C) goes to stderr, not into the protocol
+    sys.stdout = sys.stderr
+    job = json.loads(sys.stdin.read())
+    send: Callable[[dict], None] = lambda message: channel.write(json.dumps(message) + "\n")
+
+    class Relay(Progress):
+        def advance(self, label: str) -> None:
+            send({"progress": label})
+
+    from suites.registry import load_suite
+
+    options = RunOptions(**job["options"])
+    device = pick_device("cuda" if job["device"] == "cuda" else "cpu")
+    entries = [resolve(spec) for spec in job["impls"]]
+    ctx = _context(options, device, entries, Relay(), job["shard"], job["shards"])
+    for name in job["suites"]:
+        suite = load_suite(name)
+        if not _runs_in_shard(suite, job["shard"]):
+            continue
+        for result in run_suite(name, suite, ctx):
+            send({"result": result.to_dict()})
+    send({"done": True})
+    channel.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main())

@@ -1,0 +1,214 @@
+"""GPU timing: CUDA events around CUDA-graph replays, warm-up, cold L2, median and IQR; device ceilings.
+
+``time_rotation(fns)`` times a list of callables, one per independent input set, replayed round robin so each
+launch finds the L2 cold (the sets together should exceed several times the L2 size: ``sets_for_cold_l2``).
+Each callable is captured in a CUDA graph; if one cannot be captured (it syncs, or allocates in a way capture
+refuses) every set is timed as plain launches between events, and the stats say which timer and why.
+
+``measure_ceilings(device)`` gives the two numbers every result is a fraction of: device-to-device copy
+bandwidth (read + write bytes) and the bf16 matmul rate on 8192^3, measured once per device per process.
+``cuda_event_timer`` is a clock for pytest-benchmark that reads the GPU's own timeline.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+CEILINGS_CHECK = "ceilings"  # the check name of the Result that carries a device's ceilings
+GRAPH = "cuda_graph"
+EVENTS = "cuda_events"
+COLD_L2_FACTOR = 4          # the rotating input sets together exceed this many times the L2 size
+DEFAULT_L2_BYTES = 50 << 20  # when the device does not report its L2 size
+MATMUL_N = 8192
+COPY_BYTES = 1 << 30
+
+
+@dataclass
+class TimingStats:
+    """Per-launch times in milliseconds."""
+
+    median: float
+    p25: float
+    p75: float
+    minimum: float
+    mean: float
+    count: int
+    method: str = GRAPH     # GRAPH or EVENTS
+    fallback: str = ""      # why graphs were not used
+
+    @property
+    def iqr(self) -> float:
+        return self.p75 - self.p25
+
+    @classmethod
+    def of(cls, samples_ms: list[float], method: str = GRAPH, fallback: str = "") -> "TimingStats":
+        if not samples_ms:
+            raise ValueError("no timing samples")
+        ordered = sorted(samples_ms)
+        return cls(median=statistics.median(ordered), p25=_quantile(ordered, 0.25), p75=_quantile(ordered, 0.75),
+                   minimum=ordered[0], mean=statistics.fmean(ordered), count=len(ordered), method=method,
+                   fallback=fallback)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """``{prefix: median, prefix_p25, prefix_p75, prefix_iqr, prefix_min}`` for a Result."""
+        return {prefix: self.median, f"{prefix}_p25": self.p25, f"{prefix}_p75": self.p75,
+                f"{prefix}_iqr": self.iqr, f"{prefix}_min": self.minimum}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear-interpolated quantile of sorted samples."""
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """The device's L2 size as it reports it."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def sets_for_cold_l2(bytes_per_set: int, l2_bytes: int, limit: int = 256) -> int:
+    """How many independent input sets make the rotation exceed ``COLD_L2_FACTOR`` times the L2 size."""
+    return max(1, min(limit, math.ceil(COLD_L2_FACTOR * l2_bytes / max(1, bytes_per_set))))
+
+
+def time_host(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall time of ``fn`` in milliseconds, the device drained before and after (plan time: host work)."""
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms: float = 200.0,
+                  min_iters: int = 20, max_iters: int = 2000, use_graphs: bool = True,
+                  warmup_ms: float = 50.0) -> TimingStats:
+    """Time ``fns[i % n]`` launches round robin and return per-launch stats. Warm-up: every callable once before
+    capture, then launches for at least ``warmup_ms`` (clocks ramp up) before the measured ones."""
+    if not fns:
+        raise ValueError("time_rotation needs at least one callable")
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compiles, autotunes, fills caches of the impl
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        launches, method, fallback = list(fns), EVENTS, ""
+        if use_graphs:
+            try:
+                launches, method = _capture(fns), GRAPH
+            except Exception as exc:  # noqa: BLE001 - any capture failure means: time plain launches
+                fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
+                torch.cuda.synchronize()
+        rough = _events(launches, len(launches))   # one full rotation warm (and a first estimate)
+        per_launch = max(statistics.median(rough), 1e-3)
+        _events(launches, int(min(max_iters, warmup_ms / per_launch)))
+        iters = int(min(max_iters, max(min_iters, 3 * len(launches), target_ms / per_launch)))
+        return TimingStats.of(_events(launches, iters), method, fallback)
+
+
+def _capture(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
+    """One CUDA graph per callable, sharing a memory pool (they replay in capture order)."""
+    graphs: list[torch.cuda.CUDAGraph] = []
+    pool = None
+    for fn in fns:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        pool = graph.pool()
+        graphs.append(graph)
+    return [graph.replay for graph in graphs]
+
+
+def _events(launches: list[Callable[[], Any]], iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` launches (round robin), events queued back to back, one sync at the end."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        launches[i % len(launches)]()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+# ---- ceilings -----------------------------------------------------------------------------------------------------
+@dataclass
+class Ceilings:
+    """What the device can do, measured here: copy bandwidth (GB/s, read + write) and bf16 matmul (TFLOP/s)."""
+
+    device_name: str
+    copy_gbps: float
+    matmul_tflops: float
+    l2_bytes: int
+
+    def metrics(self) -> dict[str, float]:
+        return {"copy_gbps": self.copy_gbps, "matmul_tflops": self.matmul_tflops, "l2_bytes": self.l2_bytes}
+
+
+_CEILINGS: dict[int, Ceilings] = {}
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    """Copy bandwidth of a 1 GiB device-to-device copy and the rate of a random bf16 8192^3 matmul, once per
+    device per process."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CEILINGS:
+        device = torch.device("cuda", index)
+        src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy = time_rotation([lambda: dst.copy_(src)], device, use_graphs=False, min_iters=10, target_ms=200,
+                             warmup_ms=300)
+        del src, dst
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16, generator=gen)
+        out = torch.empty_like(a)
+        matmul = time_rotation([lambda: torch.mm(a, b, out=out)], device, use_graphs=False, min_iters=10,
+                               target_ms=200, warmup_ms=300)
+        del a, b, out
+        torch.cuda.empty_cache()
+        _CEILINGS[index] = Ceilings(
+            device_name=torch.cuda.get_device_name(index),
+            copy_gbps=2 * COPY_BYTES / (copy.median * 1e-3) / 1e9,
+            matmul_tflops=2 * MATMUL_N ** 3 / (matmul.median * 1e-3) / 1e12,
+            l2_bytes=l2_cache_bytes(device))
+    return _CEILINGS[index]
+
+
+# ---- pytest-benchmark ---------------------------------------------------------------------------------------------
+class CudaEventTimer:
+    """A clock (seconds) read from CUDA events: ``@pytest.mark.benchmark(timer=cuda_event_timer)`` makes
+    pytest-benchmark time what the GPU did between two calls, not what the host spent launching."""
+
+    def __init__(self) -> None:
+        self._origin: torch.cuda.Event | None = None
+
+    def __call__(self) -> float:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        if self._origin is None:
+            self._origin = event
+            return 0.0
+        return self._origin.elapsed_time(event) * 1e-3
+
+    def __repr__(self) -> str:
+        return "cuda_event_timer"
+
+
+cuda_event_timer = CudaEventTimer()

@@ -1,0 +1,116 @@
+"""The regression gate: is ``run`` worse than ``baseline``?
+
+A finding is fatal when:
+
+- a result fails or errors in the run but passed (or was absent) in the baseline: a new failure;
+- an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
+  (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
+- a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
+  noise_factor * max(IQR of either))``; latencies are compared only when both runs ran on the same GPU model.
+
+Results that failed in both runs, passed results missing from the run, and incomparable latencies are
+reported but not fatal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mla_bench.results import Result, Run
+from reports.pairing import pair, same_gpu
+
+BAD = ("failed", "error")
+# Error metrics and the Tolerance field that bounds each.
+ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "cos_diff", "lse_max_abs": "lse_abs"}
+
+
+@dataclass
+class Finding:
+    kind: str  # new failure, accuracy, latency, still failing, missing, not compared
+    suite: str
+    impl: str
+    label: str
+    message: str
+    fatal: bool
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    error_slack: float = 0.25
+    latency_slack: float = 0.10
+    noise_factor: float = 3.0
+
+
+def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Finding]:
+    """Every finding of ``run`` against ``baseline``; the gate passes when none is fatal."""
+    findings: list[Finding] = []
+    compare_latency = same_gpu(baseline, run)
+    if not compare_latency and any(r.suite == "latency" and r.status == "passed" for r in run.results):
+        findings.append(Finding("not compared", "latency", "", "", "latency not compared: baseline GPU "
+                                f"{baseline.environment.get('gpu')!r}, run GPU {run.environment.get('gpu')!r}",
+                                False))
+    for _, base, new in pair(baseline, run):
+        if new is None:
+            if base is not None and base.status == "passed":
+                findings.append(_finding("missing", base, "passed in the baseline, absent from this run", False))
+            continue
+        if new.status in BAD:
+            if base is None or base.status not in BAD:
+                was = "absent from" if base is None else f"{base.status} in"
+                findings.append(_finding("new failure", new, f"{new.status} (was {was} the baseline): "
+                                         f"{new.brief}", True))
+            else:
+                findings.append(_finding("still failing", new, new.brief, False))
+            continue
+        if base is None or base.status != "passed" or new.status != "passed":
+            continue
+        findings += _accuracy(base, new, limits)
+        if new.suite == "latency" and compare_latency:
+            findings += _latency(base, new, limits)
+    return findings
+
+
+def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
+    found = []
+    for name, value in new.metrics.items():
+        kind, _, metric = name.partition(".")
+        if metric == "nonfinite_mismatch" and value > base.metrics.get(name, 0):
+            found.append(_finding("accuracy", new, f"{name} {value:g} > baseline {base.metrics.get(name, 0):g}", True))
+        if metric not in ERROR_BOUNDS or name not in base.metrics:
+            continue
+        bound = _bound(new, kind, metric) or _bound(base, kind, metric)
+        if bound is None:
+            continue
+        allowed = base.metrics[name] + limits.error_slack * bound
+        if not value <= allowed:
+            found.append(_finding("accuracy", new, f"{name} {value:.3g} > baseline {base.metrics[name]:.3g} + "
+                                  f"{limits.error_slack:g} x bound {bound:.3g}", True))
+    return found
+
+
+def _latency(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
+    median, base_median = new.metrics.get("run_ms"), base.metrics.get("run_ms")
+    if median is None or base_median is None:
+        return []
+    noise = max(new.metrics.get("run_ms_iqr", 0.0), base.metrics.get("run_ms_iqr", 0.0))
+    threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * noise)
+    if median > threshold or math.isnan(median):
+        return [_finding("latency", new, f"median {median:.4g} ms > {threshold:.4g} ms (baseline {base_median:.4g} "
+                         f"ms, IQR {noise:.3g} ms)", True)]
+    return []
+
+
+def _bound(result: Result, kind: str, metric: str) -> float | None:
+    """The accuracy bound recorded in ``result.details['tolerance'][kind]``, if it is a finite number."""
+    tolerance = result.details.get("tolerance")
+    table = tolerance.get(kind) if isinstance(tolerance, dict) else None
+    value = table.get(ERROR_BOUNDS[metric]) if isinstance(table, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+def _finding(kind: str, result: Result, message: str, fatal: bool) -> Finding:
+    return Finding(kind, result.suite, result.impl or "", result.label, message, fatal)
+

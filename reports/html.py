@@ -1,0 +1,213 @@
+"""One self-contained HTML report of a run: environment, ceilings, pass/fail matrices, error heatmaps, latency and
+bandwidth with the roofline, impls side by side, the capability matrix and the hidden-cost table.
+
+A results file may come from anyone: every string taken from it goes through ``html.escape`` (text and
+attributes), images are PNGs this module renders (embedded as base64 and also written beside the report), and
+a Content-Security-Policy forbids scripts and any non-inline resource, so even a missed escape could not run
+code or fetch anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Iterable
+
+from mla_bench.results import STATUSES, Result, Run
+from reports.hidden_costs import hidden_cost_html
+from reports.plots import Plot, all_plots
+
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+SHORT = {"passed": "pass", "failed": "FAIL", "unsupported": "n/a", "error": "ERROR"}
+STYLE = """
+body { font-family: sans-serif; margin: 1.5em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.85em; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.passed { background: #c8ecc8; } .failed { background: #f7b6b6; font-weight: bold; }
+.unsupported { background: #eeeeee; color: #777; } .error { background: #e05555; color: white; font-weight: bold; }
+img { max-width: 100%; border: 1px solid #ddd; margin: 0.4em 0; }
+pre { background: #f6f6f6; padding: 0.5em; overflow-x: auto; font-size: 0.8em; white-space: pre-wrap; }
+.muted { color: #777; }
+"""
+
+
+def esc(value: object) -> str:
+    """Text or attribute content from a results file, escaped."""
+    return html.escape(str(value), quote=True)
+
+
+def write_report(run: Run, path: str | Path) -> Path:
+    """Render the report to ``path``; each plot is also written as ``<stem>-<plot>.png`` beside it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plots = all_plots(run)
+    for plot in plots:
+        path.with_name(f"{path.stem}-{plot.name}.png").write_bytes(plot.png)
+    path.write_text(render(run, plots))
+    return path
+
+
+def render(run: Run, plots: list[Plot]) -> str:
+    named = {p.name: p for p in plots}
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
+        "<title>mla-bench report</title>",
+        f"<style>{STYLE}</style></head><body>",
+        "<h1>mla-bench report</h1>",
+        f'<p class="muted">created {esc(run.created)} &middot; command <code>{esc(" ".join(run.command))}</code></p>',
+        _summary(run),
+        _environment(run),
+    ]
+    parts += _matrices(run)
+    parts.append(_bench_checks(run))
+    heatmaps = [p for p in plots if p.name.startswith("errors-")]
+    if heatmaps:
+        parts.append("<h2>Error heatmaps (layout x context)</h2>")
+        parts += [_img(p) for p in heatmaps]
+    parts.append(_latency(run, [named[n] for n in ("latency", "roofline") if n in named]))
+    parts.append(_capability_matrix(run))
+    parts.append(_hidden_costs(run))
+    parts.append(_failures(run))
+    parts.append("</body></html>")
+    return "\n".join(p for p in parts if p)
+
+
+def _img(plot: Plot) -> str:
+    data = base64.b64encode(plot.png).decode("ascii")
+    return f'<figure><img alt="{esc(plot.title)}" src="data:image/png;base64,{data}"></figure>'
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
+    """A table whose cells are already HTML (callers escape what they take from the results)."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(cell if cell.startswith("<td") else f"<td>{cell}</td>" for cell in row)
+                   + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _status_cell(result: Result | None) -> str:
+    if result is None:
+        return '<td class="muted">-</td>'
+    return f'<td class="{esc(result.status)}" title="{esc(result.brief)}">{SHORT[result.status]}</td>'
+
+
+def _num(value: object) -> str:
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    else:
+        text = str(value)
+    return f'<td class="num">{esc(text)}</td>'
+
+
+# ---- sections ------------------------------------------------------------------------------------------------------
+def _summary(run: Run) -> str:
+    counts: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for r in run.results:
+        counts[(r.suite, r.impl or "(bench)")][r.status] += 1
+    rows = [[esc(suite), esc(impl)] + [_num(count[s]) if not count[s] else f'<td class="{s} num">{count[s]}</td>'
+                                      for s in STATUSES] for (suite, impl), count in sorted(counts.items())]
+    verdict = "all supported checks passed" if run.ok else "some checks FAILED or errored"
+    return f"<h2>Summary</h2><p><b>{verdict}</b></p>" + _table(["suite", "impl", *STATUSES], rows)
+
+
+def _environment(run: Run) -> str:
+    rows = [[esc(k), esc(v)] for k, v in run.environment.items()]
+    out = "<h2>Environment</h2>" + _table(["", "value"], rows)
+    if run.ceilings:
+        crow = [[esc(device), _num(c.get("copy_gbps", "")), _num(c.get("matmul_tflops", "")),
+                 _num(c.get("l2_bytes", ""))] for device, c in run.ceilings.items()]
+        out += "<h3>Ceilings measured in this run</h3>" + _table(
+            ["device", "copy GB/s (read + write)", "bf16 matmul TFLOP/s", "L2 bytes"], crow)
+    return out
+
+
+def _matrices(run: Run) -> list[str]:
+    """A pass/fail matrix (workload x impl) per suite and check, for results that name an impl."""
+    groups: dict[tuple[str, str], list[Result]] = defaultdict(list)
+    for r in run.results:
+        if r.impl and "capab" not in r.check.lower():
+            groups[(r.suite, r.check)].append(r)
+    if not groups:
+        return []
+    out = ["<h2>Pass/fail matrix (impl x workload)</h2>",
+           '<p class="muted">hover a cell for its message; pass / FAIL / n/a (unsupported) / ERROR</p>']
+    for (suite, check), results in sorted(groups.items()):
+        impls = sorted({r.impl for r in results})
+        cells: dict[tuple[str, str], Result] = {(r.label, r.impl): r for r in results}
+        labels = list(dict.fromkeys(r.label for r in results))
+        rows = [[esc(label)] + [_status_cell(cells.get((label, impl))) for impl in impls] for label in labels]
+        title = esc(suite) if suite == check else f"{esc(suite)}: {esc(check)}"
+        out.append(f"<h3>{title}</h3>" + _table(["workload", *[esc(i) for i in impls]], rows))
+    return out
+
+
+def _bench_checks(run: Run) -> str:
+    """Checks of the bench's own parts (no impl): codecs, metadata builders."""
+    results = [r for r in run.results if not r.impl]
+    if not results:
+        return ""
+    rows = [[esc(r.suite), esc(r.check), esc(r.label), _status_cell(r), esc(r.brief)] for r in results]
+    return "<h2>Checks of the bench's own parts</h2>" + _table(["suite", "check", "what", "status", "message"], rows)
+
+
+def _latency(run: Run, plots: list[Plot]) -> str:
+    results = [r for r in run.results if r.suite == "latency" and r.impl and r.status == "passed"]
+    if not results:
+        notes = {r.brief for r in run.results if r.suite == "latency"}
+        return ("<h2>Latency</h2><p class='muted'>" + esc("; ".join(sorted(notes))) + "</p>") if notes else ""
+    impls = sorted({r.impl for r in results})
+    cells = {(r.label, r.impl): r for r in results}
+    labels = list(dict.fromkeys(r.label for r in results))
+    rows = []
+    for label in labels:
+        row = [esc(label)]
+        for impl in impls:
+            r = cells.get((label, impl))
+            if r is None:
+                row.append('<td class="muted">-</td>')
+                continue
+            m = r.metrics
+            text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}<br>"
+                    f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
+                    f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
+                    f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}")
+            row.append(f'<td class="num">{text}</td>')
+        rows.append(row)
+    out = "<h2>Latency, bandwidth and the roofline</h2>" + "".join(_img(p) for p in plots)
+    out += ("<h3>Impls side by side</h3><p class='muted'>median run time &plusmn; IQR, bandwidth and compute as a "
+            "fraction of the ceilings measured in this run, plan time, timer</p>")
+    return out + _table(["workload", *[esc(i) for i in impls]], rows)
+
+
+def _capability_matrix(run: Run) -> str:
+    """Results whose check names a capability: which (layout, transform, op) each impl accepts or refuses."""
+    results = [r for r in run.results if "capab" in r.check.lower()]
+    if not results:
+        return ""
+    impls = sorted({r.impl or "(bench)" for r in results})
+    cells = {(r.label, r.impl or "(bench)"): r for r in results}
+    labels = list(dict.fromkeys(r.label for r in results))
+    rows = [[esc(label)] + [_status_cell(cells.get((label, impl))) for impl in impls] for label in labels]
+    return "<h2>Capability matrix</h2>" + _table(["combination", *[esc(i) for i in impls]], rows)
+
+
+def _hidden_costs(run: Run) -> str:
+    """The placement suite's hidden-cost table (plan and run time, launches, copies, syncs, allocations)."""
+    table = hidden_cost_html(run.results)
+    return "<h2>Hidden costs (placement)</h2>" + table if table else ""
+
+
+def _failures(run: Run) -> str:
+    bad = [r for r in run.results if r.status in ("failed", "error")]
+    if not bad:
+        return ""
+    items = [f"<details><summary>{esc(r.status)} &middot; {esc(r.suite)} &middot; {esc(r.impl or '(bench)')} "
+             f"&middot; {esc(r.label)}: {esc(r.brief)}</summary><pre>{esc(r.message)}</pre></details>" for r in bad]
+    return f"<h2>Failures and errors ({len(bad)})</h2>" + "".join(items)

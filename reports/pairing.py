@@ -1,0 +1,48 @@
+"""Match the Results of two runs: the same suite, check, impl and workload (or label) are the same result."""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from mla_bench.results import Result, Run
+
+# The number that stands for a result in a comparison, per suite.
+HEADLINE = {"accuracy": "kernel.rel_l2", "latency": "run_ms"}
+
+Key = tuple[str, str, str, str]
+
+
+def result_key(result: Result) -> Key:
+    what = json.dumps(result.workload, sort_keys=True) if result.workload is not None else result.label
+    return (result.suite, result.check, result.impl or "", what)
+
+
+def index(run: Run) -> dict[Key, Result]:
+    """Results by key (a later duplicate wins)."""
+    return {result_key(r): r for r in run.results}
+
+
+def pair(a: Run, b: Run) -> Iterator[tuple[Key, Result | None, Result | None]]:
+    """Every key of either run, with its Result in ``a`` and in ``b`` (None where absent), in ``b``'s order
+    then ``a``'s leftovers."""
+    in_a, in_b = index(a), index(b)
+    for key, result in in_b.items():
+        yield key, in_a.get(key), result
+    for key, result in in_a.items():
+        if key not in in_b:
+            yield key, result, None
+
+
+def headline(result: Result | None) -> float | None:
+    if result is None:
+        return None
+    name = HEADLINE.get(result.suite)
+    value = result.metrics.get(name) if name else None
+    return float(value) if value is not None else None
+
+
+def same_gpu(a: Run, b: Run) -> bool:
+    """Latencies compare only between runs on the same GPU model."""
+    gpu_a, gpu_b = a.environment.get("gpu"), b.environment.get("gpu")
+    return gpu_a is not None and gpu_a == gpu_b

@@ -1,0 +1,87 @@
+"""Latency: plan time and run time of every impl on every workload of the sweep, on a CUDA device.
+
+Per (impl, workload): enough independent input sets (seeds ``seed, seed+1, ...``) to exceed several times
+the L2 size are built and planned (plan time measured on the host, per set), then ``run`` is timed over the
+rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``). Metrics: median and IQR of
+run and plan, GB/s and TFLOP/s (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and
+bf16 matmul rate measured in the same run (yielded once per device as the ``ceilings`` result).
+On CPU there is no latency: each impl gets one ``unsupported`` result saying so.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Iterator
+
+import torch
+
+from mla_bench import timing
+from mla_bench.costs import cost
+from mla_bench.errors import UnsupportedConfig
+from mla_bench.problem import build_problem
+from mla_bench.registry import Impl
+from mla_bench.results import Result
+from mla_bench.workload import Workload
+from suites import sweeps
+from suites.base import RunContext, load_impls
+
+CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
+MEMORY_FRACTION = 0.3  # the rotating input sets may use at most this share of the free device memory
+
+
+class LatencySuite:
+    name = "latency"
+    shardable = True
+
+    def workloads(self, ctx: RunContext) -> list[Workload]:
+        return sweeps.shard(sweeps.select(ctx), ctx) if ctx.device.type == "cuda" else []
+
+    def run(self, ctx: RunContext) -> Iterator[Result]:
+        if ctx.device.type != "cuda":
+            for entry in ctx.impls:
+                yield Result(self.name, "latency", "unsupported", impl=entry.name, label="(all workloads)",
+                             message=CPU_REASON)
+            return
+        impls, failures = load_impls(ctx, self.name)
+        yield from failures
+        ceilings = timing.measure_ceilings(ctx.device)
+        yield Result(self.name, timing.CEILINGS_CHECK, "passed", label=ceilings.device_name, metrics=ceilings.metrics())
+        for workload in self.workloads(ctx):
+            ctx.progress(workload.label)
+            for impl in impls:
+                yield time_impl(impl, workload, ctx.device, ceilings)
+                torch.cuda.empty_cache()
+
+
+def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: timing.Ceilings) -> Result:
+    """One latency Result of ``impl`` on ``workload``."""
+    def result(status: str, **fields) -> Result:
+        return Result("latency", "latency", status, impl=impl.name, workload=workload.to_dict(),
+                      label=workload.label, **fields)
+
+    reason = impl.capabilities.refusal(workload, device)
+    if reason:
+        return result("unsupported", message=f"{impl.name}: unsupported {reason}")
+    work = cost(workload)
+    free, _ = torch.cuda.mem_get_info(device)
+    sets = timing.sets_for_cold_l2(work.bytes, ceilings.l2_bytes,
+                                   limit=max(1, int(MEMORY_FRACTION * free // max(1, 2 * work.bytes))))
+    try:
+        plans, plan_ms = [], []
+        for i in range(sets):
+            problem = build_problem(workload.replace(seed=workload.seed + i), device)
+            plan_ms.append(timing.time_host(lambda: plans.append(impl.checked_plan(problem)), device))
+        stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device)
+    except UnsupportedConfig as exc:
+        return result("unsupported", message=str(exc))
+    except Exception:  # noqa: BLE001 - an impl's crash is its result
+        return result("error", message=traceback.format_exc())
+    plan = timing.TimingStats.of(plan_ms, method="host")
+    metrics = {**stats.metrics("run_ms"), **plan.metrics("plan_ms"), "bytes": work.bytes, "flops": work.flops,
+               "gbps": work.gbps(stats.median), "tflops": work.tflops(stats.median),
+               "copy_fraction": work.gbps(stats.median) / ceilings.copy_gbps,
+               "matmul_fraction": work.tflops(stats.median) / ceilings.matmul_tflops,
+               "input_sets": sets, "iterations": stats.count}
+    return result("passed", metrics=metrics,
+                  details={"timer": stats.method, "fallback": stats.fallback, "device": ceilings.device_name,
+                           "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes})

@@ -1,0 +1,254 @@
+"""The metadata suite: every fast metadata builder equals its reference builder on named request mixes.
+
+Mixes (per page size): decode (q = 1), MTP (uniform q > 1), varlen, empty requests (kv 0, q 0 or padding
+queries), lengths on and next to page boundaries, one huge request among small ones. Builders: cumulative
+lengths, block allocation from a permuted pool, slot mapping, FlashInfer CSR (kv_indptr, kv_indices in torch and
+in Triton, last_page_len), token page table and its flattened form, max_qo_len / max_kv_len, DCP local lengths
+and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1).
+
+One Result per (builder, page size); its message names every mix where the builder differs and how. The tests
+run the same comparison on thousands of random mixes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from mla_bench.metadata import fast, reference
+from mla_bench.results import Result
+from suites.base import RunContext
+
+PAGE_SIZES = (1, 16, 64)
+DCP_CONFIGS = ((2, 1), (3, 1), (4, 4))  # (world, interleave); the interleave must divide the page size
+TOPK = 12
+
+
+@dataclass
+class Case:
+    """One request mix on one device: host lengths (what the scheduler holds) and the device tensors built from them
+    by the reference, which the fast builders take as inputs."""
+
+    name: str
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_size: int
+    pool: torch.Tensor           # permuted block ids (host)
+    block_table: torch.Tensor    # reference.assign_blocks of the pool (host)
+    topk_indices: torch.Tensor   # [sum q, TOPK] int32 positions, -1 padded, some out of range (host)
+    device: torch.device
+    _device_inputs: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def sizes(self) -> fast.HostSizes:
+        return fast.HostSizes.of(self.q_lens, self.kv_lens, self.page_size)
+
+    def on_device(self, name: str) -> torch.Tensor:
+        """The reference-built input ``name`` on the case's device (built once per case)."""
+        if name not in self._device_inputs:
+            self._device_inputs[name] = self._host_input(name).to(self.device)
+        return self._device_inputs[name]
+
+    def _host_input(self, name: str) -> torch.Tensor:
+        return {
+            "q_lens": torch.tensor(self.q_lens, dtype=torch.int32),
+            "seq_lens": torch.tensor(self.kv_lens, dtype=torch.int32),
+            "query_start_loc": torch.tensor(reference.cumulative(self.q_lens), dtype=torch.int32),
+            "kv_start_loc": torch.tensor(reference.cumulative(self.kv_lens), dtype=torch.int32),
+            "block_table": self.block_table,
+            "pool": self.pool,
+            "topk_indices": self.topk_indices,
+        }[name]
+
+
+def make_case(name: str, q_lens: list[int], kv_lens: list[int], page_size: int, seed: int,
+              device: torch.device | str) -> Case:
+    """A mix with a randomly permuted block pool (two spare pages) and random top-k indices."""
+    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        if q_len < 0 or kv_len < 0 or 0 < kv_len < q_len:
+            raise ValueError(f"mix {name!r}, request {b}: need 0 <= q_len <= kv_len (or kv_len 0), got {q_len}, {kv_len}")
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(reference.blocks_needed(n, page_size) for n in kv_lens) + 2
+    pool = torch.randperm(num_blocks, generator=gen)
+    rows = []
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        for _ in range(q_len):
+            # valid positions, -1 padding, and out-of-range positions (>= kv_len), which every transform maps to -1
+            pick = torch.randint(0, kv_len + 3, (TOPK,), generator=gen)
+            rows.append(torch.where(torch.rand(TOPK, generator=gen) < 0.2, -1, pick))
+    topk = torch.stack(rows).to(torch.int32) if rows else torch.empty(0, TOPK, dtype=torch.int32)
+    return Case(name, list(q_lens), list(kv_lens), page_size, pool,
+                reference.assign_blocks(list(kv_lens), page_size, pool), topk, torch.device(device))
+
+
+def named_mixes(page_size: int, seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
+    """The suite's request mixes for one page size (deterministic in ``seed``)."""
+    rng = random.Random(seed * 1000 + page_size)
+    ps = page_size
+    varlen_kv = [rng.randint(1, 300) for _ in range(9)]
+    boundary_kv = [ps, 2 * ps, ps + 1, max(ps - 1, 1), 3 * ps, 3 * ps - 1, 1]
+    return {
+        "decode": ([1] * 8, [rng.randint(1, 500) for _ in range(8)]),
+        "mtp": ([3] * 6, [rng.randint(3, 400) for _ in range(6)]),
+        "varlen": ([rng.randint(1, n) for n in varlen_kv], varlen_kv),
+        "empty requests": ([0, 2, 0, 1, 3, 0, 1], [0, 0, 17, 5, 40, 0, 1]),
+        "page boundaries": ([min(q, kv) for q, kv in zip([1, 2, 1, 1, 4, 2, 1], boundary_kv)], boundary_kv),
+        "one huge": ([1, 5, 1, 2, 1], [20, 20000, 3, 9, 64]),
+    }
+
+
+def random_case(rng: random.Random, device: torch.device | str, seed: int) -> Case:
+    """A random small mix: up to 12 requests, page sizes 1..64, lengths often empty or on page boundaries."""
+    ps = rng.choice([1, 2, 4, 16, 64])
+    batch = rng.randint(1, 12)
+    kv_lens = [rng.choice([0, rng.randint(1, 200), ps * rng.randint(1, 4), ps * rng.randint(1, 4) + 1])
+               for _ in range(batch)]
+    q_lens = [rng.randint(0, 3) if kv == 0 else rng.randint(0, min(kv, 12)) for kv in kv_lens]
+    if sum(q_lens) == 0:
+        q_lens[0] = 1
+    return make_case(f"random #{seed}", q_lens, kv_lens, ps, seed, device)
+
+
+@dataclass(frozen=True)
+class Builder:
+    """A fast builder and the reference it must equal; both take a Case."""
+
+    name: str
+    fast: Callable[[Case], torch.Tensor]
+    reference: Callable[[Case], torch.Tensor]
+
+
+def _dcp_all(case: Case, one: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+    """``one(rank, world, interleave)`` over every rank of every DCP config valid for the case's page size."""
+    parts = [one(rank, world, interleave) for world, interleave in DCP_CONFIGS if case.page_size % interleave == 0
+             for rank in range(world)]
+    return torch.cat(parts)
+
+
+def _fast_csr(case: Case, part: int, indices: Callable = fast.kv_indices) -> torch.Tensor:
+    return fast.flashinfer_csr(case.on_device("seq_lens"), case.on_device("block_table"), case.page_size,
+                               case.sizes.num_pages, indices)[part]
+
+
+def _kv_indices_triton(case: Case) -> torch.Tensor:
+    from impls.triton.kv_indices import kv_indices_triton  # imported on use: Triton kernels need the interpreter set
+
+    return _fast_csr(case, 1, kv_indices_triton)
+
+
+def _i32(value: int) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.int32)
+
+
+BUILDERS: tuple[Builder, ...] = (
+    Builder("query_start_loc",
+            lambda c: fast.cumulative(c.on_device("q_lens")),
+            lambda c: torch.tensor(reference.cumulative(c.q_lens), dtype=torch.int32)),
+    Builder("kv_start_loc",
+            lambda c: fast.cumulative(c.on_device("seq_lens")),
+            lambda c: torch.tensor(reference.cumulative(c.kv_lens), dtype=torch.int32)),
+    Builder("block table",
+            lambda c: fast.block_table_from_pool(c.on_device("seq_lens"), c.page_size, c.on_device("pool"),
+                                                 c.sizes.max_pages),
+            lambda c: reference.assign_blocks(c.kv_lens, c.page_size, c.pool)),
+    Builder("slot mapping",
+            lambda c: fast.slot_mapping(c.on_device("query_start_loc"), c.on_device("seq_lens"),
+                                        c.on_device("block_table"), c.page_size, c.sizes.num_tokens),
+            lambda c: reference.slot_mapping(c.q_lens, c.kv_lens, c.block_table, c.page_size)),
+    Builder("kv_indptr", lambda c: _fast_csr(c, 0),
+            lambda c: reference.flashinfer_csr(c.kv_lens, c.block_table, c.page_size)[0]),
+    Builder("kv_indices", lambda c: _fast_csr(c, 1),
+            lambda c: reference.flashinfer_csr(c.kv_lens, c.block_table, c.page_size)[1]),
+    Builder("kv_indices (triton)", _kv_indices_triton,
+            lambda c: reference.flashinfer_csr(c.kv_lens, c.block_table, c.page_size)[1]),
+    Builder("kv_last_page_len", lambda c: _fast_csr(c, 2),
+            lambda c: reference.flashinfer_csr(c.kv_lens, c.block_table, c.page_size)[2]),
+    Builder("token page table",
+            lambda c: fast.token_page_table(c.on_device("seq_lens"), c.on_device("block_table"), c.page_size,
+                                            c.sizes.max_kv_len),
+            lambda c: reference.token_page_table(c.block_table, c.kv_lens, c.page_size)),
+    Builder("flat token slots",
+            lambda c: fast.flat_token_slots(c.on_device("kv_start_loc"), c.on_device("block_table"), c.page_size,
+                                            c.sizes.num_kv_tokens),
+            lambda c: reference.flat_token_slots(c.block_table, c.kv_lens, c.page_size)),
+    Builder("max_qo_len", lambda c: fast.max_len(c.on_device("q_lens")), lambda c: _i32(reference.max_qo_len(c.q_lens))),
+    Builder("max_kv_len", lambda c: fast.max_len(c.on_device("seq_lens")),
+            lambda c: _i32(reference.max_kv_len(c.kv_lens))),
+    Builder("dcp local lens",
+            lambda c: _dcp_all(c, lambda r, w, i: fast.dcp_local_lens(c.on_device("seq_lens"), r, w, i)),
+            lambda c: _dcp_all(c, lambda r, w, i: torch.tensor([reference.dcp_local_len(n, r, w, i) for n in c.kv_lens],
+                                                               dtype=torch.int32))),
+    Builder("dcp slot mapping",
+            lambda c: _dcp_all(c, lambda r, w, i: fast.dcp_slot_mapping(
+                c.on_device("query_start_loc"), c.on_device("seq_lens"), c.on_device("block_table"), c.page_size,
+                c.sizes.num_tokens, r, w, i)),
+            lambda c: _dcp_all(c, lambda r, w, i: reference.dcp_slot_mapping(c.q_lens, c.kv_lens, c.block_table,
+                                                                                c.page_size, r, w, i))),
+    Builder("transform paged",
+            lambda c: fast.transform_indices_paged(c.on_device("topk_indices"), c.on_device("query_start_loc"),
+                                                   c.on_device("seq_lens"), c.on_device("block_table"), c.page_size),
+            lambda c: reference.transform_indices_paged(c.topk_indices, c.q_lens, c.kv_lens, c.block_table,
+                                                        c.page_size)),
+    Builder("transform ragged",
+            lambda c: fast.transform_indices_ragged(c.on_device("topk_indices"), c.on_device("query_start_loc"),
+                                                    c.on_device("seq_lens"), c.on_device("kv_start_loc")),
+            lambda c: reference.transform_indices_ragged(c.topk_indices, c.q_lens, c.kv_lens)),
+)
+
+
+def difference(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """How ``actual`` differs from ``expected`` (dtype, shape, first differing element), or None when equal."""
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype}, expected {expected.dtype}"
+    if actual.shape != expected.shape:
+        return f"shape {list(actual.shape)}, expected {list(expected.shape)}"
+    actual = actual.cpu()
+    wrong = actual != expected
+    if not bool(wrong.any()):
+        return None
+    at = tuple(wrong.nonzero()[0].tolist())
+    return (f"{int(wrong.sum())} of {wrong.numel()} elements differ, first at {list(at)}: "
+            f"{actual[at].item()} instead of {expected[at].item()}")
+
+
+def check(builder: Builder, case: Case) -> str | None:
+    """``builder`` on ``case``: None when it equals the reference, else what went wrong."""
+    try:
+        return difference(builder.fast(case), builder.reference(case))
+    except Exception as exc:  # noqa: BLE001 - a crashing builder is a finding, not a suite crash
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+class MetadataSuite:
+    """Fast metadata builders against the reference builders (``builders`` defaults to all of them)."""
+
+    name = "metadata"
+
+    def __init__(self, builders: tuple[Builder, ...] = BUILDERS) -> None:
+        self.builders = builders
+
+    def run(self, ctx: RunContext) -> Iterator[Result]:
+        triton_reason = _triton_unavailable(ctx.device)
+        for page_size in ctx.page_sizes or PAGE_SIZES:
+            cases = [make_case(name, q, kv, page_size, ctx.seed, ctx.device)
+                     for name, (q, kv) in named_mixes(page_size, ctx.seed).items()]
+            for builder in self.builders:
+                ctx.progress(f"metadata {builder.name} ps{page_size}")
+                label = f"{builder.name} ps{page_size} ({len(cases)} mixes)"
+                if triton_reason and "triton" in builder.name:
+                    yield Result(self.name, builder.name, "unsupported", label=label, message=triton_reason)
+                    continue
+                problems = [f"{case.name}: {p}" for case in cases if (p := check(builder, case))]
+                yield Result(self.name, builder.name, "failed" if problems else "passed", label=label,
+                             metrics={"mixes": len(cases), "failed_mixes": len(problems)},
+                             details={"page_size": page_size, "mixes": [c.name for c in cases]},
+                             message="; ".join(problems))
+
+
+def _triton_unavailable(device: torch.device) -> str | None:
+    from impls.triton.cache_ops import triton_unavailable  # imported on use, like every Triton module
+
+    return triton_unavailable(device)

@@ -1,0 +1,244 @@
+"""The placement suite: what each impl's ``plan`` and ``run`` really cost per step, and the rules those costs keep.
+
+Per impl and workload one ``hidden_cost`` Result holds the step's table row (``COST_METRICS``: plan and run
+wall times, then kernel launches, copies and their bytes, host syncs and allocations of plan and run together;
+the per-phase counts are in ``details``). Then one Result per rule that applies:
+
+- ``graph_safe``: an impl that declares ``graph_safe`` neither synchronizes the host nor allocates in ``run``.
+- ``cache_traffic``: an impl that keeps the cache in host memory (declares ``cache_devices`` with "cpu") moves no
+  more bytes per step (plan and run) across the bus than the queries, outputs, lse and metadata: never the cache.
+- ``attention_device``: an impl that declares attention on the CPU launches no GPU kernel in ``run`` (CUDA only:
+  on a CPU-only run there is nothing to launch).
+- ``metadata_sync``: each paged-metadata builder (``METADATA_BUILDERS``) builds without a host sync.
+
+On a CPU-only run (CI) the same rules read the CPU twins of the counts (see ``mla_bench.hidden_costs``): host
+reads of tensor values for syncs, host allocations, and plain copies within the one memory for bus traffic.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from mla_bench.errors import UnsupportedConfig
+from mla_bench.hidden_costs import StepCosts, measure_step, profile_costs
+from mla_bench.metadata import fast
+from mla_bench.metadata.fast import HostSizes
+from mla_bench.problem import Problem, build_problem
+from mla_bench.registry import Capabilities, ImplEntry, ImplNotInstalled
+from mla_bench.results import Result
+from mla_bench.workload import Workload
+from suites.base import RunContext
+
+SUITE = "placement"
+DEFAULT_PRESET = "deepseek-v3-tp8"
+
+
+# ---- metadata builders whose host syncs are checked -----------------------------------------------------------
+@dataclass(frozen=True)
+class MetadataBuilder:
+    """A per-step metadata builder, called on a problem's device tensors (``applies``: which problems it needs)."""
+
+    name: str
+    build: Callable[[Problem], Any]
+    applies: Callable[[Problem], bool] = lambda problem: True
+
+
+def _has_topk(problem: Problem) -> bool:
+    return problem.topk_indices is not None
+
+
+def _step(problem: Problem) -> dict[str, torch.Tensor]:
+    """The whole per-step build from lengths already on the device (one host-to-device copy) and the block table."""
+    meta = problem.meta
+    lengths = torch.stack([meta.query_start_loc.diff(), meta.seq_lens]).to(torch.int32)
+    sizes = HostSizes.of(list(meta.q_lens), list(meta.kv_lens), meta.page_size)
+    return fast.build_step(lengths, meta.block_table, meta.page_size, sizes)
+
+
+# The per-step builders of mla_bench/metadata/fast.py (the reference builders are plain host loops, not meant for
+# the hot path).
+METADATA_BUILDERS: tuple[MetadataBuilder, ...] = (
+    MetadataBuilder("fast.build_step", _step),
+    MetadataBuilder("fast.transform_indices_paged", lambda p: fast.transform_indices_paged(
+        p.topk_indices, p.meta.query_start_loc, p.meta.seq_lens, p.meta.block_table, p.meta.page_size), _has_topk),
+    MetadataBuilder("fast.transform_indices_ragged", lambda p: fast.transform_indices_ragged(
+        p.topk_indices, p.meta.query_start_loc, p.meta.seq_lens, p.meta.kv_start_loc), _has_topk),
+)
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+def default_workloads(device: torch.device, preset: str = DEFAULT_PRESET, seed: int = 0) -> list[Workload]:
+    """Decode with the cache with the queries and in host memory, a prefill, and a sparse decode (for the
+    metadata builders): real sizes on a GPU, small ones on the CPU."""
+    common = dict(preset=preset, seed=seed)
+    if device.type == "cuda":
+        decode = [Workload.uniform("decode", b, 1, 4096, page_size=64, **common) for b in (1, 8)]
+        others = [Workload.uniform("prefill", 2, 512, 512, **common),
+                  Workload.uniform("sparse_decode", 8, 1, 4096, page_size=64, topk=2048, **common)]
+    else:
+        decode = [Workload(mode="decode", q_lens=(1, 1), kv_lens=(200, 77), page_size=16, **common)]
+        others = [Workload.uniform("prefill", 2, 16, 48, **common),
+                  Workload(mode="sparse_decode", q_lens=(1, 1), kv_lens=(200, 77), page_size=16, topk=64, **common)]
+    return [w for d in decode for w in (d, d.replace(cache_device="cpu"))] + others
+
+
+def select_workloads(workloads: Iterable[Workload], ctx: RunContext) -> list[Workload]:
+    """The run context's filters: modes kept, cache layouts and page sizes substituted where the mode has a cache."""
+    chosen = []
+    for w in workloads:
+        if ctx.modes and w.mode.value not in ctx.modes:
+            continue
+        variants = [w]
+        if w.mode.uses_cache and ctx.layouts:
+            variants = [v.replace(layout=layout) for v in variants for layout in ctx.layouts]
+        if w.mode.uses_cache and ctx.page_sizes:
+            variants = [v.replace(page_size=ps) for v in variants for ps in ctx.page_sizes]
+        chosen += [v for v in variants if v not in chosen]
+    return chosen
+
+
+# ---- rules -----------------------------------------------------------------------------------------------------
+def traffic_budget(problem: Problem) -> dict[str, int]:
+    """What may cross the bus per step with the cache in host memory: queries in, outputs and lse out, metadata."""
+    tokens, heads = problem.q.shape[0], problem.q.shape[1]
+    meta = [getattr(problem.meta, name) for name in ("query_start_loc", "kv_start_loc", "seq_lens", "block_table",
+                                                      "token_slots")]
+    if problem.sparse_indices is not None:
+        meta.append(problem.sparse_indices)
+    return {"queries": problem.q.nbytes,
+            "outputs": tokens * heads * problem.out_dim * problem.q.element_size(),
+            "lse": tokens * heads * 4,
+            "metadata": sum(t.nbytes for t in meta)}
+
+
+def graph_safety(step: StepCosts) -> tuple[dict[str, float], str]:
+    """Rule ``graph_safe``: ``run`` neither syncs nor allocates. Returns (metrics, violation or "")."""
+    run = step.run
+    problems = []
+    if run.syncs:
+        problems.append(f"synchronized the host {run.syncs}x ({run.describe_syncs()})")
+    if run.allocations:
+        problems.append(f"allocated {run.allocations}x ({run.alloc_bytes} B)")
+    metrics = {"syncs": run.syncs, "allocations": run.allocations, "alloc_bytes": run.alloc_bytes}
+    return metrics, ("run " + " and ".join(problems) + ": not CUDA-graph safe") if problems else ""
+
+
+def cache_traffic(step: StepCosts, problem: Problem) -> tuple[dict[str, float], str]:
+    """Rule ``cache_traffic``: the step moves no more than ``traffic_budget``. Returns (metrics, violation or "")."""
+    budget = traffic_budget(problem)
+    total = step.step
+    moved, allowed, cache_bytes = total.moved_bytes, sum(budget.values()), problem.cache.data.nbytes
+    metrics = {"moved_bytes": moved, "budget_bytes": allowed, "cache_bytes": cache_bytes}
+    if moved <= allowed:
+        return metrics, ""
+    where = "over the bus" if total.traced == "cuda" else "in plain copies (CPU twin of bus traffic)"
+    parts = " + ".join(f"{name} {n} B" for name, n in budget.items())
+    return metrics, (f"moved {moved} B per step {where} ({total.describe_copies()}), more than the budget "
+                     f"{allowed} B ({parts}); the cache is {cache_bytes} B")
+
+
+def attention_placement(step: StepCosts) -> tuple[dict[str, float], str]:
+    """Rule ``attention_device``: CPU attention launches no GPU kernel in ``run``. Returns (metrics, violation)."""
+    launches = step.run.launches
+    message = f"run launched {launches} GPU kernels although attention is declared on the CPU" if launches else ""
+    return {"launches": launches}, message
+
+
+def rules_for(caps: Capabilities, problem: Problem) -> list[tuple[str, Callable[[StepCosts], tuple]]]:
+    """The rules that apply to an impl with ``caps`` on ``problem``."""
+    rules: list[tuple[str, Callable[[StepCosts], tuple]]] = []
+    if caps.graph_safe:
+        rules.append(("graph_safe", graph_safety))
+    if problem.workload.cache_device == "cpu" and caps.cache_devices is not None and "cpu" in caps.cache_devices:
+        rules.append(("cache_traffic", lambda step: cache_traffic(step, problem)))
+    if caps.attention_device == "cpu" and problem.device.type == "cuda":
+        rules.append(("attention_device", attention_placement))
+    return rules
+
+
+# ---- the suite ---------------------------------------------------------------------------------------------------
+class PlacementSuite:
+    """Hidden costs and placement rules of every impl over a set of workloads (``default_workloads`` if None).
+    ``reps`` timed steps per impl and workload (default 5 on CUDA, 1 on the CPU, where times are only indicative)."""
+
+    name = SUITE
+
+    def __init__(self, workloads: Iterable[Workload] | None = None,
+                 builders: Iterable[MetadataBuilder] = METADATA_BUILDERS, reps: int | None = None) -> None:
+        self.workloads = None if workloads is None else list(workloads)
+        self.builders = tuple(builders)
+        self.reps = reps
+
+    def run(self, ctx: RunContext) -> Iterator[Result]:
+        workloads = self.workloads
+        if workloads is None:
+            workloads = select_workloads(default_workloads(ctx.device, ctx.preset or DEFAULT_PRESET, ctx.seed), ctx)
+        impls = [self._load(entry) for entry in ctx.impls]
+        for w in workloads:
+            ctx.progress(w.label)
+            try:
+                problem = build_problem(w, ctx.device)
+            except Exception:  # noqa: BLE001 - a workload that cannot be built is a result, not a crash
+                yield Result(SUITE, "hidden_cost", "error", None, w.to_dict(), w.label,
+                             message=traceback.format_exc())
+                continue
+            for builder in self.builders:
+                if builder.applies(problem):
+                    yield self._metadata_result(builder, problem)
+            for entry, loaded in zip(ctx.impls, impls):
+                yield from self._impl_results(entry.name, loaded, problem)
+
+    @staticmethod
+    def _load(entry: ImplEntry) -> Any:
+        """The impl, or the reason it cannot load (a string)."""
+        try:
+            return entry.load()
+        except ImplNotInstalled as exc:
+            return f"not installed: {exc}"
+        except Exception:  # noqa: BLE001
+            return traceback.format_exc()
+
+    def _impl_results(self, name: str, impl: Any, problem: Problem) -> Iterator[Result]:
+        w = problem.workload
+
+        def result(check: str, status: str, metrics: dict[str, float] | None = None, message: str = "",
+                   details: dict[str, Any] | None = None) -> Result:
+            return Result(SUITE, check, status, name, w.to_dict(), w.label, metrics or {}, details or {}, message)
+
+        if isinstance(impl, str):
+            yield result("hidden_cost", "unsupported" if impl.startswith("not installed") else "error", message=impl)
+            return
+        try:
+            step = measure_step(impl, problem, self.reps or (5 if problem.device.type == "cuda" else 1))
+        except UnsupportedConfig as exc:
+            yield result("hidden_cost", "unsupported", message=str(exc))
+            return
+        except Exception:  # noqa: BLE001 - an impl's crash is its result
+            yield result("hidden_cost", "error", message=traceback.format_exc())
+            return
+        caps = impl.capabilities
+        details = {"placement": caps.placement(), "traced": step.run.traced,
+                   "plan": step.plan.to_dict(), "run": step.run.to_dict()}
+        yield result("hidden_cost", "passed", step.metrics(), details=details)
+        for check, rule in rules_for(caps, problem):
+            metrics, violation = rule(step)
+            yield result(check, "failed" if violation else "passed", metrics, violation)
+
+    @staticmethod
+    def _metadata_result(builder: MetadataBuilder, problem: Problem) -> Result:
+        w = problem.workload
+        label = f"{builder.name} | {w.label}"
+        try:
+            builder.build(problem)  # warm-up
+            _, costs = profile_costs(lambda: builder.build(problem), problem.device)
+        except Exception:  # noqa: BLE001
+            return Result(SUITE, "metadata_sync", "error", None, w.to_dict(), label, message=traceback.format_exc())
+        message = f"{builder.name} synchronized the host {costs.syncs}x ({costs.describe_syncs()})" if costs.syncs \
+            else ""
+        return Result(SUITE, "metadata_sync", "failed" if message else "passed", None, w.to_dict(), label,
+                      costs.counts(), {"builder": builder.name, "copies": costs.copy_events}, message)
+

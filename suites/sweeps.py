@@ -1,0 +1,131 @@
+"""The workload sweeps every suite draws from, and how the command line's filters reshape them.
+
+Two sweeps: ``tiny`` (the ``tiny`` preset, for CPU and the Triton interpreter: every mode and query-length
+kind, an empty request, lengths on page boundaries, page sizes 1/16/64 and a non-power-of-two) and ``gpu``
+(DeepSeek V3 under TP8 (16 heads) and unsharded (128 heads) at serving shapes: batch 1/32/128, context
+4096/8192/16384, page 64, plus prefill). ``gpu-quick`` is the gpu sweep cut to batch 1/32, context 4096/8192.
+
+``select(ctx)`` applies the run's filters: ``--preset`` picks the sweep (``tiny`` -> tiny, others -> gpu
+shapes with that preset), ``--mode`` keeps only those modes, ``--layout`` / ``--page-size`` re-run each
+cache-reading workload with those values (so ``--layout fp8_ds_mla`` sweeps every decode shape in FP8), and
+``--seed`` sets the seed. Layouts other than bf16 are swept for whatever the layout registry holds.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, TypeVar
+
+from mla_bench.dims import get_preset
+from mla_bench.layouts import LAYOUTS
+from mla_bench.registry import Capabilities
+from mla_bench.workload import Mode, Workload
+
+T = TypeVar("T")
+
+TINY_PAGE = 16
+GPU_PAGE = 64
+GPU_PRESETS = ("deepseek-v3-tp8", "deepseek-v3")
+
+
+def tiny(preset: str = "tiny") -> list[Workload]:
+    """Small workloads with the real 512/64/128 dims: every mode, kind of request mix and page-size edge."""
+    def decode(q_lens, kv_lens, page=TINY_PAGE, layout="bf16", **kw) -> Workload:
+        return Workload(Mode.DECODE, tuple(q_lens), tuple(kv_lens), preset=preset, page_size=page, layout=layout,
+                        **kw)
+
+    sweep = [
+        decode((1, 1, 1, 1), (37, 0, 64, 100)),          # single queries, a padding request, a page boundary
+        decode((2, 2), (33, 48)),                        # uniform q_len 2 (MTP)
+        decode((1, 3, 0, 2), (50, 17, 0, 32)),           # varlen, an empty request, the last q_len not the max
+        decode((1, 1, 1, 1), (16, 17, 15, 32)),          # lengths at, past and before page boundaries
+        decode((1, 1), (9, 20), page=1),
+        decode((1, 2), (64, 130), page=64),
+        decode((1, 1), (26, 40), page=13),               # a page size that is not a power of two
+        decode((1, 1), (40, 77), dtype="float32"),
+    ]
+    sweep += [decode((1, 2), (40, 77), layout=name) for name in LAYOUTS if name != "bf16"]
+    sweep += [
+        Workload(Mode.PREFILL, (6, 1, 9), (6, 30, 20), preset=preset),
+        Workload(Mode.PREFILL, (12, 5), (12, 5), preset=preset, dtype="float32"),
+        Workload(Mode.CHUNKED_PREFILL, (5, 3), (40, 19), preset=preset, page_size=TINY_PAGE, chunk_size=16),
+        Workload(Mode.SPARSE_DECODE, (1, 1, 1), (50, 8, 90), preset=preset, page_size=TINY_PAGE, topk=16),
+        Workload(Mode.SPARSE_DECODE, (1, 1), (30, 45), preset=preset, page_size=TINY_PAGE, topk=16,
+                 index_transform="ragged"),
+        Workload(Mode.SPARSE_PREFILL, (4, 6), (30, 6), preset=preset, page_size=TINY_PAGE, topk=8),
+        Workload(Mode.DCP, (1, 1), (33, 40), preset=preset, page_size=TINY_PAGE, dcp_world=2),
+        Workload(Mode.DCP, (1, 2, 1), (21, 50, 7), preset=preset, page_size=TINY_PAGE, dcp_world=3,
+                 dcp_interleave=2),
+    ]
+    return sweep
+
+
+def gpu(presets: Iterable[str] = GPU_PRESETS, batches=(1, 32, 128), contexts=(4096, 8192, 16384)) -> list[Workload]:
+    """Serving shapes: decode over batch x context, each other layout at one shape, and prefill."""
+    sweep = []
+    for preset in presets:
+        sweep += [Workload.uniform(Mode.DECODE, b, 1, ctx, preset=preset, page_size=GPU_PAGE)
+                  for b in batches for ctx in contexts]
+        sweep += [Workload.uniform(Mode.DECODE, batches[min(1, len(batches) - 1)], 1, contexts[0], preset=preset,
+                                   page_size=GPU_PAGE, layout=name) for name in LAYOUTS if name != "bf16"]
+        # 128-head prefill stays at 2048 tokens: the float64 reference's score blocks must fit in memory.
+        tokens = 2048 if get_preset(preset).num_heads > 16 else 8192
+        sweep.append(Workload.uniform(Mode.PREFILL, 1, tokens, tokens, preset=preset))
+    return sweep
+
+
+SWEEPS: dict[str, Callable[..., list[Workload]]] = {
+    "tiny": tiny,
+    "gpu": gpu,
+    "gpu-quick": lambda presets=GPU_PRESETS: gpu(presets, batches=(1, 32), contexts=(4096, 8192)),
+}
+
+
+def default_sweep(preset: str | None, device_type: str) -> str:
+    """``tiny`` for the tiny preset or a CPU run, ``gpu`` otherwise."""
+    return "tiny" if preset == "tiny" or (preset is None and device_type != "cuda") else "gpu"
+
+
+def select(ctx) -> list[Workload]:
+    """The workloads of ``ctx``'s sweep after its filters (see the module docstring), without duplicates."""
+    name = getattr(ctx, "sweep", None) or default_sweep(ctx.preset, ctx.device.type)
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; sweeps: {', '.join(SWEEPS)}")
+    if name == "tiny":
+        base = SWEEPS[name](ctx.preset or "tiny")
+    else:
+        base = SWEEPS[name](presets=(ctx.preset,) if ctx.preset and ctx.preset != "tiny" else GPU_PRESETS)
+    if ctx.modes:
+        base = [w for w in base if w.mode.value in ctx.modes]
+    out: dict[str, Workload] = {}
+    for w in base:
+        for variant in _variants(w, ctx.layouts, ctx.page_sizes):
+            variant = variant.replace(seed=ctx.seed)
+            out.setdefault(variant.key, variant)
+    return list(out.values())
+
+
+def _variants(w: Workload, layouts: list[str], page_sizes: list[int]) -> list[Workload]:
+    if not w.mode.uses_cache:
+        return [w]
+    return [w.replace(layout=layout, page_size=page)
+            for layout in (layouts or [w.layout]) for page in (page_sizes or [w.page_size])]
+
+
+def shard(items: list[T], ctx) -> list[T]:
+    """This worker's share of ``items`` (round robin over ``ctx.shards`` workers)."""
+    return items[ctx.shard::ctx.shards]
+
+
+def conformance(caps: Capabilities, preset: str = "tiny") -> list[Workload]:
+    """The tiny sweep bent to what ``caps`` declares: head count and page size moved to a declared value
+    (an impl for 64/128 heads or page 64 only is still checked), everything else left for the impl to refuse."""
+    out: dict[str, Workload] = {}
+    for w in tiny(preset):
+        changes = {}
+        if caps.head_counts is not None and w.dims.num_heads not in caps.head_counts:
+            changes["num_heads"] = min(caps.head_counts)
+        if w.mode.uses_cache and caps.page_sizes is not None and w.page_size not in caps.page_sizes:
+            changes["page_size"] = min(caps.page_sizes)
+        w = w.replace(**changes) if changes else w
+        out.setdefault(w.key, w)
+    return list(out.values())

@@ -1,0 +1,68 @@
+"""Conformance of any MLA impl against the float64 reference, shipped with the bench:
+
+    pytest --pyargs suites -m conformance --mla-impl mypkg:MyMLA
+
+One test per (impl, workload) of the tiny sweep bent to the impl's declared head counts and page sizes
+(``suites.sweeps.conformance``), over every mode and layout. A combination the impl does not declare, or that its
+``plan`` refuses with ``UnsupportedConfig``, is skipped with that reason; everything else must pass
+``suites.judge.judge`` (poisoned outputs and unused pages, permuted blocks, the bench's tolerances).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mla_bench.pytest_plugin import impl_specs, resolve_spec, workload_marks
+
+_PROBLEMS: dict = {}
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if "conformance_case" not in metafunc.fixturenames:
+        return
+    from mla_bench.registry import ImplNotInstalled
+    from suites import sweeps
+
+    cases = []
+    for spec in impl_specs(metafunc.config):
+        entry = resolve_spec(spec)
+        try:
+            caps = entry.load().capabilities
+        except ImplNotInstalled as exc:
+            cases.append(pytest.param((entry, None, f"not installed: {exc}"), id=f"{entry.name}-not-installed"))
+            continue
+        for workload in sweeps.conformance(caps):
+            cases.append(pytest.param((entry, workload, None), marks=workload_marks(workload),
+                                      id=f"{entry.name}-{workload.label.replace(' ', '_')}"))
+    metafunc.parametrize("conformance_case", cases)
+
+
+def _problem(workload, device):
+    """The problem and references of a workload, built once per session and shared by every impl."""
+    from mla_bench.problem import build_problem
+    from suites.judge import References
+
+    key = (workload.key, str(device))
+    if key not in _PROBLEMS:
+        problem = build_problem(workload, device)
+        _PROBLEMS[key] = (problem, References.of(problem))
+    return _PROBLEMS[key]
+
+
+@pytest.mark.conformance
+def test_conformance(conformance_case, mla_device) -> None:
+    from suites.judge import judge
+
+    entry, workload, skip_reason = conformance_case
+    if skip_reason:
+        pytest.skip(skip_reason)
+    impl = entry.load()
+    refusal = impl.capabilities.refusal(workload, mla_device)
+    if refusal:
+        pytest.skip(f"{impl.name}: unsupported {refusal}")
+    problem, refs = _problem(workload, mla_device)
+    verdict = judge(impl, problem, refs)
+    if verdict.status == "unsupported":
+        pytest.skip(verdict.message)
+    details = "\n".join(verdict.violations) or verdict.message
+    assert verdict.status == "passed", f"{impl.name} {verdict.status} on {workload.label}:\n{details}"

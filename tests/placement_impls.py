@@ -1,0 +1,135 @@
+"""Impls for the placement tests: a clean graph-safe decode, and one planted bug per placement rule.
+
+Each planted bug computes the right answer (the accuracy judge passes it): only the placement suite sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from impls.torch_eager import TorchEager
+from impls.torch_eager.impl import decode
+from mla_bench.layouts import NOPE_DIM, PagedCache
+from mla_bench.metadata.reference import request_token_slots
+from mla_bench.problem import Problem
+from mla_bench.registry import Capabilities, Impl
+from mla_bench.workload import Mode
+from suites.placement import MetadataBuilder
+
+
+@dataclass
+class StaticPlan:
+    """Every buffer ``run`` touches, allocated once in ``plan``."""
+
+    problem: Problem
+    slots: list[torch.Tensor]
+    keys: torch.Tensor      # [max_kv, 576] bf16 gathered rows
+    keys_f32: torch.Tensor  # [max_kv, 576]
+    q_f32: torch.Tensor     # [H, 576]
+    scale: torch.Tensor     # 0-dim, the softmax scale (no Python scalar in run: it would be wrapped in a tensor)
+    scores: torch.Tensor    # [H, max_kv]
+    probs: torch.Tensor     # [H, max_kv] bf16, the rounding a flash kernel applies
+    row_max: torch.Tensor   # [H, 1]
+    row_sum: torch.Tensor   # [H, 1]
+    out_f32: torch.Tensor   # [H, 512]
+    out: torch.Tensor       # [B, H, 512] bf16
+    lse: torch.Tensor       # [B, H]
+    minus_inf: torch.Tensor  # [H], the lse of a padding request
+
+
+class StaticDecode(Impl):
+    """Clean and CUDA-graph safe: single-query decode whose ``run`` writes only into buffers made by ``plan``."""
+
+    name = "static_decode"
+    description = "test double: graph-safe torch decode, every buffer preallocated"
+    capabilities = Capabilities(modes=frozenset({Mode.DECODE}), query_len_kinds=frozenset({"single"}),
+                                graph_safe=True)
+
+    def plan(self, p: Problem) -> StaticPlan:
+        meta, heads, dev = p.meta, p.q.shape[1], p.device
+        longest = max(max(meta.kv_lens), 1)
+
+        def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=dev)
+
+        slots = [request_token_slots(meta.block_table, b, n, meta.page_size) for b, n in enumerate(meta.kv_lens)]
+        return StaticPlan(p, slots, empty(longest, p.q.shape[2], dtype=torch.bfloat16), empty(longest, p.q.shape[2]),
+                          empty(heads, p.q.shape[2]), torch.tensor(p.scale, device=dev), empty(heads, longest),
+                          empty(heads, longest, dtype=torch.bfloat16), empty(heads, 1), empty(heads, 1),
+                          empty(heads, NOPE_DIM), empty(meta.batch, heads, NOPE_DIM, dtype=torch.bfloat16),
+                          empty(meta.batch, heads), torch.full((heads,), float("-inf"), device=dev))
+
+    def poison(self, s: StaticPlan) -> None:
+        s.out.fill_(float("nan"))
+        s.lse.fill_(float("nan"))
+
+    def run(self, s: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        p = s.problem
+        rows = p.cache.rows().view(torch.bfloat16)
+        for b, n in enumerate(p.meta.kv_lens):
+            if n == 0:
+                s.out[b].zero_()
+                s.lse[b].copy_(s.minus_inf)
+                continue
+            keys, keys_f32, scores, probs = s.keys[:n], s.keys_f32[:n], s.scores[:, :n], s.probs[:, :n]
+            torch.index_select(rows, 0, s.slots[b], out=keys)
+            keys_f32.copy_(keys)
+            s.q_f32.copy_(p.q[b])
+            torch.matmul(s.q_f32, keys_f32.t(), out=scores)
+            scores.mul_(s.scale)
+            torch.amax(scores, dim=-1, keepdim=True, out=s.row_max)
+            scores.sub_(s.row_max).exp_()
+            torch.sum(scores, dim=-1, keepdim=True, out=s.row_sum)
+            scores.div_(s.row_sum)
+            probs.copy_(scores)
+            scores.copy_(probs)
+            torch.matmul(scores, keys_f32[:, :NOPE_DIM], out=s.out_f32)
+            s.out[b].copy_(s.out_f32)
+            s.row_sum.log_().add_(s.row_max)
+            s.lse[b].copy_(s.row_sum[:, 0])
+        return s.out, s.lse
+
+
+class SyncsInRun(StaticDecode):
+    """Planted bug (graph_safe): reads the longest context back to the host with ``.item()`` every step."""
+
+    name = "planted_item_in_run"
+
+    def run(self, s: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        if s.problem.meta.seq_lens.max().item() > s.keys.shape[0]:
+            raise ValueError("context longer than the planned workspace")
+        return super().run(s)
+
+
+class AllocatesInRun(StaticDecode):
+    """Planted bug (graph_safe): allocates its output afresh every step instead of using the planned one."""
+
+    name = "planted_alloc_in_run"
+
+    def run(self, s: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        s.out = torch.empty_like(s.out)
+        return super().run(s)
+
+
+class CopiesCacheEveryStep(TorchEager):
+    """Planted bug (cache_traffic, llama.cpp PR 13648): accepts a cache in host memory, then copies all of it to
+    the queries' device every step and computes there."""
+
+    name = "planted_cache_copy"
+    capabilities = Capabilities(modes=frozenset({Mode.DECODE}), cache_devices=frozenset({"cpu", "cuda"}))
+
+    def run(self, plan):  # plan: TorchEagerPlan, slots already on the queries' device
+        p = plan.problem
+        on_device = PagedCache(p.cache.layout, p.cache.data.to(p.device, copy=True), p.cache.tensor_scale)
+        return decode(dataclasses.replace(p, cache=on_device), p.q, plan.request_slots)
+
+
+def _max_qo_len_on_device(p: Problem) -> int:
+    """Planted bug (metadata_sync): derives max_qo_len from the device's query_start_loc, a host read per step."""
+    return int((p.meta.query_start_loc[1:] - p.meta.query_start_loc[:-1]).max())
+
+
+SYNCING_BUILDER = MetadataBuilder("planted_max_qo_len_on_device", _max_qo_len_on_device)

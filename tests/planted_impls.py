@@ -1,0 +1,181 @@
+"""Deliberately broken MLA impls, each with one bug that real kernels shipped, and their correct twins.
+
+Every suite must flag each planted bug: the tests run them through the conformance suite (pytest plugin) and
+through ``mla-bench run``. ``PlainDecode`` and ``PlainSparse`` are the same code without a bug; they must pass,
+so a flagged planted impl is flagged for its bug, not for the harness.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from impls.torch_eager import TorchEager
+from mla_bench.layouts import NOPE_DIM
+from mla_bench.metadata.reference import cumulative
+from mla_bench.registry import Capabilities, Impl
+from mla_bench.workload import Mode
+
+DECODE = Capabilities(modes=frozenset({Mode.DECODE}), dtypes=frozenset({"bfloat16", "float32"}))
+SPARSE = Capabilities(modes=frozenset({Mode.SPARSE_DECODE, Mode.SPARSE_PREFILL}),
+                      dtypes=frozenset({"bfloat16", "float32"}), index_transforms=frozenset({"paged"}))
+
+
+def _softmax_rows(q: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[H, 576]`` over ``keys`` ``[N, 576]`` in float32: ``(out [H, 512], lse [H])``."""
+    scores = (q.float() @ keys.float().T) * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[:, None])
+    return probs @ keys[:, :NOPE_DIM].float(), lse
+
+
+class PlainDecode(Impl):
+    """Decode over the paged bf16 cache, one query row at a time: correct unless a subclass plants a bug."""
+
+    name = "plain_decode"
+    capabilities = DECODE
+
+    def plan(self, problem):
+        return problem
+
+    def positions(self, problem, b: int) -> tuple[torch.Tensor, int]:
+        """Token positions request ``b`` reads, and the causal frontier offset (keys j <= offset + i)."""
+        kv_len, q_len = problem.meta.kv_lens[b], problem.meta.q_lens[b]
+        return torch.arange(kv_len), kv_len - q_len
+
+    def rows_of(self, problem, b: int) -> int:
+        """How many query rows of request ``b`` are computed."""
+        return problem.meta.q_lens[b]
+
+    def run(self, p):
+        rows = p.cache.rows().view(torch.bfloat16)
+        out = torch.zeros(p.q.shape[0], p.q.shape[1], NOPE_DIM, dtype=p.q.dtype, device=p.q.device)
+        lse = torch.full(p.q.shape[:2], float("-inf"), device=p.q.device)
+        starts = cumulative(list(p.meta.q_lens))
+        block_table = p.meta.block_table.cpu()
+        for b, kv_len in enumerate(p.meta.kv_lens):
+            if kv_len == 0:
+                continue
+            positions, offset = self.positions(p, b)
+            slots = block_table[b].long()[positions // p.meta.page_size] * p.meta.page_size + positions % p.meta.page_size
+            keys = rows[slots.to(rows.device)]
+            for i in range(self.rows_of(p, b)):
+                seen = (positions <= offset + i).to(keys.device)
+                o, l = _softmax_rows(p.q[starts[b] + i], keys[seen], p.scale)
+                out[starts[b] + i], lse[starts[b] + i] = o.to(out.dtype), l
+        return out, lse
+
+
+class ReturnsZeros(PlainDecode):
+    name = "planted_returns_zeros"
+
+    def run(self, p):
+        out, lse = super().run(p)
+        return torch.zeros_like(out), lse
+
+
+class SkipsLastPage(PlainDecode):
+    """Drops the last page of every request that has more than one."""
+
+    name = "planted_skips_last_page"
+
+    def positions(self, problem, b):
+        positions, offset = super().positions(problem, b)
+        page = problem.meta.page_size
+        full_pages = (len(positions) - 1) // page
+        return (positions[:full_pages * page] if full_pages else positions), offset
+
+
+class ReadsPastSeqLen(PlainDecode):
+    """Reads the whole last page, the poisoned slots past seq_len included."""
+
+    name = "planted_reads_past_seq_len"
+
+    def positions(self, problem, b):
+        kv_len, q_len, page = problem.meta.kv_lens[b], problem.meta.q_lens[b], problem.meta.page_size
+        padded = -(-kv_len // page) * page
+        return torch.arange(padded), padded - q_len
+
+
+class LastQueryLenAsMax(PlainDecode):
+    """Takes max_qo_len from the last request (ATOM's bug): longer queries of other requests lose rows."""
+
+    name = "planted_last_query_len_as_max"
+
+    def rows_of(self, problem, b):
+        return min(problem.meta.q_lens[b], problem.meta.q_lens[-1])
+
+
+class PlainSparse(Impl):
+    """Sparse top-k over the paged bf16 cache with PAGED indices (physical slots, -1 invalid)."""
+
+    name = "plain_sparse"
+    capabilities = SPARSE
+
+    def plan(self, problem):
+        return problem
+
+    def valid(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices >= 0
+
+    def run(self, p):
+        rows = p.cache.rows().view(torch.bfloat16)
+        out = torch.zeros(p.q.shape[0], p.q.shape[1], NOPE_DIM, dtype=p.q.dtype, device=p.q.device)
+        lse = torch.full(p.q.shape[:2], float("-inf"), device=p.q.device)
+        for t in range(p.q.shape[0]):
+            indices = p.sparse_indices[t].long()
+            chosen = indices[self.valid(indices)]
+            if chosen.numel():
+                o, l = _softmax_rows(p.q[t], rows[chosen], p.scale)
+                out[t], lse[t] = o.to(out.dtype), l
+        return out, lse
+
+
+class MishandlesInvalidIndex(PlainSparse):
+    """Treats -1 padding as an index: Python-style it reads the cache's last slot."""
+
+    name = "planted_mishandles_invalid_index"
+
+    def valid(self, indices):
+        return torch.ones_like(indices, dtype=torch.bool)
+
+
+class AbortsInRun(PlainDecode):
+    """Kills its process in ``run`` (as an illegal memory access would): ``--isolate`` must contain it."""
+
+    name = "planted_aborts"
+
+    def run(self, p):
+        os.abort()
+
+
+class RaisesInRun(PlainDecode):
+    name = "planted_raises"
+
+    def run(self, p):
+        raise RuntimeError("planted failure inside run")
+
+
+class LessAccurate(PlainDecode):
+    """Passes the tolerance but is clearly worse than ``plain_decode``: the gate must catch the regression."""
+
+    name = "plain_decode"
+
+    def run(self, p):
+        out, lse = super().run(p)
+        noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
+        return (out.float() + 4.5e-3 * out.float().std() * noise).to(out.dtype), lse
+
+
+class SlowerTorchEager(TorchEager):
+    """The torch baseline made twice as slow (it computes everything twice): the latency gate must catch it."""
+
+    name = "torch_eager"
+
+    def run(self, plan):
+        super().run(plan)
+        return super().run(plan)
+
+
+PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex]

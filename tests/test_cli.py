@@ -1,0 +1,95 @@
+"""The command line end to end: run, report, compare, gate (pass on a rerun, fail on a planted regression),
+exit codes, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mla_bench.cli import main
+from mla_bench.results import load_run
+
+TESTS = Path(__file__).parent
+
+
+def _run(tmp_path, name: str, *args: str) -> tuple[int, Path]:
+    out = tmp_path / name
+    code = main(["run", "--device", "cpu", "--out", str(out), *args])
+    return code, out / "run.json"
+
+
+def test_run_rerun_gate_compare_and_report(tmp_path, capsys):
+    code, base = _run(tmp_path, "a", "--impl", "torch_eager", "--mode", "decode,prefill")
+    assert code == 0 and (base.parent / "report.html").exists() and list(base.parent.glob("report-*.png"))
+    code, again = _run(tmp_path, "b", "--impl", "torch_eager", "--mode", "decode,prefill", "--no-report")
+    assert code == 0 and not (again.parent / "report.html").exists()
+    assert main(["gate", "--baseline", str(base), str(again)]) == 0
+    assert "gate: passed" in capsys.readouterr().out
+    assert main(["compare", str(base), str(again)]) == 0
+    table = capsys.readouterr().out
+    assert "torch_eager" in table and "kernel.rel_l2" in table
+    assert main(["report", str(again), "-o", str(tmp_path / "r" / "x.html")]) == 0
+    assert (tmp_path / "r" / "x.html").exists() and (tmp_path / "r" / "x-errors-0.png").exists()
+    run = load_run(again)
+    assert {r.status for r in run.results} <= {"passed", "unsupported"} and run.environment["torch"]
+
+
+def test_gate_fails_on_a_less_accurate_impl_and_on_a_new_failure(tmp_path, capsys):
+    code, base = _run(tmp_path, "base", "--impl", "planted_impls:PlainDecode", "--mode", "decode", "--no-report")
+    assert code == 0
+    # Same name, same results except the error: most workloads still pass, but worse than the baseline.
+    code, worse = _run(tmp_path, "worse", "--impl", "planted_impls:LessAccurate", "--mode", "decode", "--no-report")
+    capsys.readouterr()
+    assert main(["gate", "--baseline", str(base), str(worse)]) == 1
+    out = capsys.readouterr().out
+    assert "gate: FAILED" in out and "accuracy" in out and "new failure" in out
+
+
+def test_bad_input_gets_clear_errors_and_exit_code_2(tmp_path, capsys):
+    assert main(["run", "--impl", "no_such_impl", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "unknown impl 'no_such_impl'" in capsys.readouterr().out
+    assert main(["run", "--impl", "torch_eager", "--suite", "nope", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "unknown suite" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something-else"}))
+    assert main(["gate", "--baseline", str(bad), str(bad)]) == 2
+    assert main(["report", str(bad)]) == 2
+    assert "not an mla-bench run file" in capsys.readouterr().out
+
+
+def test_list_and_list_layouts(capsys):
+    assert main(["list", "--layouts"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" in out and "1152" in out and "[kv_c 512 | k_pe 64]" in out
+    assert main(["list"]) == 0
+    assert "torch_eager" in capsys.readouterr().out
+
+
+def test_console_script_flags_every_planted_bug_with_exit_code_1(tmp_path):
+    """The installed ``mla-bench`` in a fresh process (TRITON_INTERPRET set there, impls from PYTHONPATH)."""
+    import planted_impls
+
+    bugs = ",".join(f"planted_impls:{cls.__name__}" for cls in planted_impls.PLANTED_BUGS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-m", "mla_bench.cli", "run", "--impl", bugs, "--out", str(tmp_path),
+                           "--no-report", "--device", "cpu"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = load_run(tmp_path / "run.json")
+    assert run.environment["triton_interpret"] == "1"
+    failed = {r.impl for r in run.results if r.status == "failed"}
+    assert failed == {cls.name for cls in planted_impls.PLANTED_BUGS}
+
+
+@pytest.mark.parametrize("argv", [["run", "--help"], ["gate", "--help"]])
+def test_help_lists_the_options(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert ("--isolate" in out and "--devices" in out) if argv[0] == "run" else "--baseline" in out

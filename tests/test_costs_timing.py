@@ -1,0 +1,82 @@
+"""The cost model against the numbers measured on an H200 (MLA_FACTS.md), the timing statistics, and on a GPU
+the timer itself (graphs, fallback, cold-L2 rotation, ceilings, pytest-benchmark)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_bench import timing
+from mla_bench.costs import cost, visible_keys
+from mla_bench.workload import Mode, Workload
+
+
+@pytest.mark.parametrize("preset, batch, ctx, ms, gbps, tflops", [
+    ("deepseek-v3-tp8", 32, 4096, 0.076, 2001, 60),   # the Triton peer, 16 heads
+    ("deepseek-v3-tp8", 64, 16384, 0.444, 2727, 82),
+    ("deepseek-v3", 128, 4096, 0.269, 2380, 543),      # FlashInfer, 128 heads
+])
+def test_decode_cost_matches_the_measured_table(preset, batch, ctx, ms, gbps, tflops):
+    work = cost(Workload.uniform(Mode.DECODE, batch, 1, ctx, preset=preset))
+    assert work.gbps(ms) == pytest.approx(gbps, rel=0.01)
+    assert work.tflops(ms) == pytest.approx(tflops, rel=0.01)
+
+
+def test_costs_count_only_what_is_read_and_seen():
+    causal = Workload(Mode.DECODE, (3, 0), (10, 0))
+    assert visible_keys(causal) == [8, 9, 10]
+    sparse = Workload(Mode.SPARSE_DECODE, (1, 1), (5, 40), topk=16, page_size=16)
+    assert visible_keys(sparse) == [5, 16]                                  # -1 padding is not read
+    dense = cost(Workload(Mode.DECODE, (1, 1), (5, 40), page_size=16))
+    assert cost(sparse).bytes == dense.bytes - (45 - 21) * 1152             # only valid top-k rows read
+    prefill = Workload(Mode.PREFILL, (4,), (4,))
+    heads = prefill.dims.num_heads
+    assert cost(prefill).flops == (1 + 2 + 3 + 4) * heads * 2 * (192 + 128)
+    assert cost(prefill).bytes == 4 * heads * 192 * 2 + 4 * (heads * 256 * 2 + 128) + 4 * heads * (128 * 2 + 4)
+
+
+def test_timing_stats_median_and_iqr():
+    stats = timing.TimingStats.of([5.0, 1.0, 2.0, 4.0, 3.0])
+    assert (stats.median, stats.p25, stats.p75, stats.iqr, stats.minimum) == (3.0, 2.0, 4.0, 2.0, 1.0)
+    assert stats.metrics("run_ms") == {"run_ms": 3.0, "run_ms_p25": 2.0, "run_ms_p75": 4.0, "run_ms_iqr": 2.0,
+                                       "run_ms_min": 1.0}
+    with pytest.raises(ValueError):
+        timing.TimingStats.of([])
+
+
+def test_rotation_exceeds_the_l2_several_times():
+    l2 = 50 << 20
+    n = timing.sets_for_cold_l2(5 << 20, l2)
+    assert n * (5 << 20) >= timing.COLD_L2_FACTOR * l2 > (n - 1) * (5 << 20)
+    assert timing.sets_for_cold_l2(4 << 30, l2) == 1 and timing.sets_for_cold_l2(1, l2, limit=8) == 8
+
+
+@pytest.mark.gpu
+def test_graph_timing_and_its_fallback_on_the_gpu():
+    device = torch.device("cuda")
+    x = [torch.randn(1 << 22, device=device) for _ in range(4)]
+    graphed = timing.time_rotation([lambda t=t: t.mul_(1.0) for t in x], device)
+    assert graphed.method == timing.GRAPH and graphed.median > 0 and graphed.count >= 20
+    syncing = timing.time_rotation([lambda t=t: t.sum().item() for t in x], device)  # .item() cannot be captured
+    assert syncing.method == timing.EVENTS and syncing.fallback
+
+
+@pytest.mark.gpu
+def test_ceilings_are_plausible():
+    ceilings = timing.measure_ceilings(torch.device("cuda"))
+    assert 100 < ceilings.copy_gbps < 20_000 and 10 < ceilings.matmul_tflops < 5_000
+    assert ceilings.l2_bytes >= 1 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(timer=timing.cuda_event_timer, min_rounds=20)
+def test_pytest_benchmark_with_the_cuda_event_timer(request):
+    pytest.importorskip("pytest_benchmark")
+    benchmark = request.getfixturevalue("benchmark")
+    from impls.torch_eager import TorchEager
+    from mla_bench.problem import build_problem
+
+    impl = TorchEager()
+    plan = impl.plan(build_problem(Workload.uniform(Mode.DECODE, 4, 1, 1024, preset="deepseek-v3-tp8"), "cuda"))
+    benchmark(impl.run, plan)
+    assert benchmark.stats.stats.median > 0

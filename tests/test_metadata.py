@@ -1,0 +1,163 @@
+"""Paged metadata: reference builders on hand-worked examples, fast builders against them on thousands of random
+request mixes, no host reads in the fast builders, and planted builder bugs the metadata suite must flag."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mla_bench.metadata import fast, reference
+from suites.base import RunContext
+from suites.metadata import BUILDERS, Builder, MetadataSuite, check, make_case, random_case
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ---- the reference on examples worked by hand ---------------------------------------------------------------------
+TABLE = torch.tensor([[3, 1, 9], [0, 2, 9]], dtype=torch.int32)  # page size 2; 9 is a spare page
+
+
+def test_reference_slot_mapping_csr_and_token_table_by_hand():
+    q_lens, kv_lens = [1, 2], [3, 4]
+    assert reference.slot_mapping(q_lens, kv_lens, TABLE, 2).tolist() == [2, 4, 5]  # positions 2 | 2, 3
+    indptr, indices, last = reference.flashinfer_csr(kv_lens, TABLE, 2)
+    assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 4], [3, 1, 0, 2], [1, 2])
+    assert reference.token_page_table(TABLE, kv_lens, 2).tolist() == [[6, 7, 2, -1], [0, 1, 4, 5]]
+    assert reference.flat_token_slots(TABLE, kv_lens, 2).tolist() == [6, 7, 2, 0, 1, 4, 5]
+
+
+def test_reference_padding_requests_store_nothing_and_own_no_page():
+    assert reference.slot_mapping([2, 1], [0, 1], TABLE, 2).tolist() == [-1, -1, 0]
+    indptr, indices, last = reference.flashinfer_csr([0, 1], TABLE, 2)
+    assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 0, 1], [0], [0, 1])
+
+
+def test_reference_dcp_slot_mapping_by_hand():
+    # W=2, I=1, page 2: rank 0 holds global positions 0, 2, 4 (local 0, 1, 2), rank 1 holds 1, 3
+    kv_lens, q_lens = [5, 4], [2, 1]  # new tokens: positions 3, 4 of request 0; position 3 of request 1
+    rank0 = reference.dcp_slot_mapping(q_lens, kv_lens, TABLE, 2, rank=0, world=2, interleave=1)
+    rank1 = reference.dcp_slot_mapping(q_lens, kv_lens, TABLE, 2, rank=1, world=2, interleave=1)
+    assert rank0.tolist() == [-1, 1 * 2 + 0, -1]  # position 4 is local 2: page TABLE[0, 1] = 1, offset 0
+    assert rank1.tolist() == [3 * 2 + 1, -1, 0 * 2 + 1]  # position 3 is local 1 on rank 1
+    assert [reference.dcp_local_len(5, r, 2, 1) for r in (0, 1)] == [3, 2]
+    with pytest.raises(ValueError, match="interleave that divides the page size"):
+        reference.dcp_slot_mapping(q_lens, kv_lens, TABLE, 2, rank=0, world=2, interleave=3)
+
+
+def test_reference_block_allocation_draws_distinct_pages_and_pads_with_spares():
+    table, num_blocks = reference.allocate_block_table([5, 0, 9], 4, torch.Generator().manual_seed(0))
+    owned = table[0, :2].tolist() + table[2, :3].tolist()
+    assert num_blocks == 7 and len(set(owned)) == 5
+    spares = set(range(7)) - set(owned)
+    assert set(table[0, 2:].tolist() + table[1].tolist()) <= spares
+
+
+# ---- fast == reference --------------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads cost more than they save (3x on a busy 2-core CI machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_fast_builders_equal_the_reference_on_thousands_of_random_mixes(one_thread):
+    """2000 seeded random mixes; the interpreted Triton kernel (tens of ms a mix on CPU) on every 20th."""
+    rng = random.Random(1234)
+    failures = []
+    for seed in range(2000):
+        case = random_case(rng, DEVICE, seed)
+        builders = [b for b in BUILDERS if "triton" not in b.name or seed % 20 == 0 or DEVICE == "cuda"]
+        failures += [f"{b.name} on {case.q_lens}/{case.kv_lens} ps{case.page_size}: {p}"
+                     for b in builders if (p := check(b, case))]
+        if len(failures) > 5:
+            break
+    assert not failures, "\n".join(failures)
+
+
+def test_metadata_suite_passes_every_builder(one_thread):
+    results = list(MetadataSuite().run(RunContext(impls=[], device=torch.device(DEVICE))))
+    assert {r.check for r in results} == {b.name for b in BUILDERS}
+    assert [r.label for r in results if r.status != "passed"] == []
+
+
+def test_fast_builders_read_nothing_on_the_host():
+    """On the meta device any .item(), .tolist(), nonzero or data-dependent shape raises."""
+    meta = torch.device("meta")
+    lengths = torch.empty(2, 7, dtype=torch.int32, device=meta)
+    table = torch.empty(7, 5, dtype=torch.int32, device=meta)
+    sizes = fast.HostSizes(num_tokens=20, num_pages=13, num_kv_tokens=300, max_pages=5, max_kv_len=70)
+    step = fast.build_step(lengths, table, 16, sizes)
+    assert step["kv_indices"].shape == (13,) and step["token_slots"].shape == (300,)
+    topk = torch.empty(20, 8, dtype=torch.int32, device=meta)
+    qsl, seq = step["query_start_loc"], lengths[1]
+    assert fast.transform_indices_paged(topk, qsl, seq, table, 16).shape == (20, 8)
+    assert fast.transform_indices_ragged(topk, qsl, seq, step["kv_start_loc"]).shape == (20, 8)
+    assert fast.dcp_slot_mapping(qsl, seq, table, 16, 20, 1, 2, 4).shape == (20,)
+    assert fast.dcp_local_lens(seq, 1, 2, 4).shape == (7,)
+    assert fast.token_page_table(seq, table, 16, 70).shape == (7, 70)
+    pool = torch.empty(40, dtype=torch.int64, device=meta)
+    assert fast.block_table_from_pool(seq, 16, pool, 5).shape == (7, 5)
+
+
+def test_host_sizes_come_from_the_host_lengths():
+    sizes = fast.HostSizes.of([1, 3, 0], [17, 64, 0], 16)
+    assert sizes == fast.HostSizes(num_tokens=4, num_pages=6, num_kv_tokens=81, max_pages=4, max_kv_len=64)
+
+
+def test_fast_step_equals_the_reference_step():
+    case = make_case("mixed", [1, 4, 0, 2], [33, 64, 0, 2], 16, seed=3, device=DEVICE)
+    lengths = torch.tensor([case.q_lens, case.kv_lens], dtype=torch.int32, device=DEVICE)
+    got = fast.build_step(lengths, case.on_device("block_table"), 16, case.sizes)
+    expect = reference.build_step(case.q_lens, case.kv_lens, case.block_table, 16)
+    assert got.keys() == expect.keys()
+    for name in expect:
+        assert got[name].dtype == expect[name].dtype and torch.equal(got[name].cpu(), expect[name]), name
+
+
+# ---- planted bugs the metadata suite must flag --------------------------------------------------------------------
+def _replace(name: str, planted_fast) -> tuple[Builder, ...]:
+    return tuple(Builder(b.name, planted_fast, b.reference) if b.name == name else b for b in BUILDERS)
+
+
+def _max_qo_len_of_last_request(case):
+    """ATOM's bug: max_qo_len from the last request only."""
+    qsl = case.on_device("query_start_loc")
+    return qsl[-1] - qsl[-2]
+
+
+def _kv_indices_one_page_too_many_on_boundaries(case):
+    """pages = kv_len // page_size + 1: one page too many when kv_len is a multiple of the page size."""
+    seq = case.on_device("seq_lens")
+    indptr = fast.cumulative(torch.where(seq > 0, seq // case.page_size + 1, 0))
+    width = case.block_table.shape[1]
+    request = fast.owners(indptr, int(indptr[-1]))
+    column = (torch.arange(int(indptr[-1]), device=seq.device) - indptr[request]).clamp(max=width - 1)
+    return case.on_device("block_table")[request, column]
+
+
+def _paged_transform_dropping_invalid(case):
+    """-1 (and out-of-range positions) become slots of the request instead of staying -1."""
+    index = case.on_device("topk_indices").long().clamp(min=0)
+    request = fast.owners(case.on_device("query_start_loc"), index.shape[0])
+    seq = case.on_device("seq_lens")[request][:, None]
+    index = torch.minimum(index, (seq - 1).clamp(min=0))
+    slots = case.on_device("block_table")[request[:, None], index // case.page_size].long() * case.page_size
+    return (slots + index % case.page_size).to(torch.int32)
+
+
+@pytest.mark.parametrize("builder, planted, caught_on", [
+    ("max_qo_len", _max_qo_len_of_last_request, "one huge"),
+    ("kv_indices", _kv_indices_one_page_too_many_on_boundaries, "page boundaries"),
+    ("transform paged", _paged_transform_dropping_invalid, "decode"),
+])
+def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on):
+    suite = MetadataSuite(builders=_replace(builder, planted))
+    results = list(suite.run(RunContext(impls=[], device=torch.device(DEVICE), page_sizes=[16])))
+    failed = [r for r in results if r.status == "failed"]
+    assert [r.check for r in failed] == [builder]
+    assert caught_on in failed[0].message
+    assert all(r.status == "passed" for r in results if r.check != builder and "triton" not in r.check)

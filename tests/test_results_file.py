@@ -1,0 +1,87 @@
+"""Run files: round trip, and a clear RunFileError for corrupt, foreign or tampered files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mla_bench.results import RUN_FORMAT, RUN_VERSION, Result, Run, RunFileError, load_run, save_run
+
+
+def _run() -> Run:
+    results = [
+        Result("accuracy", "accuracy", "passed", impl="torch_eager", workload={"mode": "decode", "q_lens": [1],
+                                                                               "kv_lens": [7]},
+               label="decode tiny", metrics={"kernel.rel_l2": 2.5e-3, "kernel.nonfinite_mismatch": 3,
+                                             "kernel.lse_max_abs": float("inf"), "odd": float("nan")},
+               details={"tolerance": {"kernel": {"rel_l2": 8e-3}}, "weird": float("-inf")}),
+        Result("latency", "latency", "unsupported", impl="x", label="(all workloads)", message="no CUDA"),
+    ]
+    return Run(environment={"gpu": None, "torch": "2.13", "gpu_count": 0}, results=results,
+               ceilings={"H100": {"copy_gbps": 3000.0, "matmul_tflops": 700.0}}, created="now", command=["a", "b"])
+
+
+def test_round_trip_keeps_everything_including_non_finite_metrics(tmp_path):
+    path = save_run(_run(), tmp_path / "run.json")
+    json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    loaded = load_run(path)
+    original = _run()
+    assert loaded.environment == original.environment and loaded.ceilings == original.ceilings
+    assert loaded.command == ["a", "b"] and loaded.created == "now"
+    assert [r.label for r in loaded.results] == [r.label for r in original.results]
+    metrics = loaded.results[0].metrics
+    assert metrics["kernel.rel_l2"] == 2.5e-3 and metrics["kernel.nonfinite_mismatch"] == 3
+    assert metrics["kernel.lse_max_abs"] == float("inf") and math.isnan(metrics["odd"])
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "bad.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _valid() -> dict:
+    return _run().to_dict() | {"results": [_run().results[1].to_dict()]}
+
+
+@pytest.mark.parametrize("data, message", [
+    ("{not json", "not valid JSON"),
+    ('{"format": "mla-bench-run", "version": 1, "environment": {}, "results": [', "not valid JSON"),
+    ([1, 2, 3], "JSON object"),
+    ({"benchmarks": []}, "not an mla-bench run file"),
+    (_valid() | {"format": "pytest-benchmark"}, "not an mla-bench run file"),
+    (_valid() | {"version": 99}, "unsupported run file version 99"),
+    (_valid() | {"extra": 1}, "unknown top-level fields"),
+    (_valid() | {"environment": {"gpu": ["a"]}}, "'environment'"),
+    (_valid() | {"ceilings": {"H100": {"copy_gbps": "fast"}}}, "'ceilings'"),
+    (_valid() | {"results": {"a": 1}}, "'results' must be a list"),
+    (_valid() | {"results": ["text"]}, "results[0]: a result must be a JSON object"),
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "pwned"}]}, "results[0]: Result.status"),
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "metrics": {"x": "1e9"}}]},
+     "results[0]: Result.metrics['x'] must be a number"),
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "label": 5}]}, "Result.label"),
+    (_valid() | {"results": [{"suite": "a", "status": "passed"}]}, "results[0]"),
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "__class__": "x"}]},
+     "unknown result fields"),
+    (_valid() | {"command": "rm -rf /"}, "'command'"),
+])
+def test_corrupt_or_foreign_files_get_a_clear_error(tmp_path, data, message):
+    path = _write(tmp_path, data)
+    with pytest.raises(RunFileError) as info:
+        load_run(path)
+    assert message in str(info.value) and path in str(info.value)
+
+
+def test_missing_and_binary_files(tmp_path):
+    with pytest.raises(RunFileError, match="cannot read"):
+        load_run(tmp_path / "absent.json")
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(RunFileError):
+        load_run(tmp_path / "bin.json")
+
+
+def test_format_constants_are_what_files_carry(tmp_path):
+    data = json.loads(save_run(_run(), tmp_path / "r.json").read_text())
+    assert data["format"] == RUN_FORMAT and data["version"] == RUN_VERSION

@@ -1,0 +1,97 @@
+"""The runner: in-process, isolated and sharded runs; crashes, planted bugs and absent suites are results."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import planted_impls as planted
+from mla_bench.runner import Progress, RunOptions, execute
+from suites.registry import SUITES
+
+CORRECT = ["planted_impls:PlainDecode", "planted_impls:PlainSparse"]
+BUGS = [f"planted_impls:{cls.__name__}" for cls in planted.PLANTED_BUGS]
+
+
+def _statuses(run) -> dict[str, Counter]:
+    out: dict[str, Counter] = {}
+    for r in run.results:
+        out.setdefault(r.impl, Counter())[r.status] += 1
+    return out
+
+
+class Recorder(Progress):
+    def __init__(self):
+        self.total, self.labels = None, []
+
+    def start(self, total):
+        self.total = total
+
+    def advance(self, label):
+        self.labels.append(label)
+
+
+def test_every_planted_bug_fails_and_the_correct_twins_pass():
+    progress = Recorder()
+    run = execute(RunOptions(impls=CORRECT + BUGS + ["torch_eager"], device="cpu", preset="tiny"), progress)
+    statuses = _statuses(run)
+    for name in ("plain_decode", "plain_sparse", "torch_eager"):
+        assert statuses[name]["passed"] >= 2 and not statuses[name]["failed"] and not statuses[name]["error"], name
+    for cls in planted.PLANTED_BUGS:
+        assert statuses[cls.name]["failed"] >= 1, f"{cls.name} was not flagged: {statuses[cls.name]}"
+    assert not run.ok
+    assert progress.total == len(progress.labels) > 10  # one step per workload of the sweep
+
+
+def test_a_raising_impl_is_an_error_with_its_traceback_and_the_others_still_run():
+    run = execute(RunOptions(impls=["planted_impls:RaisesInRun", "torch_eager"], device="cpu", preset="tiny"))
+    statuses = _statuses(run)
+    errors = [r for r in run.results if r.impl == "planted_raises" and r.status == "error"]
+    assert errors and "Traceback" in errors[0].message and "planted failure inside run" in errors[0].message
+    assert statuses["torch_eager"]["passed"] >= 5 and not statuses["torch_eager"]["error"]
+
+
+def test_isolate_turns_a_hard_crash_into_an_error_result():
+    run = execute(RunOptions(impls=["planted_impls:AbortsInRun", "torch_eager"], device="cpu", preset="tiny",
+                             modes=["decode"], isolate=True))
+    crashed = [r for r in run.results if r.impl == "planted_aborts"]
+    assert [r.status for r in crashed] == ["error"]
+    assert "SIGABRT" in crashed[0].message and "decode tiny" in crashed[0].message  # which workload it died on
+    statuses = _statuses(run)
+    assert statuses["torch_eager"]["passed"] >= 5 and not statuses["torch_eager"]["error"]
+
+
+def test_sharding_over_workers_gives_the_same_results_as_one_process():
+    options = dict(impls=["torch_eager"], device="cpu", preset="tiny", modes=["prefill", "dcp"])
+    single = execute(RunOptions(**options))
+    sharded = execute(RunOptions(**options, devices=[0, 1]))
+    key = lambda r: (r.impl, r.label, r.status)  # noqa: E731
+    assert sorted(map(key, sharded.results)) == sorted(map(key, single.results))
+    assert len(single.results) == len({r.label for r in single.results}) == 4
+
+
+def test_latency_on_cpu_is_unsupported_with_the_reason():
+    run = execute(RunOptions(impls=["torch_eager"], suites=["latency"], device="cpu", preset="tiny"))
+    assert [(r.status, r.impl) for r in run.results] == [("unsupported", "torch_eager")]
+    assert "CUDA" in run.results[0].message and run.ok
+
+
+def test_a_suite_that_does_not_exist_yet_is_reported_not_a_crash(monkeypatch):
+    monkeypatch.setattr("suites.registry.SUITES", {"accuracy": SUITES["accuracy"], "latency": SUITES["latency"],
+                                                   "roundtrip": "suites.not_written_yet:Suite"})
+    notes = []
+    named = execute(RunOptions(impls=["torch_eager"], suites=["roundtrip"], device="cpu", preset="tiny"))
+    assert [(r.suite, r.status) for r in named.results] == [("roundtrip", "error")]
+    assert "not available" in named.results[0].message
+    everything = execute(RunOptions(impls=["torch_eager"], suites=["all"], device="cpu", preset="tiny",
+                                    modes=["prefill"]), notes=notes)
+    assert any("roundtrip" in note and "not available" in note for note in notes)
+    assert {r.suite for r in everything.results} >= {"accuracy", "latency"}
+
+
+def test_unknown_impl_or_suite_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown impl"):
+        execute(RunOptions(impls=["nope"], device="cpu"))
+    with pytest.raises(ValueError, match="unknown suite"):
+        execute(RunOptions(impls=["torch_eager"], suites=["nope"], device="cpu"))

@@ -1,0 +1,70 @@
+"""The sweeps cover what they claim, and the command line's filters reshape them as documented."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_bench.registry import Capabilities
+from mla_bench.workload import Mode
+from suites import sweeps
+from suites.base import RunContext
+
+
+def _ctx(**fields) -> RunContext:
+    return RunContext(impls=[], device=torch.device(fields.pop("device", "cpu")), **fields)
+
+
+def test_tiny_sweep_covers_the_edges():
+    tiny = sweeps.tiny()
+    assert {w.mode for w in tiny} == set(Mode)
+    decode = [w for w in tiny if w.mode is Mode.DECODE]
+    assert {w.query_len_kind for w in decode} == {"single", "uniform", "varlen"}
+    assert any(0 in w.kv_lens for w in decode)                                       # an empty request
+    assert any(max(w.q_lens) != w.q_lens[-1] for w in decode)                        # last q_len is not the max
+    assert {1, 16, 64, 13} <= {w.page_size for w in decode}                          # incl. non power of two
+    on_boundary = [w for w in decode if any(kv and kv % w.page_size == 0 for kv in w.kv_lens) and w.page_size > 1]
+    off_boundary = [w for w in decode if any(kv % w.page_size for kv in w.kv_lens)]
+    assert on_boundary and off_boundary
+    sparse = [w for w in tiny if w.mode.sparse]
+    assert any(w.topk > min(w.kv_lens) for w in sparse)                               # -1 padded index lists
+    assert {w.index_transform for w in sparse} == {"paged", "ragged"}
+    assert all(w.dims.num_heads == 4 for w in tiny)
+
+
+def test_gpu_sweep_is_serving_shapes():
+    gpu = sweeps.gpu()
+    decode = [w for w in gpu if w.mode is Mode.DECODE]
+    assert {w.dims.num_heads for w in decode} == {16, 128}
+    assert {w.batch for w in decode} == {1, 32, 128} and {max(w.kv_lens) for w in decode} == {4096, 8192, 16384}
+    assert {w.page_size for w in decode} == {64} and any(w.mode is Mode.PREFILL for w in gpu)
+
+
+def test_select_picks_the_sweep_from_preset_and_device():
+    assert all(w.preset == "tiny" for w in sweeps.select(_ctx()))
+    assert sweeps.default_sweep(None, "cuda") == "gpu" and sweeps.default_sweep("tiny", "cuda") == "tiny"
+    kimi = sweeps.select(_ctx(preset="kimi-k2", sweep="gpu-quick"))
+    assert kimi and all(w.preset == "kimi-k2" for w in kimi) and {w.batch for w in kimi if w.mode is Mode.DECODE} == {1, 32}
+
+
+def test_filters_keep_modes_and_rerun_layouts_and_page_sizes():
+    only = sweeps.select(_ctx(modes=["prefill"]))
+    assert only and {w.mode for w in only} == {Mode.PREFILL}
+    paged = sweeps.select(_ctx(modes=["decode", "prefill"], page_sizes=[1, 32], seed=7))
+    decode = [w for w in paged if w.mode is Mode.DECODE]
+    assert {w.page_size for w in decode} == {1, 32} and all(w.seed == 7 for w in paged)
+    assert len({w.key for w in paged}) == len(paged)                                  # no duplicates
+    assert {w.page_size for w in paged if w.mode is Mode.PREFILL} == {64}             # prefill reads no cache
+
+
+def test_shards_split_without_overlap():
+    items = list(range(11))
+    parts = [sweeps.shard(items, _ctx(shard=i, shards=3)) for i in range(3)]
+    assert sorted(sum(parts, [])) == items and all(parts)
+
+
+def test_conformance_bends_heads_and_page_sizes_to_the_declared_ones():
+    caps = Capabilities(modes={"decode"}, head_counts=frozenset({64, 128}), page_sizes=frozenset({64}))
+    bent = sweeps.conformance(caps)
+    assert {w.dims.num_heads for w in bent} == {64}
+    assert {w.page_size for w in bent if w.mode.uses_cache} == {64}
+    assert len({w.key for w in bent}) == len(bent)
