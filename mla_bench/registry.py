@@ -31,6 +31,7 @@ EMPTY_LSE = ("-inf", "+inf")
 BUILTIN_IMPLS: dict[str, str] = {
     "torch_eager": "impls.torch_eager:TorchEager",
     "torch_eager_host_cache": "impls.torch_eager:TorchEagerHostCache",
+    "triton_decode": "impls.triton.decode:TritonDecode",
     "vllm_triton_mla": "impls.external.vllm_triton:VllmTritonMLA",
     "flashinfer_mla": "impls.external.flashinfer_mla:FlashInferMLA",
     "flashmla": "impls.external.flash_mla:FlashMLA",
