@@ -31,6 +31,7 @@ EMPTY_LSE = ("-inf", "+inf")
 BUILTIN_IMPLS: dict[str, str] = {
     "torch_eager": "impls.torch_eager:TorchEager",
     "torch_eager_host_cache": "impls.torch_eager:TorchEagerHostCache",
+    "triton_decode": "impls.triton.decode:TritonDecode",
     "triton_prefill": "impls.triton.prefill:TritonPrefill",
     "triton_chunked_prefill": "impls.triton.chunked:TritonChunkedPrefill",
     "triton_sparse": "impls.triton.sparse:TritonSparse",

@@ -1,0 +1,319 @@
+"""Paged MLA decode in Triton: the functional API (plan, then run) and the registered ``triton_decode`` impl.
+
+``plan_decode`` does the per-step host work: it validates the inputs (a block table pointing past the cache or
+too short for a length is an error here, never an illegal memory access in the kernel), chooses the kernel
+configuration and the split-KV schedule, and allocates the outputs and workspaces. ``run_decode`` only
+launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
+after the caller updates ``q``, the cache and the block table in place.
+
+On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
+(``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
+
+Other code calls the kernel directly with ``plan_decode(...)`` / ``run_decode(plan)`` or ``mla_decode(...)``;
+decode context parallel runs it over a KV shard with ``visible_lens`` (per query token, the number of leading
+keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from impls.triton.decode_kernel import LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
+from impls.triton.decode_schedule import Schedule, build_schedule
+from mla_bench.errors import UnsupportedConfig
+from mla_bench.layouts import LATENT_DIM, PagedCache
+from mla_bench.metadata.reference import blocks_needed, cumulative
+from mla_bench.problem import Problem
+from mla_bench.registry import Capabilities, Impl
+from mla_bench.workload import Mode
+
+# Cache layouts the kernel decodes, and which values the layout's per-layer tensor scale multiplies
+# (None: the layout has none).
+KERNEL_LAYOUTS: dict[str, str | None] = {
+    "bf16": None, "fp8_e4m3": "all", "fp8_ds_mla": None, "fp8_ds_mla_pow2": None, "fp4_mx16": None,
+    "mxfp4_nsa": None, "nvfp4": "nope",
+}
+FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
+QUERY_DTYPES = (torch.bfloat16,)
+# The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
+INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
+    on the N side of the matrix products (see decode_kernel); ``programs_per_sm`` sets the split target (SMs
+    times it), ``min_split`` the fewest keys per split; ``num_splits`` forces the splits per group (tests,
+    sweeps). The merge reads the partials one by one where no group has more than ``serial_merge_max`` splits,
+    else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits, blocks at 32-128)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    heads_as_n: bool = True
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 1
+    min_split: int = 128
+    num_splits: int | None = None
+    merge_splits: int = 8
+    serial_merge_max: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, got {value}")
+        if self.merge_splits < 1 or self.merge_splits & (self.merge_splits - 1):
+            raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
+
+
+def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> DecodeConfig:
+    """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
+
+    Query rows per request (heads x new tokens) set the row block: 64 rows (128 heads, or 16 heads x 4 tokens):
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups), 64 keys per step (32 for
+    quantized caches, whose decoded tiles live in registers first). 16 or 32 rows: memory-bound; the legacy
+    mma path with 32 keys per step and two programs per SM; bf16 pipelines deeper (six stages), which
+    keeps page size 1 as fast as page size 64.
+    """
+    rows = num_heads * max_q_len
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    if layout == "bf16":
+        if block_m == 64:
+            return DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8)
+        return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=6,
+                            programs_per_sm=2)
+    if block_m == 64:
+        return DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8)
+    return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=4, programs_per_sm=2)
+
+
+@dataclass
+class DecodePlan:
+    """Everything ``run_decode`` launches with: inputs (referenced, not copied), outputs, workspaces."""
+
+    q: torch.Tensor
+    cache: PagedCache
+    block_table: torch.Tensor
+    query_start: torch.Tensor
+    visible: torch.Tensor
+    work: torch.Tensor
+    groups: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    qk_scale: float
+    nope_scale: float
+    out_scale: float
+    config: DecodeConfig
+    schedule: Schedule
+    merge_tile: tuple[int, int]  # (rows, columns) per merge program
+
+
+def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
+                kv_lens: Sequence[int], scale: float, visible_lens: torch.Tensor | None = None,
+                config: DecodeConfig | None = None) -> DecodePlan:
+    """Validate, schedule and allocate for one decode step (see the module docstring)."""
+    q_lens, kv_lens = [int(n) for n in q_lens], [int(n) for n in kv_lens]
+    _check_supported(q, cache)
+    device = q.device
+    _check_batch(q, cache, block_table, q_lens, kv_lens)
+    visible = _visible(visible_lens, q_lens, kv_lens, device)
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
+    config = config or default_config(num_heads, max(q_lens), cache.layout.name)
+    if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
+        raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
+                                f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
+                                f"use block_n >= 32")
+    schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
+                              _sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
+    scaled = KERNEL_LAYOUTS[cache.layout.name]
+    global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
+    query_start = torch.tensor(cumulative(q_lens), dtype=torch.int32)
+    return DecodePlan(
+        q=q, cache=cache, block_table=block_table, query_start=query_start.to(device), visible=visible,
+        work=_int_rows(schedule.items, 5, device), groups=_int_rows(schedule.groups, 4, device),
+        out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
+        lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
+        part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
+        part_lse=torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device),
+        qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
+        out_scale=global_scale, config=config, schedule=schedule,
+        merge_tile=_merge_tile(len(schedule.groups), config.block_m, _sm_count(device)))
+
+
+def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
+    cfg, cache = plan.config, plan.cache
+    if plan.work.shape[0]:
+        _decode_split_kernel[(plan.work.shape[0],)](
+            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
+            plan.query_start, plan.visible, plan.work, plan.out, plan.out.stride(0), plan.out.stride(1),
+            plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.nope_scale,
+            plan.out_scale, plan.q.shape[1],
+            LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
+            TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
+            SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan.groups.shape[0]:
+        rows, cols = plan.merge_tile
+        grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
+        _merge_splits_kernel[grid](
+            plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
+            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=INTERPRETED,
+            num_warps=4)
+    return plan.out, plan.lse
+
+
+def poison_decode(plan: DecodePlan) -> None:
+    """NaN-fill the outputs and workspaces, so that an element no kernel wrote shows."""
+    for buffer in (plan.out, plan.lse, plan.part_out, plan.part_lse):
+        buffer.fill_(float("nan"))
+
+
+def mla_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
+               kv_lens: Sequence[int], scale: float, visible_lens: torch.Tensor | None = None,
+               config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-shot decode attention: ``(out [T, H, 512], lse [T, H])``, natural-log lse, -inf for empty rows."""
+    return run_decode(plan_decode(q, cache, block_table, q_lens, kv_lens, scale, visible_lens, config))
+
+
+class TritonDecode(Impl):
+    name = "triton_decode"
+    description = "Triton split-KV paged MLA decode, keys decoded from the cache layout in registers"
+    capabilities = Capabilities(
+        modes=frozenset({Mode.DECODE}),
+        layouts=frozenset(KERNEL_LAYOUTS),
+        dtypes=frozenset({"bfloat16"}),
+        devices=frozenset({"cpu", "cuda"}),
+    )
+    config: DecodeConfig | None = None  # None: default_config per workload
+
+    def refusal(self, problem: Problem) -> str | None:
+        reason = super().refusal(problem)
+        if reason is None and problem.device.type == "cpu" and not INTERPRETED:
+            reason = "device cpu without TRITON_INTERPRET"
+        return reason
+
+    def plan(self, problem: Problem) -> DecodePlan:
+        meta = problem.meta
+        return plan_decode(problem.q, problem.cache, meta.block_table, meta.q_lens, meta.kv_lens, problem.scale,
+                           config=self.config)
+
+    def run(self, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_decode(plan)
+
+    def poison(self, plan: DecodePlan) -> None:
+        poison_decode(plan)
+
+
+# ---- validation and helpers ------------------------------------------------------------------------------------
+
+def _check_supported(q: torch.Tensor, cache: PagedCache) -> None:
+    """What the kernel cannot do at all: UnsupportedConfig."""
+    if cache.layout.name not in KERNEL_LAYOUTS:
+        raise UnsupportedConfig(f"triton_decode: cache layout {cache.layout.name!r} (supported: "
+                                f"{', '.join(KERNEL_LAYOUTS)})")
+    if q.dim() != 3 or q.shape[2] != LATENT_DIM:
+        raise UnsupportedConfig(f"triton_decode: queries must be [T, H, {LATENT_DIM}] (512 latent + 64 rope), "
+                                f"got {list(q.shape)}")
+    if q.dtype not in QUERY_DTYPES:
+        raise UnsupportedConfig(f"triton_decode: query dtype {q.dtype} (supported: bfloat16)")
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise UnsupportedConfig("triton_decode: CPU tensors need TRITON_INTERPRET=1")
+
+
+def _check_batch(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: list[int],
+                 kv_lens: list[int]) -> None:
+    """Shapes, devices and the block table's contents: ValueError naming the problem."""
+    batch = len(q_lens)
+    if len(kv_lens) != batch or batch == 0:
+        raise ValueError(f"q_lens ({len(q_lens)}) and kv_lens ({len(kv_lens)}) must name the same, nonzero "
+                         f"number of requests")
+    if min(q_lens) < 0 or min(kv_lens) < 0:
+        raise ValueError("q_lens and kv_lens must be >= 0")
+    if sum(q_lens) != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but sum(q_lens) = {sum(q_lens)}")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    if q.shape[1] < 1:
+        raise ValueError("q must have at least one head")
+    if not cache.data.is_contiguous():
+        raise ValueError("the cache's data must be contiguous [num_blocks, page_size, bytes_per_token]")
+    for name, tensor in (("cache", cache.data), ("block_table", block_table)):
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be int32 [{batch}, max_blocks], got {block_table.dtype} "
+                         f"{list(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous in its last dimension")
+    capacity = block_table.shape[1] * cache.page_size
+    too_long = [b for b, n in enumerate(kv_lens) if n > capacity]
+    if too_long:
+        b = too_long[0]
+        raise ValueError(f"request {b}: kv_len {kv_lens[b]} exceeds the block table's capacity "
+                         f"({block_table.shape[1]} blocks x page size {cache.page_size} = {capacity} tokens)")
+    used = torch.tensor([blocks_needed(n, cache.page_size) for n in kv_lens], device=block_table.device)
+    in_use = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < used[:, None]
+    bad = in_use & ((block_table < 0) | (block_table >= cache.num_blocks))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the cache "
+                         f"({cache.num_blocks} blocks)")
+
+
+def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list[int],
+             device: torch.device) -> torch.Tensor:
+    """Per query token, how many leading keys of its request it sees (validated when given)."""
+    limits = [n for q, n in zip(q_lens, kv_lens) for _ in range(q)]
+    if visible_lens is None:
+        causal = [max(n - q + i + 1, 0) if n else 0 for q, n in zip(q_lens, kv_lens) for i in range(q)]
+        return torch.tensor(causal, dtype=torch.int32, device=device)
+    if visible_lens.dtype != torch.int32 or visible_lens.shape != (len(limits),) or visible_lens.device != device:
+        raise ValueError(f"visible_lens must be int32 [{len(limits)}] on {device}, got {visible_lens.dtype} "
+                         f"{list(visible_lens.shape)} on {visible_lens.device}")
+    bounds = torch.tensor(limits, dtype=torch.int32, device=device)
+    bad = (visible_lens < 0) | (visible_lens > bounds)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(f"visible_lens[{t}] = {int(visible_lens[t])} is outside [0, kv_len = {limits[t]}]")
+    return visible_lens
+
+
+def _merge_step(plan: DecodePlan) -> int:
+    """Partials the merge reads per step: 1 (one by one) for few splits, else ``merge_splits``."""
+    cfg = plan.config
+    return 1 if plan.schedule.max_splits <= cfg.serial_merge_max else cfg.merge_splits
+
+
+def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:
+    """Rows and columns per merge program: 16 x 64, narrowed until the merge has two programs per SM (a batch of
+    one request with many splits would otherwise merge on a handful of SMs)."""
+    rows, cols = min(16, block_m), 64
+    while cols > 16 and groups * (block_m // rows) * (NOPE.value // cols) < 2 * sms:
+        cols //= 2
+    return rows, cols
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors to fill; the interpreter gets a nominal 4 so that small tests still split."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _int_rows(rows: list[tuple[int, ...]], width: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width).to(device)

@@ -1,0 +1,424 @@
+"""Triton kernels of paged MLA decode: split-KV partial attention, then an LSE merge of the splits.
+
+The absorbed decode is multi-query attention: every query row (one head of one new token, 576 wide:
+512 latent + 64 rope) attends the same key/value head, the latent cache (keys 576 wide, values the first
+512 of them). A program of ``_decode_split_kernel`` takes one work item: one request, a block of
+``BLOCK_M`` query rows of it (rows are (token, head) pairs, head fastest), and a range of its keys. It walks
+the range ``BLOCK_N`` keys at a time, like the flash-attention tutorial, with the 512 latent values in four
+tiles of 128 (``t`` = 0..3; fp8_ds_mla scales each such tile of a token by its own factor ``c_t``):
+
+    S   = sum_t c_t * Q_t K_t^T + Q_rope K_rope^T     [BLOCK_M, BLOCK_N], mask, online softmax (base 2)
+    O_t = O_t * alpha + (P * c_t) K_t                [BLOCK_M, 128] each: the key tiles double as value tiles
+
+Keys come from the paged cache through the block table, one row per token, decoded in registers from the
+cache layout's bytes (never a dequantized copy in memory). An item that covers its rows' whole range writes
+the final ``out`` / ``lse``; otherwise it writes a normalized partial and its log2-sum-exp to a workspace
+slot, and ``_merge_splits_kernel`` combines a group's slots by their LSE.
+
+``HEADS_AS_N`` computes the same products transposed (``S^T = K Q^T``, ``O^T = V^T P^T``): the keys then fill
+the 64-row side of Hopper's wgmma, so 16 or 32 query rows need no padding.
+
+``INTERPRET`` is set when the kernels run in Triton's interpreter, whose ``tl.dot`` multiplies bfloat16 bit
+patterns (triton-lang/triton#11584) and whose float32 -> bfloat16 casts truncate. There the products take
+float32 operands holding the same bfloat16 values, and roundings to bfloat16 are done in integer arithmetic
+(to nearest even, as the GPU does), so the interpreter checks the GPU's arithmetic.
+
+Row ``r`` of a request sees its first ``visible[r]`` keys (the causal frontier; a DCP shard's local
+prefix). Rows that see nothing give out 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # host side: the softmax scale is passed premultiplied by log2(e)
+LN2 = tl.constexpr(0.6931471805599453)
+NOPE = tl.constexpr(512)  # latent (value) width of a cache entry
+ROPE = tl.constexpr(64)   # rope width
+TILE = tl.constexpr(128)  # latent values per tile (fp8_ds_mla's scale block)
+
+
+@triton.jit
+def _to_bf16(x, INTERPRET: tl.constexpr):
+    """float32 -> bfloat16, rounded to nearest even (the interpreter's own cast truncates)."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        x = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _operand(x, INTERPRET: tl.constexpr):
+    """A bfloat16 matrix-product operand; float32 holding the same values in the interpreter."""
+    if INTERPRET:
+        x = x.to(tl.float32)
+    return x
+
+
+# ---- decoding the cache layouts (byte layouts: MLA_FACTS.md, codecs: mla_bench/layouts) ----------------------------
+
+@triton.jit
+def _bf16_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok):
+    """``WIDTH`` bfloat16 values at byte ``offset`` of each token row (0 where ``n_ok`` is False)."""
+    words = (row + offset).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(words + tl.arange(0, WIDTH)[None, :], mask=n_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _bytes_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok):
+    """``WIDTH`` bytes at byte ``offset`` of each token row (0 where ``n_ok`` is False)."""
+    return tl.load(row + offset + tl.arange(0, WIDTH)[None, :], mask=n_ok[:, None], other=0)
+
+
+@triton.jit
+def _e4m3(codes):
+    """e4m3fn bytes -> float32, exactly."""
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_over_64(packed):
+    """Packed FP4 bytes ``[N, W]`` (even element in the low nibble) -> float32 ``[N, 2W]``: each e2m1 value / 64.
+
+    A 4-bit code ``s ee m`` becomes the e4m3 byte ``s 00ee m00`` (exponent field ee, mantissa m00), whose value is
+    the e2m1 value times 2^-6 for normal and subnormal codes alike; the hardware's e4m3 conversion does the rest.
+    Callers fold the 64 into their block scale.
+    """
+    low = ((packed & 0x08) << 4) | ((packed & 0x07) << 2)
+    high = (packed & 0x80) | ((packed & 0x70) >> 2)
+    codes = tl.join(low, high).reshape([packed.shape[0], 2 * packed.shape[1]])
+    return _e4m3(codes)
+
+
+@triton.jit
+def _ue8m0_times_64(codes):
+    """Exponent-only scale bytes -> float32 ``2^(code - 127) * 64`` (the e2m1 decoder's 2^6); 0xFF is NaN.
+    Codes above 248 (blocks beyond 2^121, past what bfloat16 keys can hold anyway) saturate."""
+    bits = (tl.minimum(codes.to(tl.int32), 248) + 6) << 23
+    return tl.where(codes == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _scale_blocks(values, scales, BLOCK: tl.constexpr):
+    """``values`` ``[N, D]`` times ``scales`` ``[N, D / BLOCK]``, each scale covering ``BLOCK`` consecutive values."""
+    n: tl.constexpr = values.shape[0]
+    d: tl.constexpr = values.shape[1]
+    blocks = values.reshape([n, d // BLOCK, BLOCK]) * scales[:, :, None]
+    return blocks.reshape([n, d])
+
+
+@triton.jit
+def _fp4_tile(row, packed_at: tl.constexpr, scales_at: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+              SCALE: tl.constexpr, n_ok):
+    """``WIDTH`` e2m1 values from packed bytes at ``packed_at``, scaled per ``BLOCK`` values by the bytes at
+    ``scales_at`` (``SCALE`` "ue8m0": exponent-only; "e4m3": an fp8 factor), as bf16 (exact)."""
+    if SCALE == "ue8m0":
+        scales = _ue8m0_times_64(_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok))
+    else:
+        scales = _e4m3(_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok)) * 64.0
+    values = _e2m1_over_64(_bytes_at(row, packed_at, WIDTH // 2, n_ok))
+    return _scale_blocks(values, scales, BLOCK).to(tl.bfloat16)
+
+
+@triton.jit
+def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr):
+    """Latent values ``[128 t, 128 t + 128)`` of each token as bf16 ``[BLOCK_N, 128]``, exactly as stored: without
+    fp8_ds_mla's tile scale (``_tile_scale``) or a per-layer scale (folded into the scores and output)."""
+    if LAYOUT == "bf16":          # [512 bf16 | 64 bf16]
+        tile = _bf16_at(row, 2 * TILE * t, TILE, n_ok)
+    elif LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # 512 e4m3 first
+        tile = _bytes_at(row, TILE * t, TILE, n_ok).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    elif LAYOUT == "fp4_mx16":    # [288 packed e2m1, all 576 | 36 ue8m0 per 16]
+        tile = _fp4_tile(row, TILE // 2 * t, 288 + TILE // 16 * t, TILE, 16, "ue8m0", n_ok)
+    elif LAYOUT == "mxfp4_nsa":   # [256 packed e2m1 | 16 ue8m0 per 32 | 64 bf16 rope]
+        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 32 * t, TILE, 32, "ue8m0", n_ok)
+    elif LAYOUT == "nvfp4":       # [256 packed e2m1 | 32 e4m3 per 16 | 64 bf16 rope] (x the layer's scale)
+        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 16 * t, TILE, 16, "e4m3", n_ok)
+    else:
+        tl.static_assert(False, "unknown cache layout")
+    return tile
+
+
+@triton.jit
+def _rope_tile(row, n_ok, LAYOUT: tl.constexpr):
+    """The 64 rope values of each token as bf16 ``[BLOCK_N, 64]``."""
+    if LAYOUT == "bf16":
+        tile = _bf16_at(row, 2 * NOPE, ROPE, n_ok)
+    elif LAYOUT == "fp8_e4m3":    # [576 e4m3] (x the layer's scale)
+        tile = _bytes_at(row, NOPE, ROPE, n_ok).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    elif LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # [512 e4m3 | 4 fp32 | 64 bf16]
+        tile = _bf16_at(row, NOPE + 16, ROPE, n_ok)
+    elif LAYOUT == "fp4_mx16":
+        tile = _fp4_tile(row, NOPE // 2, 288 + NOPE // 16, ROPE, 16, "ue8m0", n_ok)
+    elif LAYOUT == "mxfp4_nsa":
+        tile = _bf16_at(row, NOPE // 2 + NOPE // 32, ROPE, n_ok)
+    elif LAYOUT == "nvfp4":
+        tile = _bf16_at(row, NOPE // 2 + NOPE // 16, ROPE, n_ok)
+    else:
+        tl.static_assert(False, "unknown cache layout")
+    return tile
+
+
+@triton.jit
+def _tile_scale(base, t: tl.constexpr, n_ok):
+    """fp8_ds_mla: the float32 scale of latent tile ``t`` of each token ``[BLOCK_N]`` (``base``: token addresses)."""
+    return tl.load((base + NOPE + 4 * t).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+
+
+# ---- the products, in either orientation ---------------------------------------------------------------------------
+
+@triton.jit
+def _qk(q, k, s, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """``s + q k^T`` in the product's native orientation: ``[BLOCK_N, BLOCK_M]`` (as ``k q^T``) when ``HEADS_AS_N``."""
+    if HEADS_AS_N:
+        s = tl.dot(_operand(k, INTERPRET), tl.trans(_operand(q, INTERPRET)), s)
+    else:
+        s = tl.dot(_operand(q, INTERPRET), tl.trans(_operand(k, INTERPRET)), s)
+    return s
+
+
+@triton.jit
+def _per_key(c, HEADS_AS_N: tl.constexpr):
+    """A per-key vector ``[BLOCK_N]`` shaped to broadcast against native-orientation scores."""
+    if HEADS_AS_N:
+        c = c[:, None]
+    else:
+        c = c[None, :]
+    return c
+
+
+@triton.jit
+def _pv(acc, alpha, p, v, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc * alpha + p v`` for one value tile; ``acc`` is ``O_t^T`` ``[128, BLOCK_M]`` when ``HEADS_AS_N``, else
+    ``O_t`` ``[BLOCK_M, 128]``."""
+    if HEADS_AS_N:
+        acc = tl.dot(tl.trans(_operand(v, INTERPRET)), tl.trans(_operand(p, INTERPRET)), acc * alpha[None, :])
+    else:
+        acc = tl.dot(_operand(p, INTERPRET), _operand(v, INTERPRET), acc * alpha[:, None])
+    return acc
+
+
+@triton.jit
+def _finish(acc, inv_l, HEADS_AS_N: tl.constexpr):
+    """One output tile ``[BLOCK_M, 128]`` from its accumulator, divided by the softmax sum."""
+    if HEADS_AS_N:
+        acc = tl.trans(acc)
+    return acc * inv_l[:, None]
+
+
+@triton.jit
+def _store_tile(o, t: tl.constexpr, out_row, part_row, row_ok, DIRECT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Write output tile ``t``: to ``out`` (bf16) when ``DIRECT``, else to the float32 partial workspace."""
+    cols = TILE * t + tl.arange(0, TILE)
+    if DIRECT:
+        tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
+    else:
+        tl.store(part_row[:, None] + cols[None, :], o)
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_split_kernel(
+    q, stride_qt, stride_qh,            # [T, H, 576] queries
+    cache,                              # uint8 base of the paged cache, BYTES_PER_TOKEN bytes per slot
+    block_table, stride_bt,             # [B, max_blocks] int32
+    query_start,                        # [B+1] int32
+    visible,                            # [T] int32: keys of its request each query token may see
+    work,                               # [num_items, 5] int32: request, row block, kv start, kv end, slot
+    out, stride_ot, stride_oh,          # [T, H, 512] final output
+    lse, stride_lt,                     # [T, H] float32 natural-log lse
+    part_out, part_lse,                 # [num_slots, BLOCK_M, 512] / [num_slots, BLOCK_M] float32
+    qk_scale,                           # softmax scale * log2(e) (times fp8_e4m3's layer scale)
+    nope_scale,                         # nvfp4's layer scale of the latent values (used when SCALE_NOPE)
+    out_scale,                          # the layer scale of the values (1 where there is none)
+    num_heads,
+    LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    item = tl.program_id(0)
+    request = tl.load(work + item * 5)
+    row_block = tl.load(work + item * 5 + 1)
+    kv_start = tl.load(work + item * 5 + 2)
+    kv_end = tl.load(work + item * 5 + 3)
+    slot_out = tl.load(work + item * 5 + 4)
+
+    # Query rows of this item: (token, head) pairs of the request, head fastest.
+    q_first = tl.load(query_start + request)
+    q_len = tl.load(query_start + request + 1) - q_first
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len * num_heads
+    token = q_first + rows // num_heads
+    head = rows % num_heads
+    # Each row sees keys [kv_start, limit): its causal frontier, clipped to this item's range.
+    limit = tl.minimum(tl.load(visible + token, mask=row_ok, other=0), kv_end)
+
+    q_row = (q + token.to(tl.int64) * stride_qt + head * stride_qh)[:, None]
+    q0 = tl.load(q_row + 0 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
+    q1 = tl.load(q_row + 1 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(q_row + 2 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
+    q3 = tl.load(q_row + 3 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_row + NOPE + tl.arange(0, ROPE)[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2(score - m_i)
+    if HEADS_AS_N:
+        zero_s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc0 = tl.zeros([TILE, BLOCK_M], tl.float32)
+    else:
+        zero_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, TILE], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    pages = block_table + request.to(tl.int64) * stride_bt
+    for start in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(pages + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+        base = cache + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * BYTES_PER_TOKEN
+        row = base[:, None]
+        k0 = _latent_tile(row, 0, n_ok, LAYOUT)
+        k1 = _latent_tile(row, 1, n_ok, LAYOUT)
+        k2 = _latent_tile(row, 2, n_ok, LAYOUT)
+        k3 = _latent_tile(row, 3, n_ok, LAYOUT)
+        k_rope = _rope_tile(row, n_ok, LAYOUT)
+
+        if TILE_SCALES:  # fp8_ds_mla: exact fp8 products, then each tile's fp32 scale per key
+            c0 = _tile_scale(base, 0, n_ok)
+            c1 = _tile_scale(base, 1, n_ok)
+            c2 = _tile_scale(base, 2, n_ok)
+            c3 = _tile_scale(base, 3, n_ok)
+            s = _qk(q0, k0, zero_s, HEADS_AS_N, INTERPRET) * _per_key(c0, HEADS_AS_N)
+            s += _qk(q1, k1, zero_s, HEADS_AS_N, INTERPRET) * _per_key(c1, HEADS_AS_N)
+            s += _qk(q2, k2, zero_s, HEADS_AS_N, INTERPRET) * _per_key(c2, HEADS_AS_N)
+            s += _qk(q3, k3, zero_s, HEADS_AS_N, INTERPRET) * _per_key(c3, HEADS_AS_N)
+        else:
+            s = _qk(q0, k0, zero_s, HEADS_AS_N, INTERPRET)
+            s = _qk(q1, k1, s, HEADS_AS_N, INTERPRET)
+            s = _qk(q2, k2, s, HEADS_AS_N, INTERPRET)
+            s = _qk(q3, k3, s, HEADS_AS_N, INTERPRET)
+        if SCALE_NOPE:  # nvfp4: the layer scale multiplies the latent values, not the rope
+            s = s * nope_scale
+        s = _qk(q_rope, k_rope, s, HEADS_AS_N, INTERPRET)
+        if HEADS_AS_N:
+            s = tl.trans(s)
+
+        s = tl.where(offs_n[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if TILE_SCALES:
+            acc0 = _pv(acc0, alpha, _to_bf16(p * c0[None, :], INTERPRET), k0, HEADS_AS_N, INTERPRET)
+            acc1 = _pv(acc1, alpha, _to_bf16(p * c1[None, :], INTERPRET), k1, HEADS_AS_N, INTERPRET)
+            acc2 = _pv(acc2, alpha, _to_bf16(p * c2[None, :], INTERPRET), k2, HEADS_AS_N, INTERPRET)
+            acc3 = _pv(acc3, alpha, _to_bf16(p * c3[None, :], INTERPRET), k3, HEADS_AS_N, INTERPRET)
+        else:
+            p = _to_bf16(p, INTERPRET)
+            acc0 = _pv(acc0, alpha, p, k0, HEADS_AS_N, INTERPRET)
+            acc1 = _pv(acc1, alpha, p, k1, HEADS_AS_N, INTERPRET)
+            acc2 = _pv(acc2, alpha, p, k2, HEADS_AS_N, INTERPRET)
+            acc3 = _pv(acc3, alpha, p, k3, HEADS_AS_N, INTERPRET)
+
+    seen = l_i > 0.0
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out_row = out + token.to(tl.int64) * stride_ot + head * stride_oh
+    part = slot_out.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    part_row = part_out + part * NOPE
+    if slot_out < 0:  # the item covers its rows' whole range: the final result
+        inv_l = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
+        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, True, INTERPRET)
+        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, True, INTERPRET)
+        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, True, INTERPRET)
+        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, True, INTERPRET)
+        tl.store(lse + token.to(tl.int64) * stride_lt + head, lse2 * LN2, mask=row_ok)
+    else:  # one split of several: normalized partial, merged by _merge_splits_kernel
+        inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, False, INTERPRET)
+        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, False, INTERPRET)
+        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, False, INTERPRET)
+        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, False, INTERPRET)
+        tl.store(part_lse + part, lse2)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    groups,                             # [num_groups, 4] int32: request, row block, first slot, slots
+    query_start,
+    part_out, part_lse,                 # as written by _decode_split_kernel
+    out, stride_ot, stride_oh,
+    lse, stride_lt,
+    out_scale, num_heads,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns. ``SPLITS`` 1 reads the
+    partials one after the other (cheapest for a few); more reads that many per step with independent loads, so
+    a long list of splits (batch 1) is not a chain of memory latencies."""
+    group = tl.program_id(0)
+    request = tl.load(groups + group * 4)
+    row_block = tl.load(groups + group * 4 + 1)
+    first = tl.load(groups + group * 4 + 2)
+    count = tl.load(groups + group * 4 + 3)
+
+    local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)      # rows within the row block
+    cols = tl.program_id(2) * COLS + tl.arange(0, COLS)
+    q_first = tl.load(query_start + request)
+    q_len = tl.load(query_start + request + 1) - q_first
+    rows = row_block * BLOCK_M + local
+    row_ok = rows < q_len * num_heads
+
+    if SPLITS == 1:  # few splits: one partial at a time, rescaling online
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, COLS], tl.float32)
+        for i in range(count):
+            part = (first + i).to(tl.int64) * BLOCK_M + local
+            lse_i = tl.load(part_lse + part)
+            o_i = tl.load(part_out + part[:, None] * NOPE + cols[None, :])
+            m_new = tl.maximum(m, lse_i)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_use)
+            w = tl.math.exp2(lse_i - m_use)
+            total = total * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o_i
+            m = m_new
+    else:  # many splits: SPLITS partials per step, independent loads instead of a chain of latencies
+        m = tl.full([ROWS], float("-inf"), tl.float32)  # pass 1: the largest log2-sum-exp of each row
+        for i in range(0, count, SPLITS):
+            split = i + tl.arange(0, SPLITS)
+            part = (first + split).to(tl.int64) * BLOCK_M
+            lse_i = tl.load(part_lse + part[:, None] + local[None, :], mask=(split < count)[:, None],
+                            other=float("-inf"))
+            m = tl.maximum(m, tl.max(lse_i, 0))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([ROWS], tl.float32)            # pass 2: the weighted sum of the normalized partials
+        acc = tl.zeros([ROWS, COLS], tl.float32)
+        for i in range(0, count, SPLITS):
+            split = i + tl.arange(0, SPLITS)
+            part = (first + split).to(tl.int64) * BLOCK_M
+            ok = split < count
+            w = tl.math.exp2(tl.load(part_lse + part[:, None] + local[None, :], mask=ok[:, None],
+                                     other=float("-inf")) - m_use[None, :])
+            o = tl.load(part_out + ((part[:, None] + local[None, :]) * NOPE)[:, :, None] + cols[None, None, :],
+                        mask=ok[:, None, None], other=0.0)
+            total += tl.sum(w, 0)
+            acc += tl.sum(w[:, :, None] * o, 0)
+
+    seen = total > 0.0
+    o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
+    token = q_first + rows // num_heads
+    head = rows % num_heads
+    out_row = out + token.to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
+    if tl.program_id(2) == 0:
+        lse_row = tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(lse + token.to(tl.int64) * stride_lt + head, lse_row * LN2, mask=row_ok)
