@@ -325,7 +325,7 @@ def bench_dcp(device: torch.device, timer: Timer, ceil: dict, quick: bool) -> No
             try:
                 outcome = run_dcp(w, world=world, time_iters=10, synthetic=True)
                 step, attention = max(outcome.step_ms), max(outcome.attention_ms)
-                row("dcp", f"dcp h{heads} b{batch} ctx131072 bf16", f"W={world} (triton_sparse stand-in)",
+                row("dcp", f"dcp h{heads} b{batch} ctx131072 bf16", f"W={world} triton_decode",
                     {"ms": step}, flops, nbytes, ceil, attention_ms=attention, comm_ms=step - attention)
             except Exception:  # noqa: BLE001
                 row("dcp", f"dcp h{heads} b{batch} ctx131072", f"W={world}", None, error=traceback.format_exc()[-600:])

@@ -1,13 +1,14 @@
 """Each rank's attention over its shard, behind one small interface so kernels drop in.
 
-A ``ShardAttention`` turns ``(q [T, H, 576], shard)`` into the rank's partial ``(out [T, H, 512] float32,
-lse [T, H] float32)``: rows see the rank's first ``shard.visible_lens[row]`` keys of their request; a row
-that sees none gives out 0, lse -inf. ``prepare`` is the per-step host work (kept out of timings).
+A ``ShardAttention`` turns ``(q [T, H, 576], shard)`` into the rank's partial ``(out [T, H, 512], lse [T, H]
+float32)``: rows see the rank's first ``shard.visible_lens[row]`` keys of their request; a row that sees none
+gives out 0, lse -inf. ``prepare`` is the per-step host work (kept out of timings).
 
+- ``triton_decode`` (the default): the Triton split-KV paged decode (issue 5) over the shard's own pages, with
+  ``visible_lens`` as its per-row causal frontier;
+- ``triton_sparse``: the Triton sparse kernel fed every visible local slot of each row (-1 past the row's
+  frontier): a second Triton path (no split over the context: slow on few rows);
 - ``torch``: eager gather-and-softmax per request in float32, any layout (decoded by the layout's own codec).
-- ``triton_sparse``: our Triton sparse kernel fed every visible local slot of each row (-1 past the row's
-  frontier): a Triton stand-in until the Triton paged decode kernel (issue 5) lands; it reads each row's keys
-  once per head block and has no split over the context, so it is no decode kernel's equal on few rows.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ from typing import Any, Protocol
 import torch
 
 from impls.triton.dcp.shard import DcpShard
+from impls.triton.decode import DecodePlan, plan_decode, run_decode
 from impls.triton.latent_io import cache_tensor_scale, layout_code
 from impls.triton.sparse_kernel import sparse_mqa
-from mla_bench.layouts import NOPE_DIM
+from mla_bench.layouts import LATENT_DIM, NOPE_DIM
 from mla_bench.metadata.reference import cumulative
 
 
 class ShardAttention(Protocol):
     name: str
 
-    def prepare(self, shard: DcpShard, scale: float) -> Any:
-        """Per-step host work (metadata); the result is passed to ``__call__``."""
+    def prepare(self, shard: DcpShard, scale: float, heads: int) -> Any:
+        """Per-step host work (metadata, buffers) for ``heads`` query heads; the result goes to ``__call__``."""
 
     def __call__(self, q: torch.Tensor, prepared: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The rank's partial attention of all heads over its shard."""
@@ -36,7 +38,7 @@ class ShardAttention(Protocol):
 class TorchShardAttention:
     name = "torch"
 
-    def prepare(self, shard: DcpShard, scale: float) -> tuple[DcpShard, float]:
+    def prepare(self, shard: DcpShard, scale: float, heads: int) -> tuple[DcpShard, float]:
         return shard, scale
 
     def __call__(self, q: torch.Tensor, prepared: tuple[DcpShard, float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +70,7 @@ class TorchShardAttention:
 class TritonSparseShardAttention:
     name = "triton_sparse"
 
-    def prepare(self, shard: DcpShard, scale: float) -> dict[str, Any]:
+    def prepare(self, shard: DcpShard, scale: float, heads: int) -> dict[str, Any]:
         tokens = shard.visible_lens.shape[0]
         width = max(max(shard.local_lens, default=0), 1)
         indices = torch.full((tokens, width), -1, dtype=torch.int32, device=shard.token_slots.device)
@@ -92,7 +94,24 @@ class TritonSparseShardAttention:
                           cache_tensor_scale(shard.cache), out=out)
 
 
-SHARD_ATTENTIONS: dict[str, type] = {cls.name: cls for cls in (TorchShardAttention, TritonSparseShardAttention)}
+class TritonDecodeShardAttention:
+    name = "triton_decode"
+
+    def prepare(self, shard: DcpShard, scale: float, heads: int) -> tuple[DecodePlan, torch.Tensor]:
+        tokens = shard.visible_lens.shape[0]
+        q = torch.zeros(tokens, heads, LATENT_DIM, dtype=torch.bfloat16, device=shard.token_slots.device)
+        plan = plan_decode(q, shard.cache, shard.block_table, shard.q_lens, shard.local_lens, scale,
+                           visible_lens=shard.visible_lens)
+        return plan, q  # the plan reads its queries from q: each step copies the gathered queries in
+
+    def __call__(self, q: torch.Tensor, prepared: tuple[DecodePlan, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        plan, buffer = prepared
+        buffer.copy_(q)
+        return run_decode(plan)
+
+
+SHARD_ATTENTIONS: dict[str, type] = {cls.name: cls for cls in (TritonDecodeShardAttention, TritonSparseShardAttention,
+                                                               TorchShardAttention)}
 
 
 def shard_attention(name_or_obj: Any) -> ShardAttention:

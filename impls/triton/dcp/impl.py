@@ -1,11 +1,12 @@
-"""``triton_dcp``: the DCP path as a registered impl, each call a real multi-process run (see ``launch``)."""
+"""``triton_dcp``: the DCP path as a registered impl, each call a real multi-process run (see ``launch``); each
+rank attends its shard with the Triton paged decode (``attention="triton_decode"``, the default)."""
 
 from __future__ import annotations
 
 import torch
 
 from impls.triton.dcp.launch import default_backend, run_dcp
-from impls.triton.latent_io import LAYOUT_CODES
+from impls.triton.decode import KERNEL_LAYOUTS
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -15,9 +16,9 @@ from mla_bench.workload import Mode
 class TritonDcp(Impl):
     name = "triton_dcp"
     description = "decode context parallel over W processes (gloo / NCCL), combined by LSE"
-    capabilities = Capabilities(modes=frozenset({Mode.DCP}), layouts=frozenset(LAYOUT_CODES))
+    capabilities = Capabilities(modes=frozenset({Mode.DCP}), layouts=frozenset(KERNEL_LAYOUTS))  # the decode's
 
-    def __init__(self, attention: str = "triton_sparse") -> None:
+    def __init__(self, attention: str = "triton_decode") -> None:
         self.attention = attention
 
     def plan(self, problem: Problem) -> Problem:

@@ -47,7 +47,7 @@ class DcpSpec:
     world: int
     interleave: int
     backend: str
-    attention: Any = "triton_sparse"  # a name in SHARD_ATTENTIONS, or a picklable ShardAttention
+    attention: Any = "triton_decode"  # a name in SHARD_ATTENTIONS, or a picklable ShardAttention
     rescale: Any = rescale_partial
     time_iters: int = 0               # > 0: time that many steps on the GPU after warm-up
     reorg_chunk: int | None = None    # check the context reorg with chunks of this many tokens
@@ -126,7 +126,7 @@ def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str) -> N
             problem = _problem_for(source, device)
             q, shard, scale = problem.q, build_shard(problem, rank, spec.world, spec.interleave), problem.scale
         attention = shard_attention(spec.attention)
-        prepared = attention.prepare(shard, scale)
+        prepared = attention.prepare(shard, scale, q.shape[1])
         comm = HeadComm(q.shape[1], rank, spec.world)
 
         def step():
@@ -169,7 +169,7 @@ def default_backend(world: int) -> str:
 
 
 def run_dcp(source: Workload | Problem, world: int | None = None, interleave: int | None = None,
-            backend: str | None = None, attention: Any = "triton_sparse", rescale: Any = rescale_partial,
+            backend: str | None = None, attention: Any = "triton_decode", rescale: Any = rescale_partial,
             time_iters: int = 0, reorg_chunk: int | None = None, synthetic: bool = False,
             timeout_s: float = 600) -> DcpOutcome:
     """Decode context parallel over ``world`` processes (default: the workload's ``dcp_world`` / ``dcp_interleave``).
