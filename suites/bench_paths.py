@@ -7,7 +7,8 @@ Self-contained (the latency suite will supersede the timing part):
 
 1. correctness first: every timed kernel configuration is judged against the float64 reference on a smaller
    problem of the same heads / layout, and the default impls on several request mixes;
-2. the device's ceilings: device-to-device copy bandwidth (bytes read + written, 1 GiB) and a bf16 8192^3 matmul;
+2. the device's ceilings (``mla_bench.timing.measure_ceilings``): 1 GiB device-to-device copy bandwidth (bytes
+   read + written) and a bf16 8192^3 matmul;
 3. latency: CUDA events around each call, 3 warm-ups, L2 flushed (256 MB written) before every sample (cold
    inputs), median and IQR of the samples. FLOPs are counted honestly: causal prefill counts only the visible
    (query, key) pairs, 2 * (192 + 128) each per head; sparse counts 2 * (576 + 512) per valid index per head;
@@ -42,6 +43,7 @@ from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import write_cache
 from mla_bench.metadata import PagedMetadata
 from mla_bench.problem import build_problem
+from mla_bench.timing import measure_ceilings
 from mla_bench.workload import Workload
 from suites.judge import judge
 
@@ -84,16 +86,10 @@ class Timer:
         return {"ms": statistics.median(samples), "iqr_ms": q[2] - q[0], "min_ms": min(samples)}
 
 
-def ceilings(device: torch.device, timer: Timer) -> dict[str, float]:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    copy = timer(lambda: dst.copy_(src))
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm = timer(lambda: a @ b, reps=10)
-    del src, dst, a, b
-    torch.cuda.empty_cache()
-    result = {"copy_GBps": 2 * (1 << 30) / copy["ms"] / 1e6, "bf16_TFLOPs": 2 * 8192 ** 3 / mm["ms"] / 1e9}
+def ceilings(device: torch.device) -> dict[str, float]:
+    """The shared ceilings (``mla_bench.timing``): 1 GiB device copy, bf16 8192^3 matmul."""
+    measured = measure_ceilings(device)
+    result = {"copy_GBps": measured.copy_gbps, "bf16_TFLOPs": measured.matmul_tflops}
     log(f"[ceilings] copy {result['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {result['bf16_TFLOPs']:.0f} "
         f"TFLOP/s")
     return result
@@ -373,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"[env] {torch.cuda.get_device_name(device)} torch {torch.__version__} "
         f"triton {__import__('triton').__version__}")
     timer = Timer(device)
-    ceil = ceilings(device, timer)
+    ceil = ceilings(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for part in args.parts.split(","):
