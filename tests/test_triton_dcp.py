@@ -14,7 +14,7 @@ import torch
 
 import impls.triton  # noqa: F401
 from impls.triton.chunked import context_segments
-from impls.triton.dcp import run_dcp
+from impls.triton.dcp import as_dcp, run_dcp
 from impls.triton.dcp.impl import TritonDcp
 from impls.triton.dcp.reorg import local_part_slots, padded_part_len, reorg_source_rows
 from impls.triton.dcp.shard import build_shard, local_count
@@ -26,6 +26,7 @@ from mla_bench.tolerances import tolerance_for
 from mla_bench.workload import Workload
 from reference import dcp_reorg
 from reference.expected import expected
+from suites.accuracy import judge_workload
 from suites.judge import judge
 
 KV_LENS = (37, 1, 0, 20)  # a request shorter than one interleave block (empty shards), a padding request
@@ -146,6 +147,15 @@ def test_a_combine_that_nans_on_an_empty_row_is_caught():
     outcome = run_dcp(w, backend="gloo", attention="torch", rescale=naive_rescale)
     ref = expected(build_problem(w))
     assert compare(outcome.out, outcome.lse, ref.out, ref.lse).nonfinite_mismatch > 0
+
+
+@gloo_on_cpu
+def test_a_decode_workload_runs_as_dcp_through_the_accuracy_suite():
+    decode = Workload(mode="decode", q_lens=(1, 1), kv_lens=(33, 9), page_size=8)
+    results = list(judge_workload(as_dcp(decode, 2, 4), [TritonDcp(attention="torch")], torch.device("cpu")))
+    assert [r.status for r in results] == ["passed"] and "W2 I4" in results[0].label
+    with pytest.raises(ValueError, match="decode workloads"):
+        as_dcp(Workload(mode="prefill", q_lens=(2,), kv_lens=(4,)), 2)
 
 
 def test_run_dcp_refuses_other_modes_and_missing_gpus():
