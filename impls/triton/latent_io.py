@@ -5,11 +5,15 @@ exact codes plus a float32 scale per row; kernels that attend straight from the 
 ``gather_latent`` (chunked prefill's context) share them, so a layout is taught to every path in one place.
 Layouts it decodes: ``bf16``; ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` (656 B: 512 e4m3 | 4 float32 scales, one
 per 128 values | 64 bf16 rope; value = e4m3 * scale; with power-of-two scales the product is exact in bf16, so
-that layout is dequantized in registers); and ``fp8_e4m3`` (576 e4m3 times the per-layer scale). Others (the FP4 layouts) are refused with
-``UnsupportedConfig``.
+that layout is dequantized in registers); and ``fp8_e4m3`` (576 e4m3 times the per-layer scale). Others (the
+FP4 layouts) are refused with ``UnsupportedConfig``.
 
-Interim module: issue 3 owns the generic Triton cache ops (write and gather for every layout, in
-``impls/triton/cache_ops.py``); once they land, ``gather_latent`` should defer to them.
+Relation to ``impls/triton/cache_ops.py`` (issue 3: write and gather kernels for every layout, FP4 included):
+``gather_latent`` stays separate because the attention paths need what that API does not offer: decoding into a
+caller's preallocated workspace (chunked prefill's memory bound, and no allocation in ``run``), float16 output,
+no host synchronization (``gather_cache_triton`` validates slots with one), and the same tile decoders as the
+sparse kernel. FP4 layouts are refused here; giving ``gather_cache_triton`` an ``out=`` and a float16 output would
+let the chunked path take them from there.
 """
 
 from __future__ import annotations
