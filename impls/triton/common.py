@@ -1,0 +1,38 @@
+"""Small pieces every Triton kernel module here shares, and two workarounds for Triton 3.9's interpreter.
+
+- The interpreter multiplies bfloat16 tiles as their raw uint16 bits (``np.matmul`` on the storage), so under
+  ``TRITON_INTERPRET=1`` the kernels feed ``tl.dot`` float32 copies of their bf16/fp16 tiles (``mma``). The
+  products of two bf16 (or fp16) values are exact in float32, so this changes nothing but speed.
+- The interpreter's float32 -> bfloat16 cast truncates where the GPU rounds to nearest even, which biases every
+  rounded probability and output and roughly doubles the error the CPU tests see; ``cast`` rounds first.
+
+On a GPU (the flag ``INTERP`` / ``UPCAST`` False) both are plain ``tl.dot`` and ``.to``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation (operands upcast when ``UPCAST``: the interpreter)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
+    """``x.to(DTYPE)`` rounding to nearest even, also in the interpreter (whose fp32 -> bf16 cast truncates)."""
+    if INTERP:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x.to(DTYPE)

@@ -1,0 +1,48 @@
+"""``triton_prefill``: MLA's compute-friendly prefill (ragged causal MHA, qk 192, v 128) in one Triton kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from impls.triton.prefill_kernel import PrefillConfig, default_config, mha_prefill
+from mla_bench.problem import Problem
+from mla_bench.registry import Capabilities, Impl
+from mla_bench.workload import Mode
+
+
+@dataclass
+class PrefillPlan:
+    problem: Problem
+    out: torch.Tensor  # [T, H, 128], written by run
+    lse: torch.Tensor  # [T, H] float32
+    config: PrefillConfig
+
+
+class TritonPrefill(Impl):
+    name = "triton_prefill"
+    description = "Triton flash attention: ragged causal MHA with the rope key shared by all heads"
+    capabilities = Capabilities(
+        modes=frozenset({Mode.PREFILL}),
+        dtypes=frozenset({"bfloat16", "float16"}),
+        graph_safe=True,
+    )
+
+    def __init__(self, config: PrefillConfig | None = None) -> None:
+        self.config = config
+
+    def plan(self, problem: Problem) -> PrefillPlan:
+        tokens, heads = problem.q.shape[:2]
+        out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
+        lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)
+        return PrefillPlan(problem, out, lse, self.config or default_config(problem.device))
+
+    def poison(self, plan: PrefillPlan) -> None:
+        plan.out.fill_(float("nan"))
+        plan.lse.fill_(float("nan"))
+
+    def run(self, plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        p = plan.problem
+        return mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc,
+                           p.meta.max_qo_len, p.scale, causal=True, out=plan.out, lse=plan.lse, config=plan.config)

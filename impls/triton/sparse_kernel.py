@@ -1,0 +1,169 @@
+"""Sparse top-k MLA attention (DeepSeek V3.2 DSA) in Triton: absorbed MQA over per-token index lists.
+
+Query token ``t`` attends the rows ``indices[t, :]`` of a row source: the paged cache itself (PAGED transform:
+an index is a physical slot ``block * page_size + offset``) or a gathered, dequantized ``[N, 576]`` buffer
+(RAGGED transform: an index is a row of the request-after-request concatenation). An index is valid iff
+``0 <= idx < num_rows`` (FlashMLA's rule: -1 padding, any negative and anything past the source are skipped);
+a row with no valid index gives out 0 and lse -inf. Keys are the 576 latent values, values their first 512.
+
+Per program: ``BLOCK_H`` heads of one token (they share the token's index list, so each gathered key tile
+serves them all), ``BLOCK_N`` indices at a time, online softmax in base 2. Decode and prefill are the same
+kernel: prefill only has more tokens. The 512 latent columns go in four tiles of 128, so that quantized
+layouts enter the products as their exact codes and each tile's per-token scale is applied in float32
+(after the score product; folded into the probabilities for the value product): the kernel reads an FP8
+cache exactly, whatever its scales, instead of rounding dequantized keys to bf16. Power-of-two scales
+(``fp8_ds_mla_pow2``) dequantize exactly into bf16, so that layout takes the unscaled products like bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from impls.triton.common import INTERPRETING, cast, mma
+from impls.triton.latent_io import SCALED_CODES, load_nope_tile, load_rope_tile
+from impls.triton.merge import LOG2E
+from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op
+
+
+def default_config(device: torch.device, heads: int, layout_code: int = 0) -> SparseConfig:
+    """Tiles measured best on an H200 at 128 heads, batch 128, top-k 2048 (NOTES-paths.md), capped by the heads."""
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    if layout_code in SCALED_CODES:
+        best = SparseConfig(128, 32, 8, 1)
+    elif layout_code == 0:
+        best = SparseConfig(32, 64, 4, 2)
+    else:  # power-of-two fp8 dequantized in registers: wide head blocks amortize the decode (BH32 was 4.6x slower)
+        best = SparseConfig(64, 64, 8, 2)
+    return SparseConfig(min(best.block_h, max(16, triton.next_power_of_2(heads))), best.block_n, best.num_warps,
+                        best.num_stages)
+
+
+@triton.jit
+def _scores(s, q, codes, scale, SCALED: tl.constexpr, UPCAST: tl.constexpr):
+    """``s + (q @ codes^T) * scale`` per key column: the scale is applied in float32 after the product."""
+    if SCALED:
+        zero = tl.zeros(s.shape, dtype=tl.float32)
+        return s + mma(q, tl.trans(codes), zero, UPCAST) * scale[None, :]
+    return mma(q, tl.trans(codes), s, UPCAST)
+
+
+@triton.jit
+def _values(acc, p, codes, scale, alpha, SCALED: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc * alpha + (p * scale) @ codes``: the key's scale folds into the probabilities before rounding."""
+    if SCALED:
+        p = p * scale[None, :]
+    return mma(cast(p, codes.dtype, UPCAST), codes, acc * alpha[:, None], UPCAST)
+
+
+@triton.jit
+def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_scale, qk_scale,
+                   s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
+                   LAYOUT: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs = tl.arange(0, 128)
+    q_rows = Q + t * s_qt + heads[:, None] * s_qh
+    q0 = tl.load(q_rows + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q1 = tl.load(q_rows + 128 + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q2 = tl.load(q_rows + 256 + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q3 = tl.load(q_rows + 384 + offs[None, :], mask=h_ok[:, None], other=0.0)
+    q_r = tl.load(q_rows + 512 + tl.arange(0, 64)[None, :], mask=h_ok[:, None], other=0.0)
+    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for n0 in range(0, topk, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(IDX + t * s_it + offs_n, mask=offs_n < topk, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < num_rows)
+        rows = tl.where(valid, idx, 0)
+        k0, c0 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 0, LAYOUT, q0.dtype)
+        k1, c1 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 1, LAYOUT, q0.dtype)
+        k2, c2 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 2, LAYOUT, q0.dtype)
+        k3, c3 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 3, LAYOUT, q0.dtype)
+        k_r, c_r = load_rope_tile(SRC, rows, valid, row_bytes, tensor_scale, LAYOUT, q_r.dtype)
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        s = _scores(s, q0, k0, c0, SCALED, UPCAST)
+        s = _scores(s, q1, k1, c1, SCALED, UPCAST)
+        s = _scores(s, q2, k2, c2, SCALED, UPCAST)
+        s = _scores(s, q3, k3, c3, SCALED, UPCAST)
+        s = _scores(s, q_r, k_r, c_r, SCALED, UPCAST)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc0 = _values(acc0, p, k0, c0, alpha, SCALED, UPCAST)
+        acc1 = _values(acc1, p, k1, c1, alpha, SCALED, UPCAST)
+        acc2 = _values(acc2, p, k2, c2, alpha, SCALED, UPCAST)
+        acc3 = _values(acc3, p, k3, c3, alpha, SCALED, UPCAST)
+        m_i = m_new
+    live = l_i > 0
+    inv_l = (1.0 / tl.where(live, l_i, 1.0))[:, None]
+    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_rows = OUT + t * s_ot + heads[:, None] * s_oh + offs[None, :]
+    o_dt = OUT.dtype.element_ty
+    tl.store(o_rows, cast(acc0 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(o_rows + 128, cast(acc1 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(o_rows + 256, cast(acc2 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(o_rows + 384, cast(acc3 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
+    tl.store(LSE + t * s_lt + heads * s_lh, lse, mask=h_ok)
+
+
+def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
+               tensor_scale: float = 1.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+               config: SparseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[T, H, 576]`` attends ``rows[indices[t]]``; ``rows`` is the uint8 ``[num_rows, bytes_per_token]``
+    source (``PagedCache.rows()``, or a gathered bf16 buffer viewed as bytes) in the layout ``layout_code``.
+
+    Returns ``out`` ``[T, H, 512]`` (q's dtype unless given) and ``lse`` ``[T, H]`` float32, natural log.
+    """
+    if q.dim() != 3 or q.shape[2] != LATENT_DIM or q.stride(-1) != 1 or q.dtype not in (torch.bfloat16,
+                                                                                           torch.float16):
+        raise ValueError(f"sparse_mqa: q must be bf16/fp16 [T, H, {LATENT_DIM}] (last dim contiguous), got "
+                         f"{q.dtype} {list(q.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.dtype != torch.int32 or indices.stride(1) != 1:
+        raise ValueError(f"sparse_mqa: indices must be int32 [{q.shape[0]}, topk] (rows contiguous), got "
+                         f"{indices.dtype} {list(indices.shape)}")
+    if rows.dim() != 2 or rows.dtype != torch.uint8 or not rows.is_contiguous():
+        raise ValueError(f"sparse_mqa: rows must be a contiguous uint8 [N, bytes_per_token] source, got "
+                         f"{rows.dtype} {list(rows.shape)}")
+    tokens, heads, _ = q.shape
+    out = torch.empty(tokens, heads, NOPE_DIM, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
+    config = config or default_config(q.device, heads, layout_code)
+    if tokens:
+        grid = (tokens, triton.cdiv(heads, config.block_h))
+        _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
+                             tensor_scale, scale * LOG2E, q.stride(0), q.stride(1), indices.stride(0),
+                             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                             LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
+                             BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+                             UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out, lse
+
+
+def sparse_flops(indices_valid: int, heads: int) -> int:
+    """Useful FLOPs: 2 * (576 + 512) per valid (token, index) pair and head."""
+    return 2 * (LATENT_DIM + NOPE_DIM) * heads * indices_valid
