@@ -83,7 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device), preset=preset,
                          modes=_split(args.mode), layouts=_split(args.layout),
                          page_sizes=[int(p) for p in _split(args.page_size)], seed=args.seed, sweep=args.sweep,
-                         devices=[int(d) for d in _split(args.devices)], isolate=args.isolate)
+                         devices=[int(d) for d in _split(args.devices)], isolate=args.isolate,
+                         dcp_world=args.dcp, dcp_interleave=args.dcp_interleave)
     notes: list[str] = []
     try:
         with _RichProgress() as progress:
@@ -190,6 +191,13 @@ def _load(path: str):
 
 
 # ---- parser -------------------------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
+    return value
+
+
 def _split(value: str | None) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
@@ -220,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", help="shard workloads over these GPUs, one worker process each (e.g. 0,1,2,3)")
     p.add_argument("--isolate", action="store_true", help="run each impl in its own process (crashes become errors)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dcp", type=_positive_int, metavar="W",
+                   help="run the decode workloads as decode context parallel over W processes (gloo on CPU, NCCL "
+                        "over W GPUs); with --impl all, the DCP impl")
+    p.add_argument("--dcp-interleave", type=_positive_int, default=1, metavar="I",
+                   help="with --dcp: token t lives on rank (t // I) %% W")
     p.add_argument("--out", help="directory for run.json and report.html (default results/<time>-<device>)")
     p.add_argument("--no-report", action="store_true", help="write run.json only")
     p.set_defaults(func=cmd_run)

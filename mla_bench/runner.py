@@ -50,6 +50,8 @@ class RunOptions:
     sweep: str | None = None
     devices: list[int] = field(default_factory=list)
     isolate: bool = False
+    dcp_world: int | None = None
+    dcp_interleave: int = 1
 
 
 class Progress:
@@ -125,7 +127,8 @@ def _context(options: RunOptions, device: torch.device, entries: list[ImplEntry]
 
     return RunContext(impls=entries, device=device, preset=options.preset, modes=list(options.modes),
                       layouts=list(options.layouts), page_sizes=list(options.page_sizes), seed=options.seed,
-                      progress=progress.advance, sweep=options.sweep, shard=shard, shards=shards)
+                      progress=progress.advance, sweep=options.sweep, shard=shard, shards=shards,
+                      dcp_world=options.dcp_world, dcp_interleave=options.dcp_interleave)
 
 
 def _runs_in_shard(suite: Any, shard: int) -> bool:

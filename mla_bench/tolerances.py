@@ -44,16 +44,17 @@ KERNEL_TOLERANCES: dict[str, Tolerance] = {
 
 # End-to-end bounds of lossy cache layouts, per layout (independent of the compute dtype). Set at about twice
 # the worst format-only error measured on the bench's problems (reference on the dequantized cache against
-# reference on the original values; 16 heads, contexts 7..1000, 4 seeds): they catch a kernel that misreads
-# the format (ignored or misplaced scales), while the kernel bound catches subtler bugs. Layouts absent here
-# are exact for their inputs, so their e2e bound is the kernel bound.
+# reference on the original values; decode, sparse top-k 2048 and chunked prefill, 4 and 16 heads, 6 seeds;
+# few heads give the noisiest aggregates): they catch a kernel that misreads the format (ignored or misplaced
+# scales), while the kernel bound catches subtler bugs. Layouts absent here are exact for their inputs, so their
+# e2e bound is the kernel bound.
 E2E_TOLERANCES: dict[str, Tolerance] = {
-    "fp8_e4m3": Tolerance(rel_l2=0.12, max_row_rel=0.4, cos_diff=4e-3, lse_abs=0.4),
-    "fp8_ds_mla": Tolerance(rel_l2=0.1, max_row_rel=0.3, cos_diff=3e-3, lse_abs=0.4),
-    "fp8_ds_mla_pow2": Tolerance(rel_l2=0.1, max_row_rel=0.3, cos_diff=3e-3, lse_abs=0.45),
-    "fp4_mx16": Tolerance(rel_l2=0.6, max_row_rel=1.5, cos_diff=0.12, lse_abs=1.6),
-    "mxfp4_nsa": Tolerance(rel_l2=0.5, max_row_rel=1.2, cos_diff=0.08, lse_abs=1.2),
-    "nvfp4": Tolerance(rel_l2=0.35, max_row_rel=1.2, cos_diff=0.04, lse_abs=1.0),
+    "fp8_e4m3": Tolerance(rel_l2=0.2, max_row_rel=0.4, cos_diff=0.012, lse_abs=0.45),
+    "fp8_ds_mla": Tolerance(rel_l2=0.15, max_row_rel=0.4, cos_diff=0.007, lse_abs=0.45),
+    "fp8_ds_mla_pow2": Tolerance(rel_l2=0.15, max_row_rel=0.4, cos_diff=0.007, lse_abs=0.45),
+    "fp4_mx16": Tolerance(rel_l2=0.65, max_row_rel=1.8, cos_diff=0.1, lse_abs=2.0),
+    "mxfp4_nsa": Tolerance(rel_l2=0.65, max_row_rel=1.8, cos_diff=0.1, lse_abs=1.6),
+    "nvfp4": Tolerance(rel_l2=0.6, max_row_rel=1.6, cos_diff=0.09, lse_abs=1.8),
 }
 
 

@@ -31,6 +31,8 @@ class RunContext:
     sweep: str | None = None  # a name in suites.sweeps.SWEEPS; None: the default for the preset and device
     shard: int = 0            # this worker's index when workloads are sharded over GPUs (suites.sweeps.shard)
     shards: int = 1
+    dcp_world: int | None = None  # --dcp W: run the decode workloads as decode context parallel over W ranks
+    dcp_interleave: int = 1
 
 
 class Suite(Protocol):

@@ -96,12 +96,21 @@ def select(ctx) -> list[Workload]:
         base = SWEEPS[name](presets=(ctx.preset,) if ctx.preset and ctx.preset != "tiny" else GPU_PRESETS)
     if ctx.modes:
         base = [w for w in base if w.mode.value in ctx.modes]
+    if getattr(ctx, "dcp_world", None):  # --dcp W: the decode workloads, sharded over W ranks
+        base = [as_dcp(w, ctx.dcp_world, ctx.dcp_interleave) for w in base if w.mode in (Mode.DECODE, Mode.DCP)]
     out: dict[str, Workload] = {}
     for w in base:
         for variant in _variants(w, ctx.layouts, ctx.page_sizes):
             variant = variant.replace(seed=ctx.seed)
             out.setdefault(variant.key, variant)
     return list(out.values())
+
+
+def as_dcp(workload: Workload, world: int, interleave: int = 1) -> Workload:
+    """The decode context parallel version of a decode (or DCP) workload over ``world`` ranks (``--dcp W``)."""
+    if workload.mode not in (Mode.DECODE, Mode.DCP):
+        raise ValueError(f"--dcp applies to decode workloads, not {workload.mode.value} ({workload.label})")
+    return workload.replace(mode=Mode.DCP, dcp_world=world, dcp_interleave=interleave)
 
 
 def _variants(w: Workload, layouts: list[str], page_sizes: list[int]) -> list[Workload]:

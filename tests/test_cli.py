@@ -93,3 +93,10 @@ def test_help_lists_the_options(argv, capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert ("--isolate" in out and "--devices" in out) if argv[0] == "run" else "--baseline" in out
+
+
+@pytest.mark.parametrize("flag", [["--dcp", "0"], ["--dcp", "2", "--dcp-interleave", "-1"]])
+def test_dcp_flags_refuse_non_positive_values(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", *flag])
+    assert info.value.code == 2 and "must be a positive int" in capsys.readouterr().err

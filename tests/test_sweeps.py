@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mla_bench.registry import Capabilities
@@ -54,6 +55,16 @@ def test_filters_keep_modes_and_rerun_layouts_and_page_sizes():
     assert {w.page_size for w in decode} == {1, 32} and all(w.seed == 7 for w in paged)
     assert len({w.key for w in paged}) == len(paged)                                  # no duplicates
     assert {w.page_size for w in paged if w.mode is Mode.PREFILL} == {64}             # prefill reads no cache
+
+
+def test_dcp_turns_the_decode_workloads_into_sharded_ones():
+    plain = [w for w in sweeps.select(_ctx()) if w.mode is Mode.DECODE]
+    dcp = sweeps.select(_ctx(dcp_world=3, dcp_interleave=2))
+    assert dcp and {(w.mode, w.dcp_world, w.dcp_interleave) for w in dcp} == {(Mode.DCP, 3, 2)}
+    assert {(w.q_lens, w.kv_lens, w.layout, w.page_size) for w in plain} <= \
+        {(w.q_lens, w.kv_lens, w.layout, w.page_size) for w in dcp}
+    with pytest.raises(ValueError, match="--dcp applies to decode workloads"):
+        sweeps.as_dcp(next(w for w in sweeps.select(_ctx()) if w.mode is Mode.PREFILL), 2)
 
 
 def test_shards_split_without_overlap():

@@ -14,7 +14,8 @@ import torch
 
 import impls.triton  # noqa: F401
 from impls.triton.chunked import context_segments
-from impls.triton.dcp import as_dcp, run_dcp
+from impls.triton.dcp import run_dcp
+from suites.sweeps import as_dcp
 from impls.triton.dcp.impl import TritonDcp
 from impls.triton.dcp.reorg import local_part_slots, padded_part_len, reorg_source_rows
 from impls.triton.dcp.shard import build_shard, local_count

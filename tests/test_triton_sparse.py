@@ -48,9 +48,7 @@ def test_sparse_reads_the_other_fp8_layouts(transform, layout):
 
 @pytest.mark.parametrize("transform, layout", [("paged", "bf16"), ("ragged", "fp8_ds_mla")])
 def test_top_k_2048(transform, layout):
-    # seed 1: with seed 0 the fp8_ds_mla format alone (float64 on dequantized vs original values) moves these two
-    # rows by cos_diff 0.0033, past the layout's e2e bound of 0.003 (a bound for the lead to revisit)
-    w = sparse(transform, layout=layout, q_lens=(1, 1), kv_lens=(2100, 2048), topk=2048, seed=1)
+    w = sparse(transform, layout=layout, q_lens=(1, 1), kv_lens=(2100, 2048), topk=2048, seed=0)
     impl = IMPLS[transform](SparseConfig(block_h=16, block_n=128, num_warps=4, num_stages=1))
     verdict = judge(impl, build_problem(w, DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message

@@ -149,14 +149,6 @@ def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str) -> N
             dist.destroy_process_group()
 
 
-def as_dcp(workload: Workload, world: int, interleave: int = 1) -> Workload:
-    """The DCP version of a decode (or DCP) workload over ``world`` ranks: what ``mla-bench run --dcp W`` runs,
-    each through the accuracy suite's ``judge_workload(as_dcp(w, W), [TritonDcp()], device)``."""
-    if workload.mode not in (Mode.DECODE, Mode.DCP):
-        raise ValueError(f"--dcp applies to decode workloads, not {workload.mode.value} ({workload.label})")
-    return workload.replace(mode=Mode.DCP, dcp_world=world, dcp_interleave=interleave)
-
-
 @contextlib.contextmanager
 def _environment(values: dict[str, str]):
     """Set environment variables while processes start (they inherit them), then restore ours."""
