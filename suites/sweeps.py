@@ -60,16 +60,25 @@ def tiny(preset: str = "tiny") -> list[Workload]:
 
 
 def gpu(presets: Iterable[str] = GPU_PRESETS, batches=(1, 32, 128), contexts=(4096, 8192, 16384)) -> list[Workload]:
-    """Serving shapes: decode over batch x context, each other layout at one shape, and prefill."""
+    """Serving shapes: decode over batch x context, each other layout at one shape, prefill, chunked prefill
+    over a long context, and DeepSeek V3.2's sparse decode and prefill (top-k 2048) on bf16 and fp8_ds_mla."""
     sweep = []
+    big_batch, long_ctx = batches[-1], contexts[-1]
     for preset in presets:
-        sweep += [Workload.uniform(Mode.DECODE, b, 1, ctx, preset=preset, page_size=GPU_PAGE)
-                  for b in batches for ctx in contexts]
-        sweep += [Workload.uniform(Mode.DECODE, batches[min(1, len(batches) - 1)], 1, contexts[0], preset=preset,
-                                   page_size=GPU_PAGE, layout=name) for name in LAYOUTS if name != "bf16"]
+        common = dict(preset=preset, page_size=GPU_PAGE)
+        sweep += [Workload.uniform(Mode.DECODE, b, 1, ctx, **common) for b in batches for ctx in contexts]
+        sweep += [Workload.uniform(Mode.DECODE, batches[min(1, len(batches) - 1)], 1, contexts[0], layout=name,
+                                   **common) for name in LAYOUTS if name != "bf16"]
         # 128-head prefill stays at 2048 tokens: the float64 reference's score blocks must fit in memory.
         tokens = 2048 if get_preset(preset).num_heads > 16 else 8192
         sweep.append(Workload.uniform(Mode.PREFILL, 1, tokens, tokens, preset=preset))
+        for layout in ("bf16", "fp8_ds_mla"):
+            sweep += [
+                Workload.uniform(Mode.CHUNKED_PREFILL, 1, 1024, long_ctx + 1024, chunk_size=4096, layout=layout,
+                                 **common),
+                Workload.uniform(Mode.SPARSE_DECODE, big_batch, 1, long_ctx, topk=2048, layout=layout, **common),
+                Workload.uniform(Mode.SPARSE_PREFILL, 1, 512, long_ctx, topk=2048, layout=layout, **common),
+            ]
     return sweep
 
 
