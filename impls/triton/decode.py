@@ -47,16 +47,18 @@ INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 @dataclass(frozen=True)
 class DecodeConfig:
     """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
-    on the N side of the matrix products (see decode_kernel); ``programs_per_sm`` sets the split target (SMs
-    times it), ``min_split`` the fewest keys per split; ``num_splits`` forces the splits per group (tests,
-    sweeps). The merge reads the partials one by one where no group has more than ``serial_merge_max`` splits,
-    else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits, blocks at 32-128)."""
+    on the N side of the matrix products (see decode_kernel); ``num_stages`` is the software pipeline's depth (the
+    kernel keeps ``num_stages - 1`` key tiles in flight); ``programs_per_sm`` sets the persistent grid (SMs times
+    it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
+    each (tests, sweeps). The merge reads the partials one by one where no group has more than
+    ``serial_merge_max`` splits, else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits,
+    blocks at 32-128)."""
 
     block_m: int = 16
-    block_n: int = 64
-    heads_as_n: bool = True
+    block_n: int = 32
+    heads_as_n: bool = False
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 4
     programs_per_sm: int = 1
     min_split: int = 128
     num_splits: int | None = None
@@ -77,22 +79,17 @@ class DecodeConfig:
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> DecodeConfig:
     """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
 
-    Query rows per request (heads x new tokens) set the row block: 64 rows (128 heads, or 16 heads x 4 tokens):
-    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups), 64 keys per step (32 for
-    quantized caches, whose decoded tiles live in registers first). 16 or 32 rows: memory-bound; the legacy
-    mma path with 32 keys per step and two programs per SM; bf16 pipelines deeper (six stages), which
-    keeps page size 1 as fast as page size 64.
+    Query rows per request (heads x new tokens) set the row block. 64 rows (128 heads, or 16 heads x 4 tokens):
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups), 32 keys per step so that three
+    tiles fit in shared memory beside the queries. 16 or 32 rows: memory-bound, the mma.sync path.
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    if layout == "bf16":
-        if block_m == 64:
-            return DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8)
-        return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=6,
-                            programs_per_sm=2)
     if block_m == 64:
-        return DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8)
-    return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=4, programs_per_sm=2)
+        return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4 if layout == "bf16" else 3)
+    if layout == "bf16":
+        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=4)
+    return DecodeConfig(block_m=block_m, block_n=32, num_warps=8, num_stages=4)
 
 
 @dataclass
@@ -105,6 +102,7 @@ class DecodePlan:
     query_start: torch.Tensor
     visible: torch.Tensor
     work: torch.Tensor
+    program_items: torch.Tensor
     groups: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
@@ -142,7 +140,9 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     query_start = torch.tensor(cumulative(q_lens), dtype=torch.int32)
     return DecodePlan(
         q=q, cache=cache, block_table=block_table, query_start=query_start.to(device), visible=visible,
-        work=_int_rows(schedule.items, 5, device), groups=_int_rows(schedule.groups, 4, device),
+        work=_int_rows(schedule.items, 5, device),
+        program_items=torch.tensor(schedule.program_items, dtype=torch.int32).to(device),
+        groups=_int_rows(schedule.groups, 4, device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
         lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
         part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
@@ -156,9 +156,10 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     if plan.work.shape[0]:
-        _decode_split_kernel[(plan.work.shape[0],)](
+        _decode_split_kernel[(plan.schedule.num_programs,)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
-            plan.query_start, plan.visible, plan.work, plan.out, plan.out.stride(0), plan.out.stride(1),
+            plan.query_start, plan.visible, plan.work, plan.program_items, plan.out, plan.out.stride(0),
+            plan.out.stride(1),
             plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.nope_scale,
             plan.out_scale, plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
