@@ -52,7 +52,8 @@ class DecodeConfig:
     it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
     each (tests, sweeps). The merge reads the partials one by one where no group has more than
     ``serial_merge_max`` splits, else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits,
-    blocks at 32-128)."""
+    blocks at 32-128). ``early_merge``: launch the merge as a programmatic dependent of the split kernel (Hopper),
+    which starts it while the split kernel runs and hides its launch latency."""
 
     block_m: int = 16
     block_n: int = 32
@@ -64,6 +65,7 @@ class DecodeConfig:
     num_splits: int | None = None
     merge_splits: int = 8
     serial_merge_max: int = 16
+    early_merge: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -155,6 +157,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
+    early_merge = cfg.early_merge and not INTERPRETED and plan.groups.shape[0] > 0
     if plan.work.shape[0]:
         _decode_split_kernel[(plan.schedule.num_programs,)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
@@ -166,7 +169,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            EARLY_MERGE=early_merge, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
@@ -174,7 +177,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
             BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=INTERPRETED,
-            num_warps=4)
+            EARLY_MERGE=early_merge, num_warps=4, **({"launch_pdl": True} if early_merge else {}))
     return plan.out, plan.lse
 
 

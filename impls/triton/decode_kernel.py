@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634  # host side: the softmax scale is passed premultiplied by log2(e)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -275,9 +276,13 @@ def _decode_split_kernel(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
+    EARLY_MERGE: tl.constexpr,
 ):
     """A persistent program: runs its consecutive work items one after the other (a balanced share of the
-    batch's key blocks; see decode_schedule)."""
+    batch's key blocks; see decode_schedule). ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
+    dependent, start now and wait for this grid's results on the device (its launch latency hidden)."""
+    if EARLY_MERGE:
+        gdc_launch_dependents()
     program = tl.program_id(0)
     for item in range(tl.load(program_items + program), tl.load(program_items + program + 1)):
         _attend_item(
@@ -420,11 +425,14 @@ def _merge_splits_kernel(
     lse, stride_lt,
     out_scale, num_heads,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr,
 ):
     """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns. ``SPLITS`` 1 reads the
     partials one after the other (cheapest for a few); more reads that many per step with independent loads, so
-    a long list of splits (batch 1) is not a chain of memory latencies."""
+    a long list of splits (batch 1) is not a chain of memory latencies. ``EARLY_MERGE``: launched before the split
+    kernel finished (programmatic dependent launch), so first wait until its writes are complete and visible."""
+    if EARLY_MERGE:
+        gdc_wait()
     group = tl.program_id(0)
     request = tl.load(groups + group * 4)
     row_block = tl.load(groups + group * 4 + 1)
