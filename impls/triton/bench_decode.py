@@ -247,23 +247,28 @@ OTHER_SHAPES = [Shape(16, 32, 4096, page_size=1), Shape(128, 32, 4096, page_size
                 Shape(16, 32, 4096, q_len=4), Shape(128, 32, 4096, layout="fp8_ds_mla"),
                 Shape(128, 32, 4096, layout="nvfp4")]
 
-SMALL_ROWS = [None, _cfg(16, 32, 4, 3, 2), _cfg(16, 32, 4, 6), _cfg(16, 32, 8, 4), _cfg(16, 32, 8, 6),
-              _cfg(16, 64, 8, 3), _cfg(16, 16, 4, 6, 2), _cfg(16, 64, 4, 2, heads_as_n=True),
-              _cfg(16, 32, 4, 4, early_merge=True)]
-BIG_ROWS = [None, _cfg(64, 32, 8, 3), _cfg(64, 64, 8, 2), _cfg(64, 32, 8, 4, early_merge=True)]
-QUANT = [None, _cfg(16, 32, 4, 4), _cfg(16, 32, 8, 6), _cfg(16, 64, 8, 3), _cfg(16, 16, 4, 6)]
-BATCH1 = [None, _cfg(16, 32, 4, 4, min_split=64), _cfg(16, 32, 4, 4, min_split=256), _cfg(16, 32, 8, 4, min_split=32),
-          _cfg(16, 32, 4, 4, early_merge=True), _cfg(16, 32, 4, 4, min_split=64, early_merge=True)]
+SMALL_ROWS = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 8, 3), _cfg(16, 32, 4, 2, 3),
+              _cfg(16, 32, 4, 3, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, early_merge=True)]
+BIG_ROWS = [None, _cfg(64, 64, 8, 2, early_merge=True), _cfg(64, 32, 8, 3)]
+QUANT = [None, _cfg(16, 64, 8, 2), _cfg(16, 32, 8, 4)]
+BATCH1 = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 4, 2, 2, min_split=64), _cfg(16, 32, 4, 3, 2, early_merge=True),
+          _cfg(16, 64, 4, 2, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, min_split=64, early_merge=True),
+          _cfg(16, 32, 4, 3, 2, min_split=256, early_merge=True)]
+TWO_TOKENS = [None, _cfg(32, 32, 8, 4), _cfg(32, 64, 8, 2)]
+FOUR_TOKENS = [None, _cfg(32, 64, 8, 3), _cfg(64, 32, 8, 3)]
 
 PROFILES: dict[str, list[tuple[Shape, list]]] = {
     "sweep": (
         [(Shape(16, 32, 4096), SMALL_ROWS), (Shape(128, 32, 4096), BIG_ROWS), (Shape(16, 1, 8192), BATCH1),
-         (Shape(16, 128, 4096), SMALL_ROWS[:6]), (Shape(16, 64, 16384), SMALL_ROWS[:6]),
-         (Shape(128, 128, 4096), BIG_ROWS[:3]), (Shape(128, 64, 16384), BIG_ROWS[:2]),
-         (Shape(128, 1, 8192), [None, _cfg(64, 32, 8, 4, min_split=64), _cfg(64, 32, 8, 4, early_merge=True)]),
-         (Shape(16, 64, 4096), SMALL_ROWS[:6])]
+         (Shape(16, 128, 4096), SMALL_ROWS[:4]), (Shape(16, 64, 16384), SMALL_ROWS[:4]),
+         (Shape(128, 128, 4096), BIG_ROWS[:2]), (Shape(128, 64, 16384), [None]),
+         (Shape(128, 1, 8192), [None, _cfg(64, 64, 8, 2, early_merge=True),
+                                _cfg(64, 64, 8, 2, min_split=64, early_merge=True)]),
+         (Shape(16, 64, 4096), SMALL_ROWS[:4]),
+         (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:4]), (Shape(128, 32, 4096, page_size=1), BIG_ROWS[:1]),
+         (Shape(16, 32, 4096, q_len=2), TWO_TOKENS), (Shape(16, 32, 4096, q_len=4), FOUR_TOKENS)]
         + [(shape, QUANT) for shape in QUANT_SHAPES]
-        + [(shape, [None]) for shape in OTHER_SHAPES]
+        + [(Shape(128, 32, 4096, layout=layout), [None, _cfg(64, 64, 8, 2)]) for layout in ("fp8_ds_mla", "nvfp4")]
     ),
     "final": [(shape, [None]) for shape in ISSUE_SHAPES + QUANT_SHAPES + OTHER_SHAPES],
     "ncu": [(Shape(16, 32, 4096), [None]), (Shape(128, 32, 4096), [None]),

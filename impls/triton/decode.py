@@ -82,16 +82,23 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> Deco
     """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
 
     Query rows per request (heads x new tokens) set the row block. 64 rows (128 heads, or 16 heads x 4 tokens):
-    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups), 32 keys per step so that three
-    tiles fit in shared memory beside the queries. 16 or 32 rows: memory-bound, the mma.sync path.
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups). 16 or 32 rows: memory-bound, the
+    mma.sync path; bf16 with 16 rows runs two programs per multiprocessor. Quantized caches take 64-key steps with
+    8 warps (their decode is the cost: fewer, larger steps).
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if block_m == 64:
-        return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=4 if layout == "bf16" else 3)
+        if layout == "bf16":
+            return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+        return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
+    if layout == "bf16" and block_m == 16:
+        return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2)
     if layout == "bf16":
-        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=4)
-    return DecodeConfig(block_m=block_m, block_n=32, num_warps=8, num_stages=4)
+        return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=3)
+    if block_m == 16:
+        return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3)
+    return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=4)
 
 
 @dataclass

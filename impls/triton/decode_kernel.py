@@ -193,15 +193,17 @@ def _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE: tl.constexpr, BLOC
     Block-table entries read as two 16-bit halves (non-negative int32, little-endian) are too small for it to
     pipeline, so the tiles keep the full distance (``num_stages - 1``). A tile inside one page reads one entry.
     """
-    if PAGE_SIZE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: one page per tile
+    if PAGE_SIZE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: one page per tile, consecutive rows
         halves = pages.to(tl.pointer_type(tl.uint16)) + 2 * (start // PAGE_SIZE)
         page = tl.load(halves).to(tl.int64) | (tl.load(halves + 1).to(tl.int64) << 16)
+        first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * BYTES_PER_TOKEN
+        base = first + tl.arange(0, BLOCK_N) * BYTES_PER_TOKEN
     else:
         halves = pages.to(tl.pointer_type(tl.uint16)) + 2 * (offs_n // PAGE_SIZE)
         low = tl.load(halves, mask=n_ok, other=0).to(tl.int64)
         high = tl.load(halves + 1, mask=n_ok, other=0).to(tl.int64)
-        page = low | (high << 16)
-    return cache + (page * PAGE_SIZE + offs_n % PAGE_SIZE) * BYTES_PER_TOKEN
+        base = cache + ((low | (high << 16)) * PAGE_SIZE + offs_n % PAGE_SIZE) * BYTES_PER_TOKEN
+    return base
 
 
 # ---- the products, in either orientation ---------------------------------------------------------------------------
