@@ -156,7 +156,9 @@ def time_impl(impl: Impl, problems: list[Problem], device: torch.device) -> timi
 
 
 def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: torch.device,
-                ceilings: timing.Ceilings, checks: dict[str, dict], deadline: float) -> list[dict]:
+                ceilings: timing.Ceilings, checks: dict[str, dict], deadline: float, repeat: int = 1) -> list[dict]:
+    """Time every configuration (and peer) of every shape on the same input sets, ``repeat`` times each (the
+    record's ``ms`` is the first median, ``ms_repeats`` all of them: their spread is the noise)."""
     records = []
     for shape, configs in entries:
         if time.time() > deadline:
@@ -183,20 +185,21 @@ def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: tor
                 print(f"[time] {shape.label} {label}: check {status}", flush=True)
                 continue
             try:
-                stats = time_impl(impl, problems, device)
+                repeats = [time_impl(impl, problems, device) for _ in range(repeat)]
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a result
                 print(f"[time] {shape.label} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            ms = stats.median
+            stats, ms = repeats[0], repeats[0].median
             record = {"shape": asdict(shape), "label": shape.label, "impl": name, "config": label,
                       "default": name == "triton" and config is None,
                       "config_fields": asdict(resolved) if resolved else None, **stats.to_dict(),
                       "ms": ms, "GBps": work.gbps(ms), "TFLOPs": work.tflops(ms),
                       "copy_fraction": work.gbps(ms) / ceilings.copy_gbps,
                       "floor_ms": max(work.bytes / ceilings.copy_gbps / 1e6, work.flops / ceilings.matmul_tflops / 1e9),
-                      "input_sets": sets}
+                      "input_sets": sets, "ms_repeats": [r.median for r in repeats]}
             records.append(record)
-            print(f"[time] {shape.label:34s} {label:30s} {ms * 1e3:8.1f} us (iqr {stats.iqr * 1e3:.1f}) "
+            spread = "".join(f" / {r.median * 1e3:.1f}" for r in repeats[1:])
+            print(f"[time] {shape.label:34s} {label:30s} {ms * 1e3:8.1f}{spread} us (iqr {stats.iqr * 1e3:.1f}) "
                   f"{record['GBps']:6.0f} GB/s ({record['copy_fraction']:.2f}) {record['TFLOPs']:5.0f} TFLOP/s",
                   flush=True)
         del problems
@@ -324,6 +327,7 @@ def main() -> None:
     parser.add_argument("--skip-check", action="store_true", help="skip the layout/page/query-mode sweep")
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel check processes")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop timing new shapes after this")
+    parser.add_argument("--repeat", type=int, default=1, help="time each configuration this many times")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--once", action="store_true", help="run each config once (for ncu), time nothing")
     args = parser.parse_args()
@@ -354,7 +358,7 @@ def main() -> None:
     ceilings = timing.measure_ceilings(device)
     print(f"[ceilings] copy {ceilings.copy_gbps:.0f} GB/s (read+write), bf16 matmul {ceilings.matmul_tflops:.0f} "
           f"TFLOP/s, L2 {ceilings.l2_bytes >> 20} MiB", flush=True)
-    records = run_latency(entries, args.peers, device, ceilings, checks, start + args.budget_s)
+    records = run_latency(entries, args.peers, device, ceilings, checks, start + args.budget_s, args.repeat)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
         json.dump({"env": env, "ceilings": ceilings.metrics(), "checks": checks, "latency": records}, f, indent=1)
