@@ -90,7 +90,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> Deco
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if block_m == 64:
-        if layout == "bf16":
+        if layout == "bf16" or layout in FP4_LAYOUTS:
             return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
         return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
     if layout == "bf16" and block_m == 16:
