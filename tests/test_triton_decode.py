@@ -79,6 +79,14 @@ def test_forced_splits_and_both_orientations_pass_with_16_heads(config):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
+def test_quantized_tiles_decoded_once_pass_too(layout):
+    """``reread_values=False``: each latent tile read and decoded once for both products."""
+    problem = build_problem(workload(layout, 32, VARLEN, heads=16, seed=9))
+    verdict = judge(Configured(DecodeConfig(block_n=32, reread_values=False)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
 def test_fp8_ds_mla_tile_scales_are_applied_after_exact_products_in_both_orientations():
     problem = build_problem(workload("fp8_ds_mla", 16, ((2, 1), (90, 33)), heads=16, seed=5))
     for heads_as_n in (True, False):

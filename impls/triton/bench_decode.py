@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from impls.triton.decode import DecodeConfig, TritonDecode, default_config
+from impls.triton.decode import FP4_LAYOUTS, DecodeConfig, TritonDecode, default_config
 from mla_bench import timing
 from mla_bench.costs import cost
 from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
@@ -231,7 +231,8 @@ def config_label(c: DecodeConfig) -> str:
             f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else "")
             + (f" min{c.min_split}" if c.min_split != default.min_split else "")
             + (f" ms{c.merge_splits}" if c.merge_splits != default.merge_splits else "")
-            + (f" sm{c.serial_merge_max}" if c.serial_merge_max != default.serial_merge_max else ""))
+            + (f" sm{c.serial_merge_max}" if c.serial_merge_max != default.serial_merge_max else "")
+            + (" early" if c.early_merge else "") + ("" if c.reread_values else " once"))
 
 
 # ---- profiles -------------------------------------------------------------------------------------------------------
@@ -270,7 +271,8 @@ PROFILES: dict[str, list[tuple[Shape, list]]] = {
          (Shape(16, 64, 4096), SMALL_ROWS[:4]),
          (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:4]), (Shape(128, 32, 4096, page_size=1), BIG_ROWS[:1]),
          (Shape(16, 32, 4096, q_len=2), TWO_TOKENS), (Shape(16, 32, 4096, q_len=4), FOUR_TOKENS)]
-        + [(shape, QUANT) for shape in QUANT_SHAPES]
+        + [(shape, QUANT + ([_cfg(16, 64, 8, 3, reread_values=False), _cfg(16, 32, 8, 4, reread_values=False)]
+                            if shape.layout in FP4_LAYOUTS else [])) for shape in QUANT_SHAPES]
         + [(Shape(128, 32, 4096, layout=layout), [None, _cfg(64, 64, 8, 2)]) for layout in ("fp8_ds_mla", "nvfp4")]
     ),
     "final": [(shape, [None]) for shape in ISSUE_SHAPES + QUANT_SHAPES + OTHER_SHAPES],

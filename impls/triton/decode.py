@@ -53,7 +53,9 @@ class DecodeConfig:
     each (tests, sweeps). The merge reads the partials one by one where no group has more than
     ``serial_merge_max`` splits, else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits,
     blocks at 32-128). ``early_merge``: launch the merge as a programmatic dependent of the split kernel (Hopper),
-    which starts it while the split kernel runs and hides its launch latency."""
+    which starts it while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches
+    read each latent tile once per product, each read prefetched (see decode_kernel); off, a tile is read and
+    decoded once (fp8 tiles are then not prefetched)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -66,6 +68,7 @@ class DecodeConfig:
     merge_splits: int = 8
     serial_merge_max: int = 16
     early_merge: bool = False
+    reread_values: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -177,6 +180,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.out_scale, plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
             TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
+            REREAD=cfg.reread_values and cache.layout.name != "bf16",
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
             EARLY_MERGE=early_merge, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

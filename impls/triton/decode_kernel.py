@@ -2,18 +2,20 @@
 
 The absorbed decode is multi-query attention: every query row (one head of one new token, 576 wide:
 512 latent + 64 rope) attends the same key/value head, the latent cache (keys 576 wide, values the first
-512 of them). A program of ``_decode_split_kernel`` takes one work item: one request, a block of
-``BLOCK_M`` query rows of it (rows are (token, head) pairs, head fastest), and a range of its keys. It walks
-the range ``BLOCK_N`` keys at a time, like the flash-attention tutorial, with the 512 latent values in four
-tiles of 128 (``t`` = 0..3; fp8_ds_mla scales each such tile of a token by its own factor ``c_t``):
+512 of them). ``_decode_split_kernel`` runs persistent programs, each a list of consecutive work items (see
+decode_schedule). A work item is one request, a block of ``BLOCK_M`` query rows of it (rows are (token, head)
+pairs, head fastest), and a range of its keys. It walks the range ``BLOCK_N`` keys at a time, like the
+flash-attention tutorial, with the 512 latent values in four tiles of 128 (``t`` = 0..3; fp8_ds_mla scales
+each such tile of a token by its own factor ``c_t``):
 
     S   = sum_t c_t * Q_t K_t^T + Q_rope K_rope^T     [BLOCK_M, BLOCK_N], mask, online softmax (base 2)
     O_t = O_t * alpha + (P * c_t) K_t                [BLOCK_M, 128] each: the key tiles double as value tiles
 
 Keys come from the paged cache through the block table, one row per token, decoded in registers from the
-cache layout's bytes (never a dequantized copy in memory). An item that covers its rows' whole range writes
-the final ``out`` / ``lse``; otherwise it writes a normalized partial and its log2-sum-exp to a workspace
-slot, and ``_merge_splits_kernel`` combines a group's slots by their LSE.
+cache layout's bytes (never a dequantized copy in memory); Triton's software pipeliner prefetches
+``num_stages - 1`` tiles ahead (``_token_base`` says what that takes). An item that covers its rows' whole range
+writes the final ``out`` / ``lse``; otherwise it writes a normalized partial and its log2-sum-exp to a
+workspace slot, and ``_merge_splits_kernel`` combines a group's slots by their LSE.
 
 ``HEADS_AS_N`` computes the same products transposed (``S^T = K Q^T``, ``O^T = V^T P^T``): the keys then fill
 the 64-row side of Hopper's wgmma, so 16 or 32 query rows need no padding.
@@ -278,7 +280,7 @@ def _decode_split_kernel(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
-    EARLY_MERGE: tl.constexpr,
+    REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr,
 ):
     """A persistent program: runs its consecutive work items one after the other (a balanced share of the
     batch's key blocks; see decode_schedule). ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
@@ -290,7 +292,7 @@ def _decode_split_kernel(
         _attend_item(
             q, stride_qt, stride_qh, cache, block_table, stride_bt, query_start, visible, work, item,
             out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
-            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET)
+            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD)
 
 
 @triton.jit
@@ -300,6 +302,7 @@ def _attend_item(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
+    REREAD: tl.constexpr,
 ):
     """One work item: a block of query rows of one request over one range of its keys."""
     request = tl.load(work + item * 5)
@@ -337,10 +340,10 @@ def _attend_item(
     acc2 = acc0
     acc3 = acc0
     pages = block_table + request.to(tl.int64) * stride_bt
-    # bf16 tiles serve both products from one shared-memory buffer. Decoded tiles of the other layouts are read
-    # a second time for the values (an L2 hit: kept there by the first read) and decoded again where the product
-    # needs them, instead of holding four decoded tiles in registers across the softmax.
-    REREAD: tl.constexpr = LAYOUT != "bf16"
+    # bf16 tiles serve both products from one shared-memory buffer. With REREAD, quantized tiles are read a second
+    # time for the values (an L2 hit: kept there by the first read) and decoded again in the operand layout the
+    # product needs: a tile that feeds two products in different layouts is not prefetched by Triton's pipeliner
+    # (fp8: read with ld.global in every step), a tile read once per product is.
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
