@@ -3,7 +3,10 @@
 ``time_rotation(fns)`` times a list of callables, one per independent input set, replayed round robin so each
 launch finds the L2 cold (the sets together should exceed several times the L2 size: ``sets_for_cold_l2``).
 Each callable is captured in a CUDA graph; if one cannot be captured (it syncs, or allocates in a way capture
-refuses) every set is timed as plain launches between events, and the stats say which timer and why.
+refuses) every set is timed as plain launches between events, and the stats say which timer and why. With
+``one_graph`` the whole rotation is one graph, replayed whole, and a sample is a replay's time over the number of
+callables: launches back to back inside a graph, as a model's step graph runs them, without each sample paying a
+graph launch (which matters for kernels of a few microseconds).
 
 ``measure_ceilings(device)`` gives the two numbers every result is a fraction of: device-to-device copy
 bandwidth (read + write bytes) and the bf16 matmul rate on 8192^3, measured once per device per process.
@@ -94,9 +97,10 @@ def time_host(fn: Callable[[], Any], device: torch.device) -> float:
 
 def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms: float = 200.0,
                   min_iters: int = 20, max_iters: int = 2000, use_graphs: bool = True,
-                  warmup_ms: float = 50.0) -> TimingStats:
+                  warmup_ms: float = 50.0, one_graph: bool = False) -> TimingStats:
     """Time ``fns[i % n]`` launches round robin and return per-launch stats. Warm-up: every callable once before
-    capture, then launches for at least ``warmup_ms`` (clocks ramp up) before the measured ones."""
+    capture, then launches for at least ``warmup_ms`` (clocks ramp up) before the measured ones. ``one_graph``:
+    the rotation captured as one graph (see the module docstring)."""
     if not fns:
         raise ValueError("time_rotation needs at least one callable")
     with torch.cuda.device(device):
@@ -110,15 +114,16 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
         launches, method, fallback = list(fns), EVENTS, ""
         if use_graphs:
             try:
-                launches, method = _capture(fns), GRAPH
+                launches, method = (_capture_all(fns) if one_graph else _capture(fns)), GRAPH
             except Exception as exc:  # noqa: BLE001 - any capture failure means: time plain launches
                 fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
                 torch.cuda.synchronize()
+        per_sample = len(fns) if len(launches) < len(fns) else 1  # callables run by one timed launch
         rough = _events(launches, len(launches))   # one full rotation warm (and a first estimate)
         per_launch = max(statistics.median(rough), 1e-3)
         _events(launches, int(min(max_iters, warmup_ms / per_launch)))
         iters = int(min(max_iters, max(min_iters, 3 * len(launches), target_ms / per_launch)))
-        return TimingStats.of(_events(launches, iters), method, fallback)
+        return TimingStats.of([t / per_sample for t in _events(launches, iters)], method, fallback)
 
 
 def _capture(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
@@ -132,6 +137,15 @@ def _capture(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
         pool = graph.pool()
         graphs.append(graph)
     return [graph.replay for graph in graphs]
+
+
+def _capture_all(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
+    """One CUDA graph running every callable once, in order."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return [graph.replay]
 
 
 def _events(launches: list[Callable[[], Any]], iters: int) -> list[float]:

@@ -59,6 +59,8 @@ def test_graph_timing_and_its_fallback_on_the_gpu():
     assert graphed.method == timing.GRAPH and graphed.median > 0 and graphed.count >= 20
     syncing = timing.time_rotation([lambda t=t: t.sum().item() for t in x], device)  # .item() cannot be captured
     assert syncing.method == timing.EVENTS and syncing.fallback
+    whole = timing.time_rotation([lambda t=t: t.mul_(1.0) for t in x], device, one_graph=True)
+    assert whole.method == timing.GRAPH and whole.median == pytest.approx(graphed.median, rel=0.5)
 
 
 @pytest.mark.gpu

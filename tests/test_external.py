@@ -78,3 +78,19 @@ def test_flashinfer_lse_base_is_normalized(fake_packages):
     workload = sweeps.tiny()[0]
     verdict = judge(impl, build_problem(workload, torch.device("cpu")))
     assert verdict.status == "failed" and any("lse" in v for v in verdict.violations)
+
+
+def test_flashinfer_empty_requests_get_lse_minus_inf(fake_packages):
+    """FlashInfer writes a finite lse for a request with no keys (stand-in: the value seen on an H200); the adapter
+    gives those rows -inf, the bench's convention, and only those rows."""
+    impl = resolve("flashinfer_mla").load()
+    impl.capabilities = dataclasses.replace(impl.capabilities, devices=frozenset({"cpu"}))
+    from mla_bench.problem import build_problem
+    from mla_bench.workload import Workload
+
+    problem = build_problem(Workload(mode="decode", preset="tiny", q_lens=(1, 2, 1), kv_lens=(9, 0, 5), seed=4))
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations
+    out, lse = impl.run(impl.checked_plan(problem))
+    assert bool(torch.isneginf(lse[1:3]).all()) and bool(torch.isfinite(lse[[0, 3]]).all())
+    assert bool((out[1:3] == 0).all())

@@ -67,14 +67,23 @@ CONFIGS = [  # the merge reads partials in blocks (serial_merge_max below the sp
     DecodeConfig(block_m=16, block_n=64, heads_as_n=True, num_splits=3),
     DecodeConfig(block_m=32, block_n=32, heads_as_n=True, num_splits=7, merge_splits=4, serial_merge_max=2),
     DecodeConfig(block_m=64, block_n=16, heads_as_n=False, num_splits=2),
+    DecodeConfig(block_m=16, block_n=32, programs_per_sm=2, min_split=32, early_merge=True),  # balanced schedule
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["st-16", "hN-16", "hN-32", "st-64"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["st-16", "hN-16", "hN-32", "st-64", "persistent"])
 def test_forced_splits_and_both_orientations_pass_with_16_heads(config):
     mix = ((1, 3, 2), (300, 41, 64))
     problem = build_problem(workload("bf16", 16, mix, heads=16, seed=3))
     verdict = judge(Configured(config), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
+def test_quantized_tiles_decoded_once_pass_too(layout):
+    """``reread_values=False``: each latent tile read and decoded once for both products."""
+    problem = build_problem(workload(layout, 32, VARLEN, heads=16, seed=9))
+    verdict = judge(Configured(DecodeConfig(block_n=32, reread_values=False)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
@@ -130,6 +139,19 @@ class SkipsTheLastKey(TritonDecode):
         return plan
 
 
+class SkipsAProgramsLastItem(TritonDecode):
+    """Planted bug: the last persistent program stops one item short."""
+
+    config = DecodeConfig(block_n=16, min_split=16)
+
+    def plan(self, problem):
+        plan = super().plan(problem)
+        items = plan.schedule.program_items
+        assert items[-1] - items[-2] >= 2, "the planted bug needs a program with two items"
+        plan.program_items[-1] -= 1
+        return plan
+
+
 class SeesOneKeyTooMany(TritonDecode):
     """Planted bug: the causal frontier is off by one (each new token also sees the next one)."""
 
@@ -160,10 +182,13 @@ class IgnoresTheLayerScale(TritonDecode):
         return plan
 
 
+MANY_SMALL = ((1,) * 12, (20, 3, 40, 0, 17, 33, 9, 1, 50, 25, 8, 30))  # more requests than programs
+
+
 @pytest.mark.parametrize("bug, layout, mix", [
     (SkipsTheLastKey, "bf16", SINGLE), (SeesOneKeyTooMany, "bf16", UNIFORM), (DropsTheOtherSplits, "bf16", VARLEN),
-    (IgnoresTheLayerScale, "fp8_e4m3", SINGLE),
-], ids=["skips-last-key", "causal-off-by-one", "drops-splits", "ignores-layer-scale"])
+    (IgnoresTheLayerScale, "fp8_e4m3", SINGLE), (SkipsAProgramsLastItem, "bf16", MANY_SMALL),
+], ids=["skips-last-key", "causal-off-by-one", "drops-splits", "ignores-layer-scale", "skips-an-item"])
 def test_planted_bugs_fail_the_judge(bug, layout, mix):
     verdict = judge(bug(), build_problem(workload(layout, 16, mix, heads=16, seed=11)))
     assert verdict.status == "failed", f"{bug.__name__} passed the judge"

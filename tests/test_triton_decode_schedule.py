@@ -1,14 +1,17 @@
-"""The split-KV schedule of the decode kernel: every (request, row block) covers its keys exactly once."""
+"""The split-KV schedule of the decode kernel: every (request, row block) covers its keys exactly once, and the
+persistent programs get balanced shares."""
 
 from __future__ import annotations
 
 import pytest
 
-from impls.triton.decode_schedule import build_schedule
+from impls.triton.decode_schedule import OVERHEAD_KEYS, build_schedule
 
 
 def coverage(schedule, q_lens, kv_lens, heads, block_m):
     """Check the schedule's invariants and return the item count per group."""
+    assert schedule.program_items[0] == 0 and schedule.program_items[-1] == len(schedule.items)
+    assert all(a < b for a, b in zip(schedule.program_items, schedule.program_items[1:]))  # no idle program
     per_group: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
     for request, row_block, start, end, slot in schedule.items:
         per_group.setdefault((request, row_block), []).append((start, end, slot))
@@ -30,35 +33,63 @@ def coverage(schedule, q_lens, kv_lens, heads, block_m):
     return {group: len(ranges) for group, ranges in per_group.items()}
 
 
+def program_costs(schedule, block_n):
+    """Key blocks plus per-item overhead of each program."""
+    overhead = -(-OVERHEAD_KEYS // block_n)
+    return [sum(-(-(end - start) // block_n) + overhead for _, _, start, end, _ in
+                schedule.items[schedule.program_items[p]:schedule.program_items[p + 1]])
+            for p in range(schedule.num_programs)]
+
+
 @pytest.mark.parametrize("q_lens, kv_lens, heads, block_m", [
     ((1,), (8192,), 16, 16),
     ((1,) * 32, (4096,) * 32, 128, 64),
     ((1, 4, 0, 2), (150, 9, 5, 0), 4, 16),
     ((3, 1), (1, 70), 20, 32),
+    ((1,) * 7, (5000, 3, 0, 12000, 64, 700, 1), 16, 16),
 ])
 def test_every_key_range_is_covered_once(q_lens, kv_lens, heads, block_m):
-    schedule = build_schedule(list(q_lens), list(kv_lens), heads, block_m, 64, target_programs=132, min_split=64)
+    schedule = build_schedule(list(q_lens), list(kv_lens), heads, block_m, 64, programs=132, min_split=64)
     coverage(schedule, q_lens, kv_lens, heads, block_m)
+    assert schedule.num_programs <= 132
+
+
+def test_programs_get_equal_shares_of_a_ragged_batch():
+    """Whatever the lengths, no program gets more than the even share plus two items' overhead, so one wave of
+    programs runs the whole batch."""
+    kv_lens = [100, 16384, 3000, 7, 9000, 4096, 1, 65536] * 4
+    schedule = build_schedule([1] * len(kv_lens), kv_lens, 16, 16, 32, programs=264, min_split=128)
+    coverage(schedule, [1] * len(kv_lens), kv_lens, 16, 16)
+    costs = program_costs(schedule, 32)
+    overhead = OVERHEAD_KEYS // 32
+    share = sum(-(-n // 32) + overhead for n in kv_lens) / 264
+    assert 250 <= schedule.num_programs <= 264
+    assert max(costs) <= share + 2 * overhead + 1
 
 
 def test_batch_one_with_a_long_context_is_split_to_fill_the_gpu():
-    schedule = build_schedule([1], [8192], 16, 16, 64, target_programs=132, min_split=64)
-    assert len(schedule.items) == 128 and schedule.max_splits == 128
+    schedule = build_schedule([1], [8192], 16, 16, 64, programs=132, min_split=64)
+    assert schedule.num_programs == len(schedule.items) == schedule.max_splits
+    assert schedule.num_programs >= 100
+    assert all(end - start >= 64 for _, _, start, end, _ in schedule.items[:-1])
+
+
+def test_min_split_bounds_the_number_of_splits():
+    schedule = build_schedule([1], [8192], 16, 16, 32, programs=264, min_split=256)
+    assert all(end - start >= 256 for _, _, start, end, _ in schedule.items[:-1])
+    assert schedule.max_splits <= 8192 // 256
 
 
 def test_a_large_batch_is_not_split_further_than_the_gpu_needs():
-    schedule = build_schedule([1] * 256, [4096] * 256, 16, 16, 64, target_programs=132, min_split=64)
-    assert len(schedule.items) == 256 and not schedule.groups
+    """256 equal requests on 132 programs: each program gets about two, at most a few groups are cut."""
+    schedule = build_schedule([1] * 256, [4096] * 256, 16, 16, 64, programs=132, min_split=64)
+    coverage(schedule, [1] * 256, [4096] * 256, 16, 16)
+    assert len(schedule.groups) < 132 and schedule.max_splits == 2
 
 
 def test_forced_splits_and_empty_requests():
-    schedule = build_schedule([1, 2, 1], [100, 0, 30], 4, 16, 16, target_programs=4, min_split=16, num_splits=3)
+    schedule = build_schedule([1, 2, 1], [100, 0, 30], 4, 16, 16, programs=4, min_split=16, num_splits=3)
     counts = coverage(schedule, [1, 2, 1], [100, 0, 30], 4, 16)
     assert counts == {(0, 0): 3, (1, 0): 1, (2, 0): 2}  # 30 keys make only two 16-key splits
     assert (1, 0, 0, 0, -1) in schedule.items  # the empty request still writes its rows
-
-
-def test_longest_items_come_first():
-    schedule = build_schedule([1, 1], [64, 4096], 16, 16, 64, target_programs=8, min_split=64)
-    lengths = [end - start for _, _, start, end, _ in schedule.items]
-    assert lengths == sorted(lengths, reverse=True)
+    assert schedule.num_programs == len(schedule.items)

@@ -6,6 +6,10 @@ return_lse=True)``; ``ckv`` / ``kpe`` are ``[pages, page_size, 512 | 64]`` (view
 ``[tokens, heads]`` in base 2 (declared; the bench converts). Causal masking aligns queries to the end of the
 request, as the bench's definition. The plan builds the CSR page list from the block table (host work,
 timed as plan time).
+
+A request with no keys gets out 0 from FlashInfer 0.2.5's sm90 kernel but a finite lse (-49998 in base 2 on an
+H200: its running max starts at -5e4), where the bench's convention is -inf; in a merge both weigh nothing. When
+the batch has such requests, ``run`` sets their rows' lse to -inf in place (one small fill; none otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class FlashInferPlan:
     kpe: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
+    empty_rows: torch.Tensor | None  # query rows of requests with no keys (their lse is set to -inf)
 
 
 class FlashInferMLA(Impl):
@@ -60,8 +65,11 @@ class FlashInferMLA(Impl):
         kv = cache.data.view(torch.bfloat16)
         out = torch.empty(problem.q.shape[0], heads, NOPE_DIM, dtype=problem.q.dtype, device=device)
         lse = torch.empty(problem.q.shape[0], heads, dtype=torch.float32, device=device)
+        empty = [t for start, q, n in zip(cumulative(list(meta.q_lens)), meta.q_lens, meta.kv_lens) if n == 0
+                 for t in range(start, start + q)]
         return FlashInferPlan(wrapper, problem.q[..., :NOPE_DIM].contiguous(), problem.q[..., NOPE_DIM:].contiguous(),
-                              kv[..., :NOPE_DIM], kv[..., NOPE_DIM:], out, lse)
+                              kv[..., :NOPE_DIM], kv[..., NOPE_DIM:], out, lse,
+                              torch.tensor(empty, dtype=torch.long, device=device) if empty else None)
 
     def poison(self, plan: FlashInferPlan) -> None:
         plan.out.fill_(float("nan"))
@@ -70,4 +78,6 @@ class FlashInferMLA(Impl):
     def run(self, plan: FlashInferPlan) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = plan.wrapper.run(plan.q_nope, plan.q_pe, plan.ckv, plan.kpe, out=plan.out, lse=plan.lse,
                                     return_lse=True)
+        if plan.empty_rows is not None:
+            lse.index_fill_(0, plan.empty_rows, float("-inf"))
         return out, lse

@@ -1,118 +1,47 @@
-"""Check and time the Triton paged MLA decode on a GPU: ``python -m impls.triton.bench_decode [--profile NAME]``.
+"""Check and time the Triton paged MLA decode, and peers, on a GPU: ``python -m impls.triton.bench_decode``.
 
-Self-contained (the bench's latency suite will supersede the timing part):
+1. Correctness first: every layout, page size and query-length mode judged against the float64 reference
+   (``suites.judge``), and every configuration about to be timed judged on a small problem of its shape
+   (``--jobs`` processes compile and judge in parallel; they fill Triton's on-disk cache for the timing);
+2. the device's ceilings and the timing itself come from ``mla_bench.timing`` (the latency suite's code): CUDA
+   graphs of back-to-back calls rotating over input sets that together exceed 4x the L2, median of the samples;
+   bytes and FLOPs from ``mla_bench.costs`` (cache bytes of the real tokens + queries + outputs; 2 * (576 + 512)
+   per query row and visible key);
+3. peers (``--peers flashinfer_mla``) judged and timed through their ``Impl`` adapters on the same shapes.
 
-1. correctness of every layout, page size and query-length mode against the float64 reference (``judge``);
-2. the device's ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul;
-3. latency of the issue's shapes under several kernel configurations: CUDA-graph replay of calls that rotate
-   over enough input copies to exceed 4x the L2 (cold L2), median of the samples; GB/s counts the cache bytes
-   of the real tokens, the queries and the outputs; TFLOP/s counts 2 * (576 + 512) per (query row, visible key).
-
-Writes ``$OUT/decode_bench.json`` (or ``--out``) and prints a table last.
+Writes ``decode_bench.json`` to ``--out`` (default ``$OUT``) and prints a table last. ``--once`` runs each
+configuration of the profile once, for a profiler, and times nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import multiprocessing
 import os
-import statistics
 import time
+import traceback
 from dataclasses import asdict, dataclass
 
 import torch
 
-from impls.triton.decode import DecodeConfig, TritonDecode, default_config, plan_decode, run_decode
-from mla_bench.dims import get_preset
-from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache, get_layout
+from impls.triton.decode import FP4_LAYOUTS, DecodeConfig, TritonDecode, default_config
+from mla_bench import timing
+from mla_bench.costs import cost
+from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import write_cache
 from mla_bench.metadata import PagedMetadata
 from mla_bench.metadata.reference import flat_token_slots
-from mla_bench.problem import build_problem
-from mla_bench.workload import Workload
+from mla_bench.problem import Problem, build_problem
+from mla_bench.registry import Impl, resolve
+from mla_bench.workload import Mode, Workload
 from suites.judge import judge
 
-FLOPS_PER_ROW_KEY = 2 * (LATENT_DIM + NOPE_DIM)
+LAYOUTS = ("bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4")
+PRESET_OF_HEADS = {16: "deepseek-v3-tp8", 64: "kimi-k2", 128: "deepseek-v3"}
 
 
-# ---- correctness -------------------------------------------------------------------------------------------------
-
-def correctness_workloads() -> list[Workload]:
-    """Every layout, page size and query-length mode at least once, heads 16, 128 and a padded count."""
-    layouts = ["bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4"]
-    cases = []
-    for i, layout in enumerate(layouts):
-        cases.append(Workload(mode="decode", preset="deepseek-v3-tp8", layout=layout, page_size=64,
-                              q_lens=(1, 1, 1, 1), kv_lens=(3000, 1, 0, 777), seed=i))
-        cases.append(Workload(mode="decode", preset="deepseek-v3", layout=layout, page_size=(16, 48, 1)[i % 3],
-                              q_lens=(2, 3, 1), kv_lens=(1500, 64, 9), seed=10 + i))
-    for page_size in (1, 7, 16, 32, 128):
-        cases.append(Workload(mode="decode", preset="kimi-k2", page_size=page_size, q_lens=(4, 4),
-                              kv_lens=(2049, 130), seed=20 + page_size))
-    cases.append(Workload(mode="decode", preset="tiny", num_heads=20, q_lens=(1, 5), kv_lens=(40000, 6), seed=3))
-    cases.append(Workload(mode="decode", preset="deepseek-v3-tp8", num_heads=32, q_lens=(1,), kv_lens=(131072,)))
-    return cases
-
-
-def check_correctness(device: torch.device) -> list[dict]:
-    impl = TritonDecode()
-    records = []
-    for workload in correctness_workloads():
-        verdict = judge(impl, build_problem(workload, device))
-        record = {"label": workload.label, "status": verdict.status, "violations": verdict.violations,
-                  "kernel": verdict.kernel.to_dict() if verdict.kernel else None,
-                  "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "message": verdict.message[-800:]}
-        records.append(record)
-        kernel = (f"kernel rel_l2 {verdict.kernel.rel_l2:.2e} lse {verdict.kernel.lse_max_abs:.1e}"
-                  if verdict.kernel else "")
-        e2e = f"e2e rel_l2 {verdict.e2e.rel_l2:.2e}" if verdict.e2e else ""
-        print(f"[check] {verdict.status:7s} {workload.label}  {kernel}  {e2e} {verdict.violations or ''}"
-              f"{verdict.message[-400:] if verdict.status == 'error' else ''}", flush=True)
-    return records
-
-
-# ---- ceilings ----------------------------------------------------------------------------------------------------
-
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> list[float]:
-    """Per-call times (ms) of ``fn`` with CUDA events, one sample per call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return samples
-
-
-def measure_ceilings(device: torch.device) -> dict:
-    ceilings = {"copy_GBps": _copy_GBps(device), "bf16_TFLOPs": _matmul_TFLOPs(device)}
-    torch.cuda.empty_cache()
-    print(f"[ceilings] copy {ceilings['copy_GBps']:.0f} GB/s (read+write), bf16 matmul "
-          f"{ceilings['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
-    return ceilings
-
-
-def _copy_GBps(device: torch.device) -> float:
-    """Device-to-device copy of 1 GiB of random bytes, counting bytes read and written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * (1 << 30) / statistics.median(time_ms(lambda: dst.copy_(src))) / 1e6
-
-
-def _matmul_TFLOPs(device: torch.device) -> float:
-    """bf16 8192^3 matrix product on random data."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / statistics.median(time_ms(lambda: a @ b, reps=10)) / 1e9
-
-
-# ---- latency -----------------------------------------------------------------------------------------------------
+# ---- shapes and problems ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Shape:
@@ -130,224 +59,312 @@ class Shape:
         return (f"h{self.heads} b{self.batch} ctx{self.ctx}{q} ps{self.page_size} {self.layout}"
                 + (" seq" if self.sequential else ""))
 
-
-@dataclass
-class Inputs:
-    q: torch.Tensor
-    cache: PagedCache
-    block_table: torch.Tensor
-    q_lens: list[int]
-    kv_lens: list[int]
+    def workload(self, seed: int = 0) -> Workload:
+        return Workload.uniform(Mode.DECODE, self.batch, self.q_len, self.ctx, preset=PRESET_OF_HEADS[self.heads],
+                                layout=self.layout, page_size=self.page_size, seed=seed)
 
 
-def make_inputs(shape: Shape, device: torch.device, seed: int) -> Inputs:
-    """Random inputs drawn on the device (quick for large shapes): N(0,1) latents, permuted pages."""
+def timing_problem(shape: Shape, device: torch.device, seed: int) -> Problem:
+    """A problem of ``shape`` for timing only, drawn on the device (fast at any size): N(0, 1) latents written
+    through the layout's codec, queries N(0, 0.25), permuted pages. No original values or weights (empty): it
+    cannot be judged, only planned and run."""
+    workload = shape.workload(seed)
     gen = torch.Generator().manual_seed(seed)
-    q_lens, kv_lens = [shape.q_len] * shape.batch, [shape.ctx] * shape.batch
-    meta = PagedMetadata.build(tuple(q_lens), tuple(kv_lens), shape.page_size, gen)
+    meta = PagedMetadata.build(workload.q_lens, workload.kv_lens, shape.page_size, gen)
     if shape.sequential:
         width = meta.block_table.shape[1]
         meta.block_table = torch.arange(shape.batch * width, dtype=torch.int32).reshape(shape.batch, width)
         meta.num_blocks = shape.batch * width
-        meta.token_slots = flat_token_slots(meta.block_table, kv_lens, shape.page_size)
+        meta.token_slots = flat_token_slots(meta.block_table, list(workload.kv_lens), shape.page_size)
+    meta = meta.to(device)
     layout = get_layout(shape.layout)
     torch.manual_seed(seed)
-    kv = torch.randn(sum(kv_lens), LATENT_DIM, device=device)
+    kv = torch.randn(workload.total_kv, LATENT_DIM, device=device)
     cache = PagedCache.empty(layout, meta.num_blocks, shape.page_size, device, layout.fit_tensor_scale(kv))
-    write_cache(cache, kv, meta.token_slots.to(device))
+    write_cache(cache, kv, meta.token_slots)
     del kv
-    q = (0.5 * torch.randn(sum(q_lens), shape.heads, LATENT_DIM, device=device)).to(torch.bfloat16)
-    return Inputs(q, cache, meta.block_table.to(device), q_lens, kv_lens)
+    q = (0.5 * torch.randn(workload.total_q, shape.heads, LATENT_DIM, device=device)).to(torch.bfloat16)
+    empty = torch.empty(0, device=device)
+    return Problem(workload=workload, dims=workload.dims, device=device, scale=workload.dims.softmax_scale,
+                   meta=meta, kv=empty, w_uk=empty, w_uv=empty, q=q, cache=cache)
 
 
-def traffic(shape: Shape) -> tuple[float, float]:
-    """(bytes, flops) of one call: cache bytes of real tokens + queries + outputs; causal visible keys."""
-    rows = shape.batch * shape.q_len * shape.heads
-    nbytes = shape.batch * shape.ctx * get_layout(shape.layout).bytes_per_token
-    nbytes += rows * (LATENT_DIM * 2 + NOPE_DIM * 2 + 4)
-    visible = sum(shape.ctx - shape.q_len + i + 1 for i in range(shape.q_len)) * shape.batch * shape.heads
-    return nbytes, visible * FLOPS_PER_ROW_KEY
+def triton_impl(config: DecodeConfig | None) -> TritonDecode:
+    """The registered impl, with ``config`` instead of the per-workload default (None)."""
+    impl = TritonDecode()
+    impl.config = config
+    return impl
 
 
-_CHECKED: dict[tuple, str] = {}
+# ---- correctness ----------------------------------------------------------------------------------------------------
+
+def correctness_workloads() -> list[Workload]:
+    """Every layout, page size and query-length mode at least once, heads 16, 128 and a padded count."""
+    cases = []
+    for i, layout in enumerate(LAYOUTS):
+        cases.append(Workload(mode="decode", preset="deepseek-v3-tp8", layout=layout, page_size=64,
+                              q_lens=(1, 1, 1, 1), kv_lens=(3000, 1, 0, 777), seed=i))
+        cases.append(Workload(mode="decode", preset="deepseek-v3", layout=layout, page_size=(16, 48, 1)[i % 3],
+                              q_lens=(2, 3, 1), kv_lens=(1500, 64, 9), seed=10 + i))
+    for page_size in (1, 7, 16, 32, 128):
+        cases.append(Workload(mode="decode", preset="kimi-k2", page_size=page_size, q_lens=(4, 4),
+                              kv_lens=(2049, 130), seed=20 + page_size))
+    cases.append(Workload(mode="decode", preset="tiny", num_heads=20, q_lens=(1, 5), kv_lens=(40000, 6), seed=3))
+    cases.append(Workload(mode="decode", preset="deepseek-v3-tp8", num_heads=32, q_lens=(1,), kv_lens=(131072,)))
+    return cases
 
 
-def check_config(shape: Shape, config: DecodeConfig, device: torch.device) -> str:
-    """Judge ``config`` on a small problem of the shape's heads, query length, layout and page size (cached):
-    every timed configuration is first shown to compute the right thing."""
-    key = (shape.heads, shape.q_len, shape.layout, shape.page_size, config)
-    if key not in _CHECKED:
-        impl = type("Configured", (TritonDecode,), {"config": config})()
-        workload = Workload(mode="decode", preset="deepseek-v3", num_heads=shape.heads, layout=shape.layout,
-                            page_size=shape.page_size, q_lens=(shape.q_len,) * 3, kv_lens=(2100, 333, shape.q_len),
-                            seed=len(_CHECKED))
+def check_workload(impl: Impl, workload: Workload, device: torch.device) -> dict:
+    """The judge's verdict on one workload, as a record."""
+    try:
         verdict = judge(impl, build_problem(workload, device))
-        _CHECKED[key] = verdict.status + ("" if verdict.ok else f" {verdict.violations} {verdict.message[-300:]}")
-    return _CHECKED[key]
+    except Exception:  # noqa: BLE001 - a crash is a result
+        return {"label": workload.label, "status": "error", "message": traceback.format_exc()[-800:]}
+    return {"label": workload.label, "status": verdict.status, "violations": verdict.violations,
+            "kernel": verdict.kernel.to_dict() if verdict.kernel else None,
+            "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "message": verdict.message[-800:]}
 
 
-def time_config(inputs: list[Inputs], config: DecodeConfig, samples: int = 15) -> dict:
-    """Median per-call time (ms) over CUDA-graph replays that rotate over the input copies."""
-    scale = get_preset("deepseek-v3").softmax_scale
-    plans = [plan_decode(x.q, x.cache, x.block_table, x.q_lens, x.kv_lens, scale, config=config) for x in inputs]
-    for plan in plans:  # compile and warm up
-        run_decode(plan)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for plan in plans:
-            run_decode(plan)
-    times = [t / len(plans) for t in time_ms(graph.replay, reps=samples, warmup=2)]
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "items": plans[0].work.shape[0], "merge_groups": plans[0].groups.shape[0],
-            "max_splits": plans[0].schedule.max_splits}
+def config_check_workload(shape: Shape) -> Workload:
+    """A small problem with the shape's heads, query length, layout and page size: three requests, one long,
+    one short, one of exactly the query length."""
+    return Workload(mode="decode", preset=PRESET_OF_HEADS[shape.heads], layout=shape.layout,
+                    page_size=shape.page_size, q_lens=(shape.q_len,) * 3, kv_lens=(2100, 333, shape.q_len), seed=7)
 
 
-PROFILES: dict[str, list[tuple[Shape, list[DecodeConfig | None]]]] = {}
+def _check_task(task: tuple[str, str, dict | None, dict, str]) -> tuple[str, dict]:
+    """One judging task (in a worker process): (key, impl name or "triton", config, workload dict, device)."""
+    key, impl_name, config, workload, device = task
+    impl = triton_impl(DecodeConfig(**config) if config else None) if impl_name == "triton" else \
+        resolve(impl_name).load()
+    return key, check_workload(impl, Workload.from_dict(workload), torch.device(device))
 
 
-def _cfg(block_m: int, block_n: int, heads_as_n: bool, warps: int, stages: int = 2, per_sm: int = 1,
-         **more) -> DecodeConfig:
-    return DecodeConfig(block_m=block_m, block_n=block_n, heads_as_n=heads_as_n, num_warps=warps, num_stages=stages,
-                        programs_per_sm=per_sm, **more)
+def run_checks(tasks: list[tuple[str, str, dict | None, dict, str]], jobs: int) -> dict[str, dict]:
+    """Judge every task, ``jobs`` processes at a time (each compiles its own kernels into the shared cache)."""
+    if jobs <= 1:
+        return dict(_check_task(task) for task in tasks)
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return dict(pool.imap_unordered(_check_task, tasks))
 
 
-SMALL_ROWS = [None, _cfg(16, 16, False, 4, 7, 3), _cfg(16, 16, False, 4, 10, 2), _cfg(16, 32, False, 4, 7, 1),
-              _cfg(16, 32, False, 4, 2, 2), _cfg(16, 64, True, 4, 2), _cfg(16, 32, False, 4, 6, 1),
-              _cfg(16, 16, False, 4, 7, 2)]
-BIG_ROWS = [None, _cfg(64, 32, False, 8, 5), _cfg(32, 64, True, 4, 2), _cfg(64, 64, False, 8, 2, 2)]
-QUANT = [None, _cfg(16, 32, False, 4, 6, 2), _cfg(16, 32, False, 4, 4, 2), _cfg(16, 16, False, 4, 7, 3),
-         _cfg(16, 16, False, 4, 2, 2)]
-B1 = [None, _cfg(16, 32, False, 4, 6, 2, min_split=128), _cfg(16, 32, False, 4, 6, 2, min_split=256),
-      _cfg(16, 64, True, 4, 2, 1, min_split=128)]
-Q2 = [None, _cfg(32, 32, False, 4, 6, 2), _cfg(32, 64, False, 8, 2), _cfg(32, 16, False, 4, 7, 2)]
+# ---- timing ---------------------------------------------------------------------------------------------------------
 
-PROFILES["first"] = (
-    [(Shape(16, 32, 4096), SMALL_ROWS), (Shape(128, 32, 4096), BIG_ROWS), (Shape(16, 1, 8192), B1),
-     (Shape(16, 128, 4096), SMALL_ROWS[:5]), (Shape(16, 64, 16384), SMALL_ROWS[:5]),
-     (Shape(128, 128, 4096), BIG_ROWS[:2]), (Shape(128, 64, 16384), BIG_ROWS[:2]),
-     (Shape(128, 1, 8192), [None, _cfg(64, 64, False, 8, 2, 1, min_split=128)]),
-     (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:5]), (Shape(16, 32, 4096, page_size=1, sequential=True), [None]),
-     (Shape(128, 32, 4096, page_size=1), [None]), (Shape(128, 32, 4096, page_size=1, sequential=True), [None]),
-     (Shape(16, 32, 4096, sequential=True), [None]),
-     (Shape(16, 32, 4096, q_len=2), Q2), (Shape(16, 32, 4096, q_len=4), [None])]
-    + [(Shape(16, 64, 4096, layout=layout), QUANT) for layout in
-       ("fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
-    + [(Shape(16, 64, 4096), SMALL_ROWS[:5])]
-    + [(Shape(128, 32, 4096, layout=layout), [None]) for layout in ("fp8_ds_mla", "nvfp4")]
-)
-# The issue's shapes with the default configuration of each: the closing table.
-PROFILES["final"] = (
-    [(Shape(16, 1, 8192), [None]), (Shape(16, 32, 4096), [None]), (Shape(16, 64, 4096), [None]),
-     (Shape(16, 128, 4096), [None]), (Shape(16, 64, 16384), [None]), (Shape(128, 1, 8192), [None]),
-     (Shape(128, 32, 4096), [None]), (Shape(128, 128, 4096), [None]), (Shape(128, 64, 16384), [None]),
-     (Shape(16, 32, 4096, page_size=1), [None]), (Shape(128, 32, 4096, page_size=1), [None]),
-     (Shape(16, 32, 4096, q_len=2), [None]), (Shape(16, 32, 4096, q_len=4), [None])]
-    + [(Shape(16, 64, 4096, layout=layout), [None]) for layout in
-       ("fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxfp4_nsa", "nvfp4")]
-)
-# One run of a few kernels for a profiler (ncu): no graphs, no rotation.
-PROFILES["ncu"] = [(Shape(16, 32, 4096), [None, _cfg(16, 32, False, 4, 2, 2)]),
-                   (Shape(128, 32, 4096), [None])]
+def time_impl(impl: Impl, problems: list[Problem], device: torch.device) -> timing.TimingStats:
+    plans = [impl.checked_plan(problem) for problem in problems]
+    return timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device, one_graph=True)
 
 
-def run_once(profile: str, device: torch.device) -> None:
-    """Each config of the profile once after a warm-up, for a profiler to catch."""
-    scale = get_preset("deepseek-v3").softmax_scale
-    for shape, configs in PROFILES[profile]:
-        x = make_inputs(shape, device, 0)
-        for config in configs:
-            plan = plan_decode(x.q, x.cache, x.block_table, x.q_lens, x.kv_lens, scale, config=config)
-            run_decode(plan)
-            torch.cuda.synchronize()
-            run_decode(plan)
-            torch.cuda.synchronize()
-            print(f"[once] {shape.label} {_config_label(plan.config)}", flush=True)
-
-
-def run_latency(profile: str, device: torch.device, ceilings: dict, deadline: float) -> list[dict]:
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: torch.device,
+                ceilings: timing.Ceilings, checks: dict[str, dict], deadline: float, repeat: int = 1) -> list[dict]:
+    """Time every configuration (and peer) of every shape on the same input sets, ``repeat`` times each (the
+    record's ``ms`` is the first median, ``ms_repeats`` all of them: their spread is the noise)."""
     records = []
-    for shape, configs in PROFILES[profile]:
+    for shape, configs in entries:
         if time.time() > deadline:
             print(f"[time] out of time before {shape.label}", flush=True)
             break
-        nbytes, flops = traffic(shape)
-        copies = max(2, math.ceil(4 * l2 / nbytes))
+        work = cost(shape.workload())
+        sets = timing.sets_for_cold_l2(work.bytes, ceilings.l2_bytes)
         try:
-            inputs = [make_inputs(shape, device, seed) for seed in range(copies)]
+            problems = [timing_problem(shape, device, seed) for seed in range(sets)]
         except torch.OutOfMemoryError:
             print(f"[time] {shape.label}: out of memory building inputs", flush=True)
             continue
-        for config in configs:
-            resolved = config or default_config(shape.heads, shape.q_len, shape.layout)
-            status = check_config(shape, resolved, device)
+        candidates = [("triton", config) for config in configs]
+        candidates += [(peer, None) for peer in peers if shape.label in PEER_SHAPES]
+        for name, config in candidates:
+            if name == "triton":
+                resolved = config or default_config(shape.heads, shape.q_len, shape.layout)
+                impl, label = triton_impl(config), config_label(resolved)
+                key = check_key(shape, "triton", resolved)
+            else:
+                impl, label, key, resolved = resolve(name).load(), name, check_key(shape, name, None), None
+            status = checks.get(key, {}).get("status", "unchecked")
             if status != "passed":
-                print(f"[time] {shape.label} {_config_label(resolved)}: check {status}", flush=True)
+                print(f"[time] {shape.label} {label}: check {status}", flush=True)
                 continue
             try:
-                result = time_config(inputs, resolved)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is a result
-                print(f"[time] {shape.label} {resolved}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                repeats = [time_impl(impl, problems, device) for _ in range(repeat)]
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is a result
+                print(f"[time] {shape.label} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            ms = result["ms"]
-            record = {"shape": asdict(shape), "label": shape.label, "config": asdict(resolved),
-                      "default": config is None, **result, "GBps": nbytes / ms / 1e6, "TFLOPs": flops / ms / 1e9,
-                      "copy_fraction": nbytes / ms / 1e6 / ceilings["copy_GBps"],
-                      "floor_ms": max(nbytes / ceilings["copy_GBps"] / 1e6, flops / ceilings["bf16_TFLOPs"] / 1e9)}
+            stats, ms = repeats[0], repeats[0].median
+            record = {"shape": asdict(shape), "label": shape.label, "impl": name, "config": label,
+                      "default": name == "triton" and config is None,
+                      "config_fields": asdict(resolved) if resolved else None, **stats.to_dict(),
+                      "ms": ms, "GBps": work.gbps(ms), "TFLOPs": work.tflops(ms),
+                      "copy_fraction": work.gbps(ms) / ceilings.copy_gbps,
+                      "floor_ms": max(work.bytes / ceilings.copy_gbps / 1e6, work.flops / ceilings.matmul_tflops / 1e9),
+                      "input_sets": sets, "ms_repeats": [r.median for r in repeats]}
             records.append(record)
-            print(f"[time] {shape.label:36s} {_config_label(resolved):34s} {ms * 1e3:8.1f} us "
-                  f"{record['GBps']:6.0f} GB/s ({record['copy_fraction']:.2f}) {record['TFLOPs']:5.0f} TFLOP/s "
-                  f"items {result['items']} splits {result['max_splits']}", flush=True)
-        del inputs
+            spread = "".join(f" / {r.median * 1e3:.1f}" for r in repeats[1:])
+            print(f"[time] {shape.label:34s} {label:30s} {ms * 1e3:8.1f}{spread} us (iqr {stats.iqr * 1e3:.1f}) "
+                  f"{record['GBps']:6.0f} GB/s ({record['copy_fraction']:.2f}) {record['TFLOPs']:5.0f} TFLOP/s",
+                  flush=True)
+        del problems
         torch.cuda.empty_cache()
     return records
 
 
-def _config_label(c: DecodeConfig) -> str:
+def run_once(entries: list[tuple[Shape, list]], device: torch.device) -> None:
+    """Each configuration once after a warm-up, for a profiler to catch."""
+    for shape, configs in entries:
+        problem = timing_problem(shape, device, 0)
+        for config in configs:
+            impl = triton_impl(config)
+            plan = impl.checked_plan(problem)
+            impl.run(plan)
+            torch.cuda.synchronize()
+            impl.run(plan)
+            torch.cuda.synchronize()
+            print(f"[once] {shape.label} {config_label(plan.config)}", flush=True)
+
+
+def check_key(shape: Shape, impl: str, config: DecodeConfig | None) -> str:
+    return f"{impl} {config_check_workload(shape).label} {config}"
+
+
+def config_label(c: DecodeConfig) -> str:
     default = DecodeConfig()
     return (f"M{c.block_m} N{c.block_n} {'hN' if c.heads_as_n else 'st'} w{c.num_warps} s{c.num_stages} "
             f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else "")
             + (f" min{c.min_split}" if c.min_split != default.min_split else "")
             + (f" ms{c.merge_splits}" if c.merge_splits != default.merge_splits else "")
-            + (f" sm{c.serial_merge_max}" if c.serial_merge_max != default.serial_merge_max else ""))
+            + (f" sm{c.serial_merge_max}" if c.serial_merge_max != default.serial_merge_max else "")
+            + (" early" if c.early_merge else "") + ("" if c.reread_values else " once"))
 
+
+# ---- profiles -------------------------------------------------------------------------------------------------------
+
+def _cfg(block_m: int, block_n: int, warps: int, stages: int, per_sm: int = 1, **more) -> DecodeConfig:
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
+                        **more)
+
+
+# The issue's shapes (bf16, page 64): the closing table.
+ISSUE_SHAPES = [Shape(16, 1, 8192), Shape(16, 32, 4096), Shape(16, 64, 4096), Shape(16, 128, 4096),
+                Shape(16, 64, 16384), Shape(128, 1, 8192), Shape(128, 32, 4096), Shape(128, 128, 4096),
+                Shape(128, 64, 16384)]
+QUANT_SHAPES = [Shape(16, 64, 4096, layout=layout) for layout in LAYOUTS[1:]]
+OTHER_SHAPES = [Shape(16, 32, 4096, page_size=1), Shape(128, 32, 4096, page_size=1), Shape(16, 32, 4096, q_len=2),
+                Shape(16, 32, 4096, q_len=4), Shape(128, 32, 4096, layout="fp8_ds_mla"),
+                Shape(128, 32, 4096, layout="nvfp4")]
+
+SMALL_ROWS = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 8, 3), _cfg(16, 32, 4, 2, 3),
+              _cfg(16, 32, 4, 3, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, early_merge=True)]
+BIG_ROWS = [None, _cfg(64, 64, 8, 2, early_merge=True), _cfg(64, 32, 8, 3)]
+QUANT = [None, _cfg(16, 64, 8, 2), _cfg(16, 32, 8, 4)]
+BATCH1 = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 4, 2, 2, min_split=64), _cfg(16, 32, 4, 3, 2, early_merge=True),
+          _cfg(16, 64, 4, 2, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, min_split=64, early_merge=True),
+          _cfg(16, 32, 4, 3, 2, min_split=256, early_merge=True)]
+TWO_TOKENS = [None, _cfg(32, 32, 8, 4), _cfg(32, 64, 8, 2)]
+FOUR_TOKENS = [None, _cfg(32, 64, 8, 3), _cfg(64, 32, 8, 3)]
+
+PROFILES: dict[str, list[tuple[Shape, list]]] = {
+    "sweep": (
+        [(Shape(16, 32, 4096), SMALL_ROWS), (Shape(128, 32, 4096), BIG_ROWS), (Shape(16, 1, 8192), BATCH1),
+         (Shape(16, 128, 4096), SMALL_ROWS[:4]), (Shape(16, 64, 16384), SMALL_ROWS[:4]),
+         (Shape(128, 128, 4096), BIG_ROWS[:2]), (Shape(128, 64, 16384), [None]),
+         (Shape(128, 1, 8192), [None, _cfg(64, 64, 8, 2, early_merge=True),
+                                _cfg(64, 64, 8, 2, min_split=64, early_merge=True)]),
+         (Shape(16, 64, 4096), SMALL_ROWS[:4]),
+         (Shape(16, 32, 4096, page_size=1), SMALL_ROWS[:4]), (Shape(128, 32, 4096, page_size=1), BIG_ROWS[:1]),
+         (Shape(16, 32, 4096, q_len=2), TWO_TOKENS), (Shape(16, 32, 4096, q_len=4), FOUR_TOKENS)]
+        + [(shape, QUANT + ([_cfg(16, 64, 8, 3, reread_values=False), _cfg(16, 32, 8, 4, reread_values=False)]
+                            if shape.layout in FP4_LAYOUTS else [])) for shape in QUANT_SHAPES]
+        + [(Shape(128, 32, 4096, layout=layout), [None, _cfg(64, 64, 8, 2)]) for layout in ("fp8_ds_mla", "nvfp4")]
+    ),
+    "final": [(shape, [None]) for shape in ISSUE_SHAPES + QUANT_SHAPES + OTHER_SHAPES],
+    "ncu": [(Shape(16, 32, 4096), [None]), (Shape(128, 32, 4096), [None]),
+            (Shape(16, 64, 4096, layout="fp8_ds_mla"), [None]), (Shape(16, 64, 4096, layout="nvfp4"), [None])],
+}
+# Peers are timed on the issue's shapes only (they read bf16 caches).
+PEER_SHAPES = {shape.label for shape in ISSUE_SHAPES}
+
+
+def peer_check_workloads() -> list[Workload]:
+    return [Workload(mode="decode", preset=preset, page_size=64, q_lens=(1,) * 4, kv_lens=(3000, 1, 0, 777), seed=5)
+            for preset in ("deepseek-v3-tp8", "deepseek-v3")]
+
+
+def check_tasks(entries: list[tuple[Shape, list]], peers: list[str], sweep: bool, device: str) -> list[tuple]:
+    """The judging tasks of a run: the correctness sweep (``sweep``), then each configuration and peer to be timed
+    on a small problem of its shape, and each peer on its own check workloads; duplicates once."""
+    tasks = [(f"sweep {w.label}", "triton", None, w.to_dict(), device) for w in correctness_workloads()] if sweep else []
+    for shape, configs in entries:
+        for config in configs:
+            resolved = config or default_config(shape.heads, shape.q_len, shape.layout)
+            tasks.append((check_key(shape, "triton", resolved), "triton", asdict(resolved),
+                          config_check_workload(shape).to_dict(), device))
+        if shape.label in PEER_SHAPES:
+            tasks += [(check_key(shape, peer, None), peer, None, config_check_workload(shape).to_dict(), device)
+                      for peer in peers]
+    tasks += [(f"{peer} {w.label}", peer, None, w.to_dict(), device) for peer in peers for w in peer_check_workloads()]
+    return list({task[0]: task for task in tasks}.values())
+
+
+# ---- main -----------------------------------------------------------------------------------------------------------
 
 def print_table(records: list[dict]) -> None:
-    """Best config per shape, compact."""
-    best: dict[str, dict] = {}
+    """Best Triton config per shape, the default, and each peer."""
+    rows: dict[tuple[str, str], dict] = {}
     for r in records:
-        if r["label"] not in best or r["ms"] < best[r["label"]]["ms"]:
-            best[r["label"]] = r
-    print(f"\n{'shape':37s} {'best config':34s} {'us':>7s} {'GB/s':>7s} {'copy':>5s} {'TFLOP/s':>7s} {'floor_us':>8s}")
-    for label, r in best.items():
-        print(f"{label:37s} {_config_label(DecodeConfig(**r['config'])):34s} {r['ms'] * 1e3:7.1f} {r['GBps']:7.0f} "
-              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:8.1f}")
+        kind = r["impl"] if r["impl"] != "triton" else "best"
+        if (r["label"], kind) not in rows or r["ms"] < rows[r["label"], kind]["ms"]:
+            rows[r["label"], kind] = r
+        if r["default"]:
+            rows[r["label"], "default"] = r
+    print(f"\n{'shape':34s} {'which':8s} {'config':30s} {'us':>7s} {'GB/s':>6s} {'copy':>5s} {'TFLOP/s':>7s} {'floor':>6s}")
+    for (label, kind), r in sorted(rows.items(), key=lambda kv: (list(dict.fromkeys(x['label'] for x in records))
+                                                                 .index(kv[0][0]), kv[0][1])):
+        print(f"{label:34s} {kind:8s} {r['config']:30s} {r['ms'] * 1e3:7.1f} {r['GBps']:6.0f} "
+              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:6.1f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="first", choices=sorted(PROFILES))
-    parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="stop timing new shapes after this")
+    parser.add_argument("--profile", default="final", choices=sorted(PROFILES))
+    parser.add_argument("--peers", nargs="*", default=[], help="registered impls to judge and time beside ours")
+    parser.add_argument("--skip-check", action="store_true", help="skip the layout/page/query-mode sweep")
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel check processes")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop timing new shapes after this")
+    parser.add_argument("--repeat", type=int, default=1, help="time each configuration this many times")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--once", action="store_true", help="run each config once (for ncu), time nothing")
     args = parser.parse_args()
     start = time.time()
     device = torch.device("cuda")
+    entries = PROFILES[args.profile]
     if args.once:
-        run_once(args.profile, device)
+        run_once(entries, device)
         return
     import triton
     env = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
            "sms": torch.cuda.get_device_properties(device).multi_processor_count}
     print(f"[env] {env}", flush=True)
-    checks = [] if args.skip_check else check_correctness(device)
-    ceilings = measure_ceilings(device)
-    records = run_latency(args.profile, device, ceilings, start + args.budget_s)
+
+    tasks = check_tasks(entries, args.peers, not args.skip_check, "cuda")
+    ours = [task for task in tasks if task[1] == "triton"]
+    checks = run_checks(ours, args.jobs)  # peers in this process: their JIT builds are not safe to race
+    checks.update(run_checks([task for task in tasks if task[1] != "triton"], 1))
+    for key, record in sorted(checks.items()):
+        kernel = record.get("kernel") or {}
+        e2e = record.get("e2e") or {}
+        print(f"[check] {record['status']:7s} {key}  kernel rel_l2 {kernel.get('rel_l2', float('nan')):.2e} "
+              f"lse {kernel.get('lse_max_abs', float('nan')):.1e}  e2e rel_l2 {e2e.get('rel_l2', float('nan')):.2e} "
+              f"{record.get('violations') or ''}{record['message'][-300:] if record['status'] == 'error' else ''}",
+              flush=True)
+    print(f"[check] done in {time.time() - start:.0f} s", flush=True)
+
+    ceilings = timing.measure_ceilings(device)
+    print(f"[ceilings] copy {ceilings.copy_gbps:.0f} GB/s (read+write), bf16 matmul {ceilings.matmul_tflops:.0f} "
+          f"TFLOP/s, L2 {ceilings.l2_bytes >> 20} MiB", flush=True)
+    records = run_latency(entries, args.peers, device, ceilings, checks, start + args.budget_s, args.repeat)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
-        json.dump({"env": env, "ceilings": ceilings, "checks": checks, "latency": records}, f, indent=1)
-    failed = [c["label"] for c in checks if c["status"] != "passed"]
+        json.dump({"env": env, "ceilings": ceilings.metrics(), "checks": checks, "latency": records}, f, indent=1)
+    failed = sorted(key for key, record in checks.items() if record["status"] != "passed")
     print(f"\n[check] {len(checks) - len(failed)}/{len(checks)} passed" + (f"; FAILED: {failed}" if failed else ""))
     print_table(records)
     print(f"[total] {time.time() - start:.0f} s")

@@ -47,21 +47,28 @@ INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 @dataclass(frozen=True)
 class DecodeConfig:
     """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
-    on the N side of the matrix products (see decode_kernel); ``programs_per_sm`` sets the split target (SMs
-    times it), ``min_split`` the fewest keys per split; ``num_splits`` forces the splits per group (tests,
-    sweeps). The merge reads the partials one by one where no group has more than ``serial_merge_max`` splits,
-    else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits, blocks at 32-128)."""
+    on the N side of the matrix products (see decode_kernel); ``num_stages`` is the software pipeline's depth (the
+    kernel keeps ``num_stages - 1`` key tiles in flight); ``programs_per_sm`` sets the persistent grid (SMs times
+    it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
+    each (tests, sweeps). The merge reads the partials one by one where no group has more than
+    ``serial_merge_max`` splits, else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits,
+    blocks at 32-128). ``early_merge``: launch the merge as a programmatic dependent of the split kernel (Hopper),
+    which starts it while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches
+    read each latent tile once per product, each read prefetched (see decode_kernel); off, a tile is read and
+    decoded once (fp8 tiles are then not prefetched)."""
 
     block_m: int = 16
-    block_n: int = 64
-    heads_as_n: bool = True
+    block_n: int = 32
+    heads_as_n: bool = False
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 4
     programs_per_sm: int = 1
     min_split: int = 128
     num_splits: int | None = None
     merge_splits: int = 8
     serial_merge_max: int = 16
+    early_merge: bool = False
+    reread_values: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -77,22 +84,25 @@ class DecodeConfig:
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> DecodeConfig:
     """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
 
-    Query rows per request (heads x new tokens) set the row block: 64 rows (128 heads, or 16 heads x 4 tokens):
-    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups), 64 keys per step (32 for
-    quantized caches, whose decoded tiles live in registers first). 16 or 32 rows: memory-bound; the legacy
-    mma path with 32 keys per step and two programs per SM; bf16 pipelines deeper (six stages), which
-    keeps page size 1 as fast as page size 64.
+    Query rows per request (heads x new tokens) set the row block. 64 rows (128 heads, or 16 heads x 4 tokens):
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups). 16 or 32 rows: memory-bound, the
+    mma.sync path; bf16 with 16 rows runs two programs per multiprocessor. Quantized caches take 64-key steps with
+    8 warps (their decode is the cost: fewer, larger steps). The early merge helps the memory-bound row blocks
+    (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the former use it.
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    if layout == "bf16":
-        if block_m == 64:
-            return DecodeConfig(block_m=64, block_n=64, heads_as_n=False, num_warps=8)
-        return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=6,
-                            programs_per_sm=2)
     if block_m == 64:
-        return DecodeConfig(block_m=64, block_n=32, heads_as_n=False, num_warps=8)
-    return DecodeConfig(block_m=block_m, block_n=32, heads_as_n=False, num_warps=4, num_stages=4, programs_per_sm=2)
+        if layout == "bf16" or layout in FP4_LAYOUTS:
+            return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+        return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
+    if layout == "bf16" and block_m == 16:
+        return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, early_merge=True)
+    if layout == "bf16":
+        return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=3, early_merge=True)
+    if block_m == 16:
+        return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, early_merge=True)
+    return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=4, early_merge=True)
 
 
 @dataclass
@@ -105,6 +115,7 @@ class DecodePlan:
     query_start: torch.Tensor
     visible: torch.Tensor
     work: torch.Tensor
+    program_items: torch.Tensor
     groups: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor
@@ -116,6 +127,7 @@ class DecodePlan:
     config: DecodeConfig
     schedule: Schedule
     merge_tile: tuple[int, int]  # (rows, columns) per merge program
+    early_merge: bool            # the merge runs as a programmatic dependent launch (config asks, Hopper or newer)
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -142,30 +154,36 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     query_start = torch.tensor(cumulative(q_lens), dtype=torch.int32)
     return DecodePlan(
         q=q, cache=cache, block_table=block_table, query_start=query_start.to(device), visible=visible,
-        work=_int_rows(schedule.items, 5, device), groups=_int_rows(schedule.groups, 4, device),
+        work=_int_rows(schedule.items, 5, device),
+        program_items=torch.tensor(schedule.program_items, dtype=torch.int32).to(device),
+        groups=_int_rows(schedule.groups, 4, device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
         lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
         part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
         part_lse=torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device),
         qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
         out_scale=global_scale, config=config, schedule=schedule,
-        merge_tile=_merge_tile(len(schedule.groups), config.block_m, _sm_count(device)))
+        merge_tile=_merge_tile(len(schedule.groups), config.block_m, _sm_count(device)),
+        early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device))
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
+    early_merge = plan.early_merge
     if plan.work.shape[0]:
-        _decode_split_kernel[(plan.work.shape[0],)](
+        _decode_split_kernel[(plan.schedule.num_programs,)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
-            plan.query_start, plan.visible, plan.work, plan.out, plan.out.stride(0), plan.out.stride(1),
+            plan.query_start, plan.visible, plan.work, plan.program_items, plan.out, plan.out.stride(0),
+            plan.out.stride(1),
             plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.nope_scale,
             plan.out_scale, plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
             TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
+            REREAD=cfg.reread_values and cache.layout.name != "bf16",
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            EARLY_MERGE=early_merge, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
@@ -173,7 +191,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
             BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=INTERPRETED,
-            num_warps=4)
+            EARLY_MERGE=early_merge, num_warps=4, **({"launch_pdl": True} if early_merge else {}))
     return plan.out, plan.lse
 
 
@@ -306,6 +324,11 @@ def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:
     while cols > 16 and groups * (block_m // rows) * (NOPE.value // cols) < 2 * sms:
         cols //= 2
     return rows, cols
+
+
+def _has_dependent_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): CUDA devices of compute capability 9.0 (Hopper) and newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _sm_count(device: torch.device) -> int:

@@ -2,18 +2,20 @@
 
 The absorbed decode is multi-query attention: every query row (one head of one new token, 576 wide:
 512 latent + 64 rope) attends the same key/value head, the latent cache (keys 576 wide, values the first
-512 of them). A program of ``_decode_split_kernel`` takes one work item: one request, a block of
-``BLOCK_M`` query rows of it (rows are (token, head) pairs, head fastest), and a range of its keys. It walks
-the range ``BLOCK_N`` keys at a time, like the flash-attention tutorial, with the 512 latent values in four
-tiles of 128 (``t`` = 0..3; fp8_ds_mla scales each such tile of a token by its own factor ``c_t``):
+512 of them). ``_decode_split_kernel`` runs persistent programs, each a list of consecutive work items (see
+decode_schedule). A work item is one request, a block of ``BLOCK_M`` query rows of it (rows are (token, head)
+pairs, head fastest), and a range of its keys. It walks the range ``BLOCK_N`` keys at a time, like the
+flash-attention tutorial, with the 512 latent values in four tiles of 128 (``t`` = 0..3; fp8_ds_mla scales
+each such tile of a token by its own factor ``c_t``):
 
     S   = sum_t c_t * Q_t K_t^T + Q_rope K_rope^T     [BLOCK_M, BLOCK_N], mask, online softmax (base 2)
     O_t = O_t * alpha + (P * c_t) K_t                [BLOCK_M, 128] each: the key tiles double as value tiles
 
 Keys come from the paged cache through the block table, one row per token, decoded in registers from the
-cache layout's bytes (never a dequantized copy in memory). An item that covers its rows' whole range writes
-the final ``out`` / ``lse``; otherwise it writes a normalized partial and its log2-sum-exp to a workspace
-slot, and ``_merge_splits_kernel`` combines a group's slots by their LSE.
+cache layout's bytes (never a dequantized copy in memory); Triton's software pipeliner prefetches
+``num_stages - 1`` tiles ahead (``_token_base`` says what that takes). An item that covers its rows' whole range
+writes the final ``out`` / ``lse``; otherwise it writes a normalized partial and its log2-sum-exp to a
+workspace slot, and ``_merge_splits_kernel`` combines a group's slots by their LSE.
 
 ``HEADS_AS_N`` computes the same products transposed (``S^T = K Q^T``, ``O^T = V^T P^T``): the keys then fill
 the 64-row side of Hopper's wgmma, so 16 or 32 query rows need no padding.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634  # host side: the softmax scale is passed premultiplied by log2(e)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -62,16 +65,28 @@ def _operand(x, INTERPRET: tl.constexpr):
 # ---- decoding the cache layouts (byte layouts: MLA_FACTS.md, codecs: mla_bench/layouts) ----------------------------
 
 @triton.jit
-def _bf16_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok):
+def _bf16_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok, EVICT: tl.constexpr):
     """``WIDTH`` bfloat16 values at byte ``offset`` of each token row (0 where ``n_ok`` is False)."""
     words = (row + offset).to(tl.pointer_type(tl.bfloat16))
-    return tl.load(words + tl.arange(0, WIDTH)[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.load(words + tl.arange(0, WIDTH)[None, :], mask=n_ok[:, None], other=0.0, eviction_policy=EVICT)
 
 
 @triton.jit
-def _bytes_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok):
+def _bytes_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok, EVICT: tl.constexpr):
     """``WIDTH`` bytes at byte ``offset`` of each token row (0 where ``n_ok`` is False)."""
-    return tl.load(row + offset + tl.arange(0, WIDTH)[None, :], mask=n_ok[:, None], other=0)
+    return tl.load(row + offset + tl.arange(0, WIDTH)[None, :], mask=n_ok[:, None], other=0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _scale_bytes_at(row, offset: tl.constexpr, COUNT: tl.constexpr, n_ok, EVICT: tl.constexpr):
+    """``COUNT`` (a multiple of 4) bytes at byte ``offset`` of each token row, read as 32-bit words: fewer than 4
+    bytes per thread cannot go through an asynchronous copy, and Triton would read them synchronously in every
+    iteration of the key loop instead of prefetching them with the tiles."""
+    words = (row + offset).to(tl.pointer_type(tl.uint32))
+    words = tl.load(words + tl.arange(0, COUNT // 4)[None, :], mask=n_ok[:, None], other=0, eviction_policy=EVICT)
+    shifts = 8 * tl.arange(0, 4)
+    codes = (words[:, :, None] >> shifts[None, None, :]) & 0xFF  # little-endian: byte k of a word is bits 8k..8k+7
+    return codes.reshape([words.shape[0], COUNT]).to(tl.uint8)
 
 
 @triton.jit
@@ -113,31 +128,32 @@ def _scale_blocks(values, scales, BLOCK: tl.constexpr):
 
 @triton.jit
 def _fp4_tile(row, packed_at: tl.constexpr, scales_at: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-              SCALE: tl.constexpr, n_ok):
+              SCALE: tl.constexpr, n_ok, EVICT: tl.constexpr):
     """``WIDTH`` e2m1 values from packed bytes at ``packed_at``, scaled per ``BLOCK`` values by the bytes at
     ``scales_at`` (``SCALE`` "ue8m0": exponent-only; "e4m3": an fp8 factor), as bf16 (exact)."""
     if SCALE == "ue8m0":
-        scales = _ue8m0_times_64(_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok))
+        scales = _ue8m0_times_64(_scale_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok, EVICT))
     else:
-        scales = _e4m3(_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok)) * 64.0
-    values = _e2m1_over_64(_bytes_at(row, packed_at, WIDTH // 2, n_ok))
+        scales = _e4m3(_scale_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok, EVICT)) * 64.0
+    values = _e2m1_over_64(_bytes_at(row, packed_at, WIDTH // 2, n_ok, EVICT))
     return _scale_blocks(values, scales, BLOCK).to(tl.bfloat16)
 
 
 @triton.jit
-def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr):
+def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.constexpr):
     """Latent values ``[128 t, 128 t + 128)`` of each token as bf16 ``[BLOCK_N, 128]``, exactly as stored: without
-    fp8_ds_mla's tile scale (``_tile_scale``) or a per-layer scale (folded into the scores and output)."""
+    fp8_ds_mla's tile scale (``_tile_scale``) or a per-layer scale (folded into the scores and output).
+    ``EVICT``: the load's L2 eviction policy."""
     if LAYOUT == "bf16":          # [512 bf16 | 64 bf16]
-        tile = _bf16_at(row, 2 * TILE * t, TILE, n_ok)
+        tile = _bf16_at(row, 2 * TILE * t, TILE, n_ok, EVICT)
     elif LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # 512 e4m3 first
-        tile = _bytes_at(row, TILE * t, TILE, n_ok).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        tile = _bytes_at(row, TILE * t, TILE, n_ok, EVICT).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     elif LAYOUT == "fp4_mx16":    # [288 packed e2m1, all 576 | 36 ue8m0 per 16]
-        tile = _fp4_tile(row, TILE // 2 * t, 288 + TILE // 16 * t, TILE, 16, "ue8m0", n_ok)
+        tile = _fp4_tile(row, TILE // 2 * t, 288 + TILE // 16 * t, TILE, 16, "ue8m0", n_ok, EVICT)
     elif LAYOUT == "mxfp4_nsa":   # [256 packed e2m1 | 16 ue8m0 per 32 | 64 bf16 rope]
-        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 32 * t, TILE, 32, "ue8m0", n_ok)
+        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 32 * t, TILE, 32, "ue8m0", n_ok, EVICT)
     elif LAYOUT == "nvfp4":       # [256 packed e2m1 | 32 e4m3 per 16 | 64 bf16 rope] (x the layer's scale)
-        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 16 * t, TILE, 16, "e4m3", n_ok)
+        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 16 * t, TILE, 16, "e4m3", n_ok, EVICT)
     else:
         tl.static_assert(False, "unknown cache layout")
     return tile
@@ -147,17 +163,17 @@ def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr):
 def _rope_tile(row, n_ok, LAYOUT: tl.constexpr):
     """The 64 rope values of each token as bf16 ``[BLOCK_N, 64]``."""
     if LAYOUT == "bf16":
-        tile = _bf16_at(row, 2 * NOPE, ROPE, n_ok)
+        tile = _bf16_at(row, 2 * NOPE, ROPE, n_ok, "")
     elif LAYOUT == "fp8_e4m3":    # [576 e4m3] (x the layer's scale)
-        tile = _bytes_at(row, NOPE, ROPE, n_ok).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        tile = _bytes_at(row, NOPE, ROPE, n_ok, "").to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     elif LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # [512 e4m3 | 4 fp32 | 64 bf16]
-        tile = _bf16_at(row, NOPE + 16, ROPE, n_ok)
+        tile = _bf16_at(row, NOPE + 16, ROPE, n_ok, "")
     elif LAYOUT == "fp4_mx16":
-        tile = _fp4_tile(row, NOPE // 2, 288 + NOPE // 16, ROPE, 16, "ue8m0", n_ok)
+        tile = _fp4_tile(row, NOPE // 2, 288 + NOPE // 16, ROPE, 16, "ue8m0", n_ok, "")
     elif LAYOUT == "mxfp4_nsa":
-        tile = _bf16_at(row, NOPE // 2 + NOPE // 32, ROPE, n_ok)
+        tile = _bf16_at(row, NOPE // 2 + NOPE // 32, ROPE, n_ok, "")
     elif LAYOUT == "nvfp4":
-        tile = _bf16_at(row, NOPE // 2 + NOPE // 16, ROPE, n_ok)
+        tile = _bf16_at(row, NOPE // 2 + NOPE // 16, ROPE, n_ok, "")
     else:
         tl.static_assert(False, "unknown cache layout")
     return tile
@@ -167,6 +183,29 @@ def _rope_tile(row, n_ok, LAYOUT: tl.constexpr):
 def _tile_scale(base, t: tl.constexpr, n_ok):
     """fp8_ds_mla: the float32 scale of latent tile ``t`` of each token ``[BLOCK_N]`` (``base``: token addresses)."""
     return tl.load((base + NOPE + 4 * t).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+
+
+@triton.jit
+def _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                BYTES_PER_TOKEN: tl.constexpr):
+    """Byte address of each key's cache row ``[BLOCK_N]``, through the request's block table ``pages``.
+
+    Triton's software pipeliner counts a pipelinable load that feeds a cache tile's address as one more level of
+    indirection and gives every load only ``(num_stages - 1) / (levels + 1)`` iterations of prefetch distance.
+    Block-table entries read as two 16-bit halves (non-negative int32, little-endian) are too small for it to
+    pipeline, so the tiles keep the full distance (``num_stages - 1``). A tile inside one page reads one entry.
+    """
+    if PAGE_SIZE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: one page per tile, consecutive rows
+        halves = pages.to(tl.pointer_type(tl.uint16)) + 2 * (start // PAGE_SIZE)
+        page = tl.load(halves).to(tl.int64) | (tl.load(halves + 1).to(tl.int64) << 16)
+        first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * BYTES_PER_TOKEN
+        base = first + tl.arange(0, BLOCK_N) * BYTES_PER_TOKEN
+    else:
+        halves = pages.to(tl.pointer_type(tl.uint16)) + 2 * (offs_n // PAGE_SIZE)
+        low = tl.load(halves, mask=n_ok, other=0).to(tl.int64)
+        high = tl.load(halves + 1, mask=n_ok, other=0).to(tl.int64)
+        base = cache + ((low | (high << 16)) * PAGE_SIZE + offs_n % PAGE_SIZE) * BYTES_PER_TOKEN
+    return base
 
 
 # ---- the products, in either orientation ---------------------------------------------------------------------------
@@ -230,6 +269,7 @@ def _decode_split_kernel(
     query_start,                        # [B+1] int32
     visible,                            # [T] int32: keys of its request each query token may see
     work,                               # [num_items, 5] int32: request, row block, kv start, kv end, slot
+    program_items,                      # [programs + 1] int32: program p runs items [program_items[p], [p + 1])
     out, stride_ot, stride_oh,          # [T, H, 512] final output
     lse, stride_lt,                     # [T, H] float32 natural-log lse
     part_out, part_lse,                 # [num_slots, BLOCK_M, 512] / [num_slots, BLOCK_M] float32
@@ -240,8 +280,31 @@ def _decode_split_kernel(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
+    REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr,
 ):
-    item = tl.program_id(0)
+    """A persistent program: runs its consecutive work items one after the other (a balanced share of the
+    batch's key blocks; see decode_schedule). ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
+    dependent, start now and wait for this grid's results on the device (its launch latency hidden)."""
+    if EARLY_MERGE:
+        gdc_launch_dependents()
+    program = tl.program_id(0)
+    for item in range(tl.load(program_items + program), tl.load(program_items + program + 1)):
+        _attend_item(
+            q, stride_qt, stride_qh, cache, block_table, stride_bt, query_start, visible, work, item,
+            out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
+            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD)
+
+
+@triton.jit
+def _attend_item(
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, query_start, visible, work, item,
+    out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
+    LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
+    REREAD: tl.constexpr,
+):
+    """One work item: a block of query rows of one request over one range of its keys."""
     request = tl.load(work + item * 5)
     row_block = tl.load(work + item * 5 + 1)
     kv_start = tl.load(work + item * 5 + 2)
@@ -277,16 +340,20 @@ def _decode_split_kernel(
     acc2 = acc0
     acc3 = acc0
     pages = block_table + request.to(tl.int64) * stride_bt
+    # bf16 tiles serve both products from one shared-memory buffer. With REREAD, quantized tiles are read a second
+    # time for the values (an L2 hit: kept there by the first read) and decoded again in the operand layout the
+    # product needs: a tile that feeds two products in different layouts is not prefetched by Triton's pipeliner
+    # (fp8: read with ld.global in every step), a tile read once per product is.
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        page = tl.load(pages + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-        base = cache + (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * BYTES_PER_TOKEN
+        base = _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE, BLOCK_N, BYTES_PER_TOKEN)
         row = base[:, None]
-        k0 = _latent_tile(row, 0, n_ok, LAYOUT)
-        k1 = _latent_tile(row, 1, n_ok, LAYOUT)
-        k2 = _latent_tile(row, 2, n_ok, LAYOUT)
-        k3 = _latent_tile(row, 3, n_ok, LAYOUT)
+        keep: tl.constexpr = "evict_last" if REREAD else ""
+        k0 = _latent_tile(row, 0, n_ok, LAYOUT, keep)
+        k1 = _latent_tile(row, 1, n_ok, LAYOUT, keep)
+        k2 = _latent_tile(row, 2, n_ok, LAYOUT, keep)
+        k3 = _latent_tile(row, 3, n_ok, LAYOUT, keep)
         k_rope = _rope_tile(row, n_ok, LAYOUT)
 
         if TILE_SCALES:  # fp8_ds_mla: exact fp8 products, then each tile's fp32 scale per key
@@ -316,6 +383,11 @@ def _decode_split_kernel(
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+        if REREAD:
+            k0 = _latent_tile(row, 0, n_ok, LAYOUT, "evict_first")
+            k1 = _latent_tile(row, 1, n_ok, LAYOUT, "evict_first")
+            k2 = _latent_tile(row, 2, n_ok, LAYOUT, "evict_first")
+            k3 = _latent_tile(row, 3, n_ok, LAYOUT, "evict_first")
         if TILE_SCALES:
             acc0 = _pv(acc0, alpha, _to_bf16(p * c0[None, :], INTERPRET), k0, HEADS_AS_N, INTERPRET)
             acc1 = _pv(acc1, alpha, _to_bf16(p * c1[None, :], INTERPRET), k1, HEADS_AS_N, INTERPRET)
@@ -358,11 +430,14 @@ def _merge_splits_kernel(
     lse, stride_lt,
     out_scale, num_heads,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr,
 ):
     """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns. ``SPLITS`` 1 reads the
     partials one after the other (cheapest for a few); more reads that many per step with independent loads, so
-    a long list of splits (batch 1) is not a chain of memory latencies."""
+    a long list of splits (batch 1) is not a chain of memory latencies. ``EARLY_MERGE``: launched before the split
+    kernel finished (programmatic dependent launch), so first wait until its writes are complete and visible."""
+    if EARLY_MERGE:
+        gdc_wait()
     group = tl.program_id(0)
     request = tl.load(groups + group * 4)
     row_block = tl.load(groups + group * 4 + 1)

@@ -1,11 +1,13 @@
 """Split-KV schedule of the decode kernel: which program attends which query rows over which keys.
 
 Query rows of a request are its (token, head) pairs; ``BLOCK_M`` of them make a row block, and a
-(request, row block) pair is a *group*. Each group's keys are cut into splits of about equal length so that
-the whole batch gives roughly ``target_programs`` work items (the GPU's multiprocessors times the programs
-each runs at once): batch 1 with a long context fills the GPU, a large batch is not split at all. A group
-with one split writes its result directly; the splits of the others go to workspace slots that the merge
-kernel combines by LSE.
+(request, row block) pair is a *group*. The kernel runs a fixed number of persistent programs (the GPU's
+multiprocessors times the programs each holds at once); each gets an equal share of the batch's key blocks,
+cut from the groups in order, so that every program finishes at about the same time whatever the mix of
+lengths (a large batch is not rounded up to whole waves, batch 1 with a long context still fills the GPU).
+A cut group becomes several *items* (splits), each writing a partial result to a workspace slot that the
+merge kernel combines by LSE; an uncut group writes its result directly. Each item also costs a fixed
+overhead (loading its queries, writing its result), counted in key blocks.
 
 Pure host code on plain lists, so it is unit-tested without a kernel.
 """
@@ -14,15 +16,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OVERHEAD_KEYS = 64  # what an item costs beyond its keys (query load, result store, merge), in keys
+
 
 @dataclass(frozen=True)
 class Schedule:
-    """``items``: rows of (request, row block, kv start, kv end, workspace slot or -1 for direct output);
+    """``items``: rows of (request, row block, kv start, kv end, workspace slot or -1 for direct output), program
+    after program; ``program_items``: program p runs ``items[program_items[p]:program_items[p + 1]]``;
     ``groups``: rows of (request, row block, first slot, number of slots) for groups with several splits."""
 
     items: list[tuple[int, int, int, int, int]]
+    program_items: list[int]
     groups: list[tuple[int, int, int, int]]
     num_slots: int
+
+    @property
+    def num_programs(self) -> int:
+        return len(self.program_items) - 1
 
     @property
     def max_splits(self) -> int:
@@ -33,47 +43,79 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def split_length(kv_lens: list[int], group_rows: list[int], block_n: int, target_programs: int,
-                 min_split: int) -> int:
-    """Keys per split: the batch's key-block work spread over ``target_programs`` items, at least
-    ``min_split`` keys, a multiple of ``block_n``."""
-    work = sum(kv * blocks for kv, blocks in zip(kv_lens, group_rows))
-    length = max(min_split, _ceil_div(work, max(1, target_programs)), 1)
-    return _ceil_div(length, block_n) * block_n
+def _fill(blocks: list[int], budget: int, overhead: int) -> list[list[tuple[int, int, int]]]:
+    """Programs in order, each taking pieces (group, first block, end block) of the groups until the next piece
+    would exceed ``budget`` (blocks + ``overhead`` per piece); a group that does not fit is cut there."""
+    assignment: list[list[tuple[int, int, int]]] = [[]]
+    left = budget
+    for group, n in enumerate(blocks):
+        done = 0
+        while n - done + overhead > left:
+            room = left - overhead
+            if room > 0:
+                assignment[-1].append((group, done, done + room))
+                done += room
+            assignment.append([])
+            left = budget
+        assignment[-1].append((group, done, n))
+        left -= n - done + overhead
+    return [pieces for pieces in assignment if pieces]
+
+
+def _balanced(blocks: list[int], programs: int, overhead: int, min_blocks: int) -> list[list[tuple[int, int, int]]]:
+    """The assignment of at most ``programs`` programs whose largest budget is smallest (binary search; cost of a
+    program: its blocks plus ``overhead`` per piece), each budget at least ``min_blocks`` blocks of keys."""
+    total = sum(n + overhead for n in blocks)
+    low = max(_ceil_div(total, max(1, programs)), min_blocks + overhead, overhead + 1)
+    high = max(low, total)
+    while low < high:
+        budget = (low + high) // 2
+        if len(_fill(blocks, budget, overhead)) <= programs:
+            high = budget
+        else:
+            low = budget + 1
+    return _fill(blocks, low, overhead)
 
 
 def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_m: int, block_n: int,
-                   target_programs: int, min_split: int, num_splits: int | None = None) -> Schedule:
-    """The work items of a batch. ``num_splits`` forces that many splits per group (sweeps and tests)."""
-    blocks_per_request = [_ceil_div(q * num_heads, block_m) for q in q_lens]
-    length = split_length(kv_lens, blocks_per_request, block_n, target_programs, min_split)
-    work: list[tuple[int, int, int, int, int]] = []  # (request, split, row block, start, end)
-    groups: list[tuple[int, int, int, int]] = []
-    splits_of: dict[tuple[int, int], int] = {}
-    for request, (row_blocks, kv) in enumerate(zip(blocks_per_request, kv_lens)):
-        if row_blocks == 0:
-            continue
-        wanted = num_splits if num_splits is not None else _ceil_div(kv, length)
-        per_split = _ceil_div(_ceil_div(kv, max(1, wanted)), block_n) * block_n if kv else 0
-        count = max(1, _ceil_div(kv, per_split)) if kv else 1
-        for row_block in range(row_blocks):
-            splits_of[request, row_block] = count
-            for split in range(count):
-                work.append((request, split, row_block, split * per_split, min(kv, (split + 1) * per_split)))
+                   programs: int, min_split: int, num_splits: int | None = None) -> Schedule:
+    """The work of a batch for at most ``programs`` persistent programs, each given at least ``min_split`` keys (a
+    group's last split may be shorter). ``num_splits`` instead cuts every group into that many splits, one program
+    each (tests and sweeps)."""
+    groups = [(request, row_block) for request, q in enumerate(q_lens)
+              for row_block in range(_ceil_div(q * num_heads, block_m))]
+    blocks = [_ceil_div(kv_lens[request], block_n) for request, _ in groups]
+    if num_splits is not None:
+        assignment = []
+        for g, n in enumerate(blocks):
+            per_split = _ceil_div(n, num_splits) if n else 0
+            cuts = list(range(0, n, per_split)) if n else [0]
+            assignment += [[(g, first, min(n, first + per_split) if n else 0)] for first in cuts]
+    else:
+        assignment = _balanced(blocks, programs, _ceil_div(OVERHEAD_KEYS, block_n), _ceil_div(min_split, block_n))
 
-    # Slots: each multi-split group owns consecutive slots, one per split.
-    first_slot: dict[tuple[int, int], int] = {}
+    pieces_of: dict[int, int] = {}
+    for pieces in assignment:
+        for group, _, _ in pieces:
+            pieces_of[group] = pieces_of.get(group, 0) + 1
+    first_slot: dict[int, int] = {}
+    split_groups: list[tuple[int, int, int, int]] = []
     num_slots = 0
-    for (request, row_block), count in splits_of.items():
+    for group, count in sorted(pieces_of.items()):
         if count > 1:
-            first_slot[request, row_block] = num_slots
-            groups.append((request, row_block, num_slots, count))
+            first_slot[group] = num_slots
+            split_groups.append((*groups[group], num_slots, count))
             num_slots += count
-    # Longest items first (a better last wave); a request's row blocks of one key range stay adjacent so
-    # they read the same keys at about the same time (the second read hits L2).
-    work.sort(key=lambda w: (-(w[4] - w[3]), w[0], w[1], w[2]))
-    items = []
-    for request, split, row_block, start, end in work:
-        first = first_slot.get((request, row_block))
-        items.append((request, row_block, start, end, -1 if first is None else first + split))
-    return Schedule(items, groups, num_slots)
+
+    items: list[tuple[int, int, int, int, int]] = []
+    program_items = [0]
+    seen: dict[int, int] = {}
+    for pieces in assignment:
+        for group, first, end in pieces:
+            request, row_block = groups[group]
+            split = seen.get(group, 0)
+            seen[group] = split + 1
+            slot = first_slot[group] + split if group in first_slot else -1
+            items.append((request, row_block, first * block_n, min(kv_lens[request], end * block_n), slot))
+        program_items.append(len(items))
+    return Schedule(items, program_items, split_groups, num_slots)

@@ -1,9 +1,13 @@
 """Stand-in for FlashInfer's BatchMLAPagedAttentionWrapper, written from its docstring, in plain torch:
-CSR pages, causal aligned to the end of each request, lse in base 2, empty rows out 0 / lse -inf."""
+CSR pages, causal aligned to the end of each request, lse in base 2. A request with no keys gets out 0 and the
+finite lse -49998.0 that FlashInfer 0.2.5's sm90 kernel wrote for it on an H200 (its running max starts at
+-5e4, not -inf); other rows that see nothing get lse -inf."""
 
 import math
 
 import torch
+
+EMPTY_REQUEST_LSE = -49998.0
 
 
 class BatchMLAPagedAttentionWrapper:
@@ -28,6 +32,8 @@ class BatchMLAPagedAttentionWrapper:
                               kpe_cache[pages].reshape(-1, kpe_cache.shape[-1])], -1)[:n].float()
             for i, t in enumerate(range(q0, q1)):
                 seen = n - (q1 - q0) + i + 1 if self._causal else n
+                if n == 0:
+                    lse[t] = EMPTY_REQUEST_LSE
                 if seen <= 0:
                     continue
                 q = torch.cat([q_nope[t], q_pe[t]], -1).float()
