@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from impls.triton.bench_decode import LAYOUTS, Shape, config_check_workload, correctness_workloads, timing_problem, \
+from suites.bench_decode import LAYOUTS, Shape, config_check_workload, correctness_workloads, timing_problem, \
     triton_impl
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache

@@ -1,4 +1,4 @@
-"""Check and time the Triton paged MLA decode, and peers, on a GPU: ``python -m impls.triton.bench_decode``.
+"""Check and time the Triton paged MLA decode, and peers, on a GPU: ``python -m suites.bench_decode``.
 
 1. Correctness first: every layout, page size and query-length mode judged against the float64 reference
    (``suites.judge``), and every configuration about to be timed judged on a small problem of its shape
