@@ -32,7 +32,7 @@ class PrefillConfig:
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 3  # best of six tile shapes on an H200 at 8k tokens, 16 and 128 heads (NOTES-paths.md)
+    num_stages: int = 3  # best of six tile shapes on an H200 at 8k tokens, 16 and 128 heads (NOTES.md, part 2)
 
 
 INTERPRETER_CONFIG = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op, not per element

@@ -41,7 +41,7 @@ INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stage
 
 
 def default_config(device: torch.device, heads: int, layout_code: int = 0) -> SparseConfig:
-    """Tiles measured best on an H200 at 128 heads, batch 128, top-k 2048 (NOTES-paths.md), capped by the heads."""
+    """Tiles measured best on an H200 at 128 heads, batch 128, top-k 2048 (NOTES.md, part 2), capped by the heads."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     if layout_code in SCALED_CODES:
