@@ -1,8 +1,9 @@
 """What a workload costs: bytes it must move and FLOPs it must do (the numerators of GB/s and TFLOP/s).
 
-Bytes = cache bytes of the tokens each request really reads (``bytes_per_token`` of the layout; sparse: only
-the valid top-k entries of each query token; prefill: the q/k/v tensors) + the queries + the outputs (out in
-the compute dtype, lse in float32). FLOPs count only the keys each query token sees:
+Bytes = cache bytes of the tokens each request really reads (``bytes_per_token`` of the layout; sparse: the
+distinct tokens its query tokens select, at most ``min(kv_len, sum of their valid top-k)``: query tokens of one
+request share keys; prefill: the q/k/v tensors) + the queries + the outputs (out in the compute dtype, lse in
+float32). FLOPs count only the keys each query token sees:
 absorbed paths ``2 * visible * (576 + 512)`` per head per query token (QK^T over 576, PV over 512), MHA paths
 ``2 * visible * (192 + 128)``. Chunked prefill counts its attention only, not the up-projection of the context.
 """
@@ -46,6 +47,16 @@ def visible_keys(w: Workload) -> list[int]:
     return visible
 
 
+def sparse_tokens_read(w: Workload, visible: list[int]) -> int:
+    """Distinct cache tokens a sparse step must read: per request, its tokens' valid top-k entries, but no
+    more than the request holds."""
+    total, start = 0, 0
+    for q_len, kv_len in zip(w.q_lens, w.kv_lens):
+        total += min(kv_len, sum(visible[start:start + q_len]))
+        start += q_len
+    return total
+
+
 def cost(w: Workload) -> Cost:
     """Bytes and FLOPs of one step of ``w`` (see the module docstring)."""
     dims, heads, elem = w.dims, w.dims.num_heads, DTYPE_BYTES[w.dtype]
@@ -55,7 +66,7 @@ def cost(w: Workload) -> Cost:
         q_bytes = w.total_q * heads * dims.latent_dim * elem
         out_bytes = w.total_q * heads * (dims.kv_lora_rank * elem + LSE_BYTES)
         bpt = get_layout(w.layout).bytes_per_token
-        kv_bytes = (sum(visible) if w.mode.sparse else w.total_kv) * bpt
+        kv_bytes = (sparse_tokens_read(w, visible) if w.mode.sparse else w.total_kv) * bpt
     else:
         head_flops = 2 * (dims.qk_head_dim + dims.v_head_dim)
         q_bytes = w.total_q * heads * dims.qk_head_dim * elem

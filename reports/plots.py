@@ -132,6 +132,9 @@ def _series_key(r: Result) -> tuple[str, str]:
     return panel, line
 
 
+PANELS_PER_ROW = 3  # panels (mode x preset) side by side before the figure wraps
+
+
 def latency_plots(run: Run) -> list[Plot]:
     """Per panel: latency (top) and bandwidth with the measured copy ceiling (bottom) against context."""
     results = _latency_results(run)
@@ -143,10 +146,15 @@ def latency_plots(run: Run) -> list[Plot]:
         panels[panel][line].append(r)
     copy = _ceiling(run, "copy_gbps")
     names = sorted(panels)
-    fig = Figure(figsize=(5.5 * len(names), 8), layout="constrained")
-    axes = fig.subplots(2, len(names), squeeze=False)
-    for col, panel in enumerate(names):
-        top, bottom = axes[0][col], axes[1][col]
+    cols = min(PANELS_PER_ROW, len(names))
+    rows = -(-len(names) // cols)
+    fig = Figure(figsize=(6.5 * cols, 8 * rows), layout="constrained")
+    axes = fig.subplots(2 * rows, cols, squeeze=False)
+    for unused in range(len(names), rows * cols):
+        axes[2 * (unused // cols)][unused % cols].set_visible(False)
+        axes[2 * (unused // cols) + 1][unused % cols].set_visible(False)
+    for i, panel in enumerate(names):
+        top, bottom = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         for line, items in sorted(panels[panel].items()):
             items = sorted(items, key=_context)
             xs = [_context(r) for r in items]

@@ -29,6 +29,9 @@ def test_costs_count_only_what_is_read_and_seen():
     assert visible_keys(sparse) == [5, 16]                                  # -1 padding is not read
     dense = cost(Workload(Mode.DECODE, (1, 1), (5, 40), page_size=16))
     assert cost(sparse).bytes == dense.bytes - (45 - 21) * 1152             # only valid top-k rows read
+    prefill = Workload(Mode.SPARSE_PREFILL, (4,), (40,), topk=16, page_size=16)
+    q_and_out = cost(prefill).bytes - 40 * 1152                             # 4 x 16 picks, but 40 tokens exist
+    assert q_and_out == 4 * 4 * (576 * 2 + 512 * 2 + 4) and cost(prefill).flops == 4 * 16 * 4 * 2 * 1088
     prefill = Workload(Mode.PREFILL, (4,), (4,))
     heads = prefill.dims.num_heads
     assert cost(prefill).flops == (1 + 2 + 3 + 4) * heads * 2 * (192 + 128)
