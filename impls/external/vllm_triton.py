@@ -5,7 +5,8 @@ Semantics taken from vLLM's ``triton_mla.py``: q ``[B, H, 576]`` (one query per 
 ``[blocks, page, 1, 576]`` with values ``[..., :512]``, the block table as ``req_to_token``, ``seq_lens``,
 a float32 workspace ``[B, H, splits, 512 + 1]``, natural-log lse ``[B, H]``. A request with no key makes the
 kernel divide by zero, so (as vLLM's callers do) its length is clamped to 1 and its row is overwritten with
-out 0, lse -inf. The ``fp8_e4m3`` layout runs with the per-tensor ``k_scale`` where the vLLM version has it.
+out 0, lse -inf. The ``fp8_e4m3`` layout runs with the per-tensor ``k_scale`` where the vLLM version has it;
+a bf16 cache runs without one, as in vLLM's TRITON_MLA backend.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ class VllmTritonMLA(Impl):
         lse = torch.empty(batch, heads, dtype=torch.float32, device=problem.device)
         logits = torch.empty(batch, heads, NUM_KV_SPLITS, NOPE_DIM + 1, dtype=torch.float32, device=problem.device)
         kwargs = {}
-        if self._has_k_scale:
-            scale = cache.tensor_scale if fp8 else 1.0
-            kwargs["k_scale"] = torch.tensor(scale, dtype=torch.float32, device=problem.device)
+        if fp8:  # as vLLM's backend: a k_scale switches the kernel to its fp8 dequantize path
+            kwargs["k_scale"] = torch.tensor(cache.tensor_scale, dtype=torch.float32, device=problem.device)
         args = (problem.q.contiguous(), kv, kv[..., :NOPE_DIM], out, lse, meta.block_table, meta.seq_lens.clamp_min(1),
                 logits, NUM_KV_SPLITS, problem.scale, cache.page_size)
         return VllmPlan(args, kwargs, out, lse, meta.seq_lens == 0)
