@@ -276,6 +276,15 @@ PROFILES: dict[str, list[tuple[Shape, list]]] = {
         + [(Shape(128, 32, 4096, layout=layout), [None, _cfg(64, 64, 8, 2)]) for layout in ("fp8_ds_mla", "nvfp4")]
     ),
     "final": [(shape, [None]) for shape in ISSUE_SHAPES + QUANT_SHAPES + OTHER_SHAPES],
+    "quant": (  # the quantized layouts' decode: each tile decoded once (default) or once per product
+        [(Shape(16, 64, 4096), [None])]
+        + [(shape, [None, _cfg(16, 32, 4, 3, 2, reread_values=True), _cfg(16, 64, 4, 2, 2), _cfg(16, 32, 4, 2, 3),
+                    _cfg(16, 32, 4, 2, 4), _cfg(16, 64, 4, 2, 3), _cfg(16, 32, 8, 3, 2)])
+           for shape in QUANT_SHAPES]
+        + [(Shape(16, 128, 4096, layout=layout), [None]) for layout in ("fp8_e4m3", "fp8_ds_mla", "nvfp4")]
+        + [(Shape(16, 64, 16384, layout=layout), [None]) for layout in ("fp8_e4m3", "fp8_ds_mla", "nvfp4")]
+        + [(Shape(128, 32, 4096, layout=layout), [None]) for layout in ("fp8_ds_mla", "fp8_e4m3", "nvfp4")]
+    ),
     "ncu": [(Shape(16, 32, 4096), [None]), (Shape(128, 32, 4096), [None]),
             (Shape(16, 64, 4096, layout="fp8_ds_mla"), [None]), (Shape(16, 64, 4096, layout="nvfp4"), [None])],
 }

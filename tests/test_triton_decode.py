@@ -16,8 +16,8 @@ import torch
 
 from impls.triton.decode import DecodeConfig, TritonDecode, mla_decode, plan_decode
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.layouts import NOPE_DIM
-from mla_bench.layouts.ops import gather_cache
+from mla_bench.layouts import NOPE_DIM, PagedCache
+from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
 from mla_bench.workload import Workload
@@ -80,11 +80,38 @@ def test_forced_splits_and_both_orientations_pass_with_16_heads(config):
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
-def test_quantized_tiles_decoded_once_pass_too(layout):
-    """``reread_values=False``: each latent tile read and decoded once for both products."""
+def test_quantized_tiles_read_twice_pass_too(layout):
+    """``reread_values=True``: each latent tile read and decoded once per product."""
     problem = build_problem(workload(layout, 32, VARLEN, heads=16, seed=9))
-    verdict = judge(Configured(DecodeConfig(block_n=32, reread_values=False)), problem)
+    verdict = judge(Configured(DecodeConfig(block_n=32, reread_values=True)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+def _magnified(problem, q_factor: float, kv_factor: float):
+    """The same attention with the query times ``q_factor`` and the cache's tokens times ``kv_factor`` (powers of
+    two: bf16 values stay exact), the softmax scale divided by both: equal scores, outputs times ``kv_factor``."""
+    problem.q = problem.q * q_factor
+    problem.kv = problem.kv * kv_factor
+    problem.scale = problem.scale / (q_factor * kv_factor)
+    layout, meta = problem.cache.layout, problem.meta
+    problem.cache = PagedCache.empty(layout, meta.num_blocks, meta.page_size, device=problem.kv.device,
+                                     tensor_scale=layout.fit_tensor_scale(problem.kv))
+    write_cache(problem.cache, problem.kv, meta.token_slots)
+    return problem
+
+
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
+                         ids=["beyond-float16-max", "below-float16-min"])
+@pytest.mark.parametrize("heads_as_n", [False, True], ids=["rows-as-m", "heads-as-n"])
+def test_fp8_float16_products_hold_queries_and_scales_of_any_magnitude(layout, q_factor, kv_factor, heads_as_n):
+    """fp8 layouts multiply in float16: queries (up to 2^22 here) and tile scales (above 65504 here) beyond its
+    range, or far below it, must not overflow or lose precision."""
+    problem = _magnified(build_problem(workload(layout, 16, VARLEN, heads=16, seed=13)), q_factor, kv_factor)
+    config = DecodeConfig(block_m=16, block_n=32, heads_as_n=heads_as_n, num_splits=2)
+    verdict = judge(Configured(config), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    assert verdict.kernel.rel_l2 < 4e-3
 
 
 def test_fp8_ds_mla_tile_scales_are_applied_after_exact_products_in_both_orientations():

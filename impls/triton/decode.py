@@ -54,8 +54,9 @@ class DecodeConfig:
     ``serial_merge_max`` splits, else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits,
     blocks at 32-128). ``early_merge``: launch the merge as a programmatic dependent of the split kernel (Hopper),
     which starts it while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches
-    read each latent tile once per product, each read prefetched (see decode_kernel); off, a tile is read and
-    decoded once (fp8 tiles are then not prefetched)."""
+    read each latent tile once per product and decode it in that product's operand layout, fp8 as bf16 (the
+    round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both products, fp8
+    as float16 with the query scaled into float16's range (see decode_kernel)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -68,7 +69,7 @@ class DecodeConfig:
     merge_splits: int = 8
     serial_merge_max: int = 16
     early_merge: bool = False
-    reread_values: bool = True
+    reread_values: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -85,23 +86,21 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16") -> Deco
     """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
 
     Query rows per request (heads x new tokens) set the row block. 64 rows (128 heads, or 16 heads x 4 tokens):
-    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups). 16 or 32 rows: memory-bound, the
-    mma.sync path; bf16 with 16 rows runs two programs per multiprocessor. Quantized caches take 64-key steps with
-    8 warps (their decode is the cost: fewer, larger steps). The early merge helps the memory-bound row blocks
-    (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the former use it.
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); fp8_ds_mla there decodes its tiles
+    once per product (decoded once, its float16 path spills registers). 16 or 32 rows: memory-bound, the mma.sync
+    path, two programs per multiprocessor with 16 rows. The early merge helps the memory-bound row blocks (0.4-0.8
+    us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the former use it.
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if block_m == 64:
-        if layout == "bf16" or layout in FP4_LAYOUTS:
-            return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
-        return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
-    if layout == "bf16" and block_m == 16:
+        if layout.startswith("fp8_ds_mla"):
+            return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
+        return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    if block_m == 16:
         return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, early_merge=True)
     if layout == "bf16":
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=3, early_merge=True)
-    if block_m == 16:
-        return DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=3, early_merge=True)
     return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=4, early_merge=True)
 
 

@@ -65,6 +65,17 @@ def _operand(x, INTERPRET: tl.constexpr):
 # ---- decoding the cache layouts (byte layouts: MLA_FACTS.md, codecs: mla_bench/layouts) ----------------------------
 
 @triton.jit
+def _e4m3_16bit(codes, AS_FLOAT16: tl.constexpr):
+    """e4m3fn bytes -> float16 (exact, one conversion per two values) or bf16 (exact, three per value)."""
+    codes = codes.to(tl.float8e4nv, bitcast=True)
+    if AS_FLOAT16:
+        values = codes.to(tl.float16)
+    else:
+        values = codes.to(tl.bfloat16)
+    return values
+
+
+@triton.jit
 def _bf16_at(row, offset: tl.constexpr, WIDTH: tl.constexpr, n_ok, EVICT: tl.constexpr):
     """``WIDTH`` bfloat16 values at byte ``offset`` of each token row (0 where ``n_ok`` is False)."""
     words = (row + offset).to(tl.pointer_type(tl.bfloat16))
@@ -87,6 +98,21 @@ def _scale_bytes_at(row, offset: tl.constexpr, COUNT: tl.constexpr, n_ok, EVICT:
     shifts = 8 * tl.arange(0, 4)
     codes = (words[:, :, None] >> shifts[None, None, :]) & 0xFF  # little-endian: byte k of a word is bits 8k..8k+7
     return codes.reshape([words.shape[0], COUNT]).to(tl.uint8)
+
+
+@triton.jit
+def _keep_second(a, b):
+    return b
+
+
+@triton.jit
+def _decoded_here(tile):
+    """``tile`` unchanged, pinned where it was computed: an identity scan, which Triton does not move. Unpinned,
+    Triton moves a cache tile's decode past the tile's conversion to each product's operand layout, so that every
+    product decodes it again from 8-bit values read one at a time out of shared memory (LDS.U8: the value
+    operand's reduction dimension, the keys, is not contiguous). Pinned, the tile is decoded once, in the load's
+    coalesced layout, and reaches both products as 16-bit values through shared memory (NOTES.md, round 3)."""
+    return tl.associative_scan(tile, 1, _keep_second)
 
 
 @triton.jit
@@ -140,14 +166,16 @@ def _fp4_tile(row, packed_at: tl.constexpr, scales_at: tl.constexpr, WIDTH: tl.c
 
 
 @triton.jit
-def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.constexpr):
-    """Latent values ``[128 t, 128 t + 128)`` of each token as bf16 ``[BLOCK_N, 128]``, exactly as stored: without
-    fp8_ds_mla's tile scale (``_tile_scale``) or a per-layer scale (folded into the scores and output).
+def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.constexpr, ONCE: tl.constexpr):
+    """Latent values ``[128 t, 128 t + 128)`` of each token ``[BLOCK_N, 128]``, exactly as stored: without
+    fp8_ds_mla's tile scale (``_tile_scale``) or a per-layer scale (folded into the scores and output). ``ONCE``:
+    decoded once for both products (``_decoded_here``), fp8 as float16, which holds e4m3 exactly and takes one
+    conversion per two values; otherwise decoded by each product, as bf16 (three conversions per value).
     ``EVICT``: the load's L2 eviction policy."""
     if LAYOUT == "bf16":          # [512 bf16 | 64 bf16]
         tile = _bf16_at(row, 2 * TILE * t, TILE, n_ok, EVICT)
     elif LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # 512 e4m3 first
-        tile = _bytes_at(row, TILE * t, TILE, n_ok, EVICT).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        tile = _e4m3_16bit(_bytes_at(row, TILE * t, TILE, n_ok, EVICT), ONCE)
     elif LAYOUT == "fp4_mx16":    # [288 packed e2m1, all 576 | 36 ue8m0 per 16]
         tile = _fp4_tile(row, TILE // 2 * t, 288 + TILE // 16 * t, TILE, 16, "ue8m0", n_ok, EVICT)
     elif LAYOUT == "mxfp4_nsa":   # [256 packed e2m1 | 16 ue8m0 per 32 | 64 bf16 rope]
@@ -156,16 +184,18 @@ def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.con
         tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 16 * t, TILE, 16, "e4m3", n_ok, EVICT)
     else:
         tl.static_assert(False, "unknown cache layout")
+    if LAYOUT != "bf16" and ONCE:
+        tile = _decoded_here(tile)
     return tile
 
 
 @triton.jit
-def _rope_tile(row, n_ok, LAYOUT: tl.constexpr):
-    """The 64 rope values of each token as bf16 ``[BLOCK_N, 64]``."""
+def _rope_tile(row, n_ok, LAYOUT: tl.constexpr, ONCE: tl.constexpr):
+    """The 64 rope values of each token ``[BLOCK_N, 64]`` (``ONCE``: as in ``_latent_tile``)."""
     if LAYOUT == "bf16":
         tile = _bf16_at(row, 2 * NOPE, ROPE, n_ok, "")
     elif LAYOUT == "fp8_e4m3":    # [576 e4m3] (x the layer's scale)
-        tile = _bytes_at(row, NOPE, ROPE, n_ok, "").to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        tile = _e4m3_16bit(_bytes_at(row, NOPE, ROPE, n_ok, ""), ONCE)
     elif LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # [512 e4m3 | 4 fp32 | 64 bf16]
         tile = _bf16_at(row, NOPE + 16, ROPE, n_ok, "")
     elif LAYOUT == "fp4_mx16":
@@ -176,6 +206,8 @@ def _rope_tile(row, n_ok, LAYOUT: tl.constexpr):
         tile = _bf16_at(row, NOPE // 2 + NOPE // 16, ROPE, n_ok, "")
     else:
         tl.static_assert(False, "unknown cache layout")
+    if (LAYOUT == "fp8_e4m3" or LAYOUT == "fp4_mx16") and ONCE:
+        tile = _decoded_here(tile)
     return tile
 
 
@@ -183,6 +215,22 @@ def _rope_tile(row, n_ok, LAYOUT: tl.constexpr):
 def _tile_scale(base, t: tl.constexpr, n_ok):
     """fp8_ds_mla: the float32 scale of latent tile ``t`` of each token ``[BLOCK_N]`` (``base``: token addresses)."""
     return tl.load((base + NOPE + 4 * t).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+
+
+@triton.jit
+def _pow2_scales(q0, q1, q2, q3, q_rope):
+    """Powers of two ``(up, down)`` per query row, ``down = 1 / up``, that bring the row's largest magnitude into
+    [2^14, 2^15): scaled by ``up``, float16 holds the bf16 query exactly (11 significant bits against 8) without
+    overflow, and ``down`` scales the scores back. A row of zeros, NaN or Inf gets a finite pair (NaN and Inf
+    still propagate through the products)."""
+    amax = tl.maximum(tl.max(tl.abs(q0.to(tl.float32)), 1), tl.max(tl.abs(q1.to(tl.float32)), 1))
+    amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(q2.to(tl.float32)), 1), tl.max(tl.abs(q3.to(tl.float32)), 1)))
+    amax = tl.maximum(amax, tl.max(tl.abs(q_rope.to(tl.float32)), 1))
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.minimum(tl.maximum(exponent, -112), 113)
+    up = ((127 + 14 - exponent) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - 14 + exponent) << 23).to(tl.float32, bitcast=True)
+    return up, down
 
 
 @triton.jit
@@ -327,6 +375,22 @@ def _attend_item(
     q2 = tl.load(q_row + 2 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
     q3 = tl.load(q_row + 3 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
     q_rope = tl.load(q_row + NOPE + tl.arange(0, ROPE)[None, :], mask=row_ok[:, None], other=0.0)
+    # fp8 layouts decoded once: float16 products (see _latent_tile), the query scaled by a power of two per row
+    # into float16's range (_pow2_scales), the scores scaled back with the softmax scale.
+    ONCE: tl.constexpr = not REREAD
+    F16: tl.constexpr = (LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2") and ONCE
+    row_scale = qk_scale + tl.zeros([BLOCK_M], tl.float32)
+    if F16:
+        up, down = _pow2_scales(q0, q1, q2, q3, q_rope)
+        row_scale = row_scale * down
+        q0 = (q0 * up[:, None]).to(tl.float16)
+        q1 = (q1 * up[:, None]).to(tl.float16)
+        q2 = (q2 * up[:, None]).to(tl.float16)
+        q3 = (q3 * up[:, None]).to(tl.float16)
+        if LAYOUT == "fp8_e4m3":
+            q_rope = (q_rope * up[:, None]).to(tl.float16)
+        else:  # fp8_ds_mla keeps a bf16 rope: scaled by a power of two, exactly
+            q_rope = _to_bf16(q_rope * up[:, None], INTERPRET)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
     l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp2(score - m_i)
@@ -339,22 +403,24 @@ def _attend_item(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
+    unit = tl.full([], 1.0, tl.float32)  # the accumulators' unit: fp8_ds_mla's grows from 0 (see the value products)
+    if TILE_SCALES and F16:
+        unit = tl.full([], 0.0, tl.float32)
     pages = block_table + request.to(tl.int64) * stride_bt
-    # bf16 tiles serve both products from one shared-memory buffer. With REREAD, quantized tiles are read a second
-    # time for the values (an L2 hit: kept there by the first read) and decoded again in the operand layout the
-    # product needs: a tile that feeds two products in different layouts is not prefetched by Triton's pipeliner
-    # (fp8: read with ld.global in every step), a tile read once per product is.
+    # bf16 tiles serve both products from one shared-memory buffer, and so do quantized tiles decoded once (the
+    # default). With REREAD, quantized tiles are read a second time for the values (an L2 hit: kept there by the
+    # first read) and decoded again in the operand layout the product needs (fewer registers: 64-row fp8_ds_mla).
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         base = _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE, BLOCK_N, BYTES_PER_TOKEN)
         row = base[:, None]
         keep: tl.constexpr = "evict_last" if REREAD else ""
-        k0 = _latent_tile(row, 0, n_ok, LAYOUT, keep)
-        k1 = _latent_tile(row, 1, n_ok, LAYOUT, keep)
-        k2 = _latent_tile(row, 2, n_ok, LAYOUT, keep)
-        k3 = _latent_tile(row, 3, n_ok, LAYOUT, keep)
-        k_rope = _rope_tile(row, n_ok, LAYOUT)
+        k0 = _latent_tile(row, 0, n_ok, LAYOUT, keep, ONCE)
+        k1 = _latent_tile(row, 1, n_ok, LAYOUT, keep, ONCE)
+        k2 = _latent_tile(row, 2, n_ok, LAYOUT, keep, ONCE)
+        k3 = _latent_tile(row, 3, n_ok, LAYOUT, keep, ONCE)
+        k_rope = _rope_tile(row, n_ok, LAYOUT, ONCE)
 
         if TILE_SCALES:  # fp8_ds_mla: exact fp8 products, then each tile's fp32 scale per key
             c0 = _tile_scale(base, 0, n_ok)
@@ -376,7 +442,7 @@ def _attend_item(
         if HEADS_AS_N:
             s = tl.trans(s)
 
-        s = tl.where(offs_n[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+        s = tl.where(offs_n[None, :] < limit[:, None], s * row_scale[:, None], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
         alpha = tl.math.exp2(m_i - m_use)
@@ -384,15 +450,33 @@ def _attend_item(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if REREAD:
-            k0 = _latent_tile(row, 0, n_ok, LAYOUT, "evict_first")
-            k1 = _latent_tile(row, 1, n_ok, LAYOUT, "evict_first")
-            k2 = _latent_tile(row, 2, n_ok, LAYOUT, "evict_first")
-            k3 = _latent_tile(row, 3, n_ok, LAYOUT, "evict_first")
-        if TILE_SCALES:
+            k0 = _latent_tile(row, 0, n_ok, LAYOUT, "evict_first", ONCE)
+            k1 = _latent_tile(row, 1, n_ok, LAYOUT, "evict_first", ONCE)
+            k2 = _latent_tile(row, 2, n_ok, LAYOUT, "evict_first", ONCE)
+            k3 = _latent_tile(row, 3, n_ok, LAYOUT, "evict_first", ONCE)
+        if TILE_SCALES and F16:
+            # float16 cannot hold every P * c (a scale may exceed its range): the accumulators are kept in units of
+            # the largest scale seen so far, which only grows (like the running max of the scores), and P * c is
+            # divided by it, into [-1, 1].
+            c_step = tl.max(tl.maximum(tl.maximum(tl.abs(c0), tl.abs(c1)), tl.maximum(tl.abs(c2), tl.abs(c3))), 0)
+            unit_new = tl.where(tl.maximum(unit, c_step) > 0.0, tl.maximum(unit, c_step), 1.0)
+            alpha = alpha * (unit / unit_new)
+            acc0 = _pv(acc0, alpha, (p * (c0 / unit_new)[None, :]).to(tl.float16), k0, HEADS_AS_N, INTERPRET)
+            acc1 = _pv(acc1, alpha, (p * (c1 / unit_new)[None, :]).to(tl.float16), k1, HEADS_AS_N, INTERPRET)
+            acc2 = _pv(acc2, alpha, (p * (c2 / unit_new)[None, :]).to(tl.float16), k2, HEADS_AS_N, INTERPRET)
+            acc3 = _pv(acc3, alpha, (p * (c3 / unit_new)[None, :]).to(tl.float16), k3, HEADS_AS_N, INTERPRET)
+            unit = unit_new
+        elif TILE_SCALES:
             acc0 = _pv(acc0, alpha, _to_bf16(p * c0[None, :], INTERPRET), k0, HEADS_AS_N, INTERPRET)
             acc1 = _pv(acc1, alpha, _to_bf16(p * c1[None, :], INTERPRET), k1, HEADS_AS_N, INTERPRET)
             acc2 = _pv(acc2, alpha, _to_bf16(p * c2[None, :], INTERPRET), k2, HEADS_AS_N, INTERPRET)
             acc3 = _pv(acc3, alpha, _to_bf16(p * c3[None, :], INTERPRET), k3, HEADS_AS_N, INTERPRET)
+        elif F16:
+            p = p.to(tl.float16)
+            acc0 = _pv(acc0, alpha, p, k0, HEADS_AS_N, INTERPRET)
+            acc1 = _pv(acc1, alpha, p, k1, HEADS_AS_N, INTERPRET)
+            acc2 = _pv(acc2, alpha, p, k2, HEADS_AS_N, INTERPRET)
+            acc3 = _pv(acc3, alpha, p, k3, HEADS_AS_N, INTERPRET)
         else:
             p = _to_bf16(p, INTERPRET)
             acc0 = _pv(acc0, alpha, p, k0, HEADS_AS_N, INTERPRET)
@@ -406,14 +490,14 @@ def _attend_item(
     part = slot_out.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     part_row = part_out + part * NOPE
     if slot_out < 0:  # the item covers its rows' whole range: the final result
-        inv_l = tl.where(seen, out_scale / tl.where(seen, l_i, 1.0), 0.0)
+        inv_l = tl.where(seen, out_scale * unit / tl.where(seen, l_i, 1.0), 0.0)
         _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, True, INTERPRET)
         _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, True, INTERPRET)
         _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, True, INTERPRET)
         _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, True, INTERPRET)
         tl.store(lse + token.to(tl.int64) * stride_lt + head, lse2 * LN2, mask=row_ok)
     else:  # one split of several: normalized partial, merged by _merge_splits_kernel
-        inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+        inv_l = tl.where(seen, unit / tl.where(seen, l_i, 1.0), 0.0)
         _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, False, INTERPRET)
         _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, False, INTERPRET)
         _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, False, INTERPRET)
