@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from impls.triton.decode_kernel import LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
+from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
@@ -40,6 +40,12 @@ KERNEL_LAYOUTS: dict[str, str | None] = {
 }
 FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 QUERY_DTYPES = (torch.bfloat16,)
+# Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
+# workspace slot (-1: writes the final output), and the request's first token and token count.
+ITEM_COLUMNS = ("request", "row_block", "kv_start", "kv_end", "slot", "first_token", "tokens")
+# Float32 partial values one merge step reads (16 per thread of 4 warps): fewer steps at batch 1 (64 splits), and
+# few enough registers that the loads stay in flight (H200: 8192 per step cost 2% at b32-b64; NOTES.md, round 4).
+MERGE_VALUES = 2048
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
@@ -50,13 +56,13 @@ class DecodeConfig:
     on the N side of the matrix products (see decode_kernel); ``num_stages`` is the software pipeline's depth (the
     kernel keeps ``num_stages - 1`` key tiles in flight); ``programs_per_sm`` sets the persistent grid (SMs times
     it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
-    each (tests, sweeps). The merge reads the partials one by one where no group has more than
-    ``serial_merge_max`` splits, else ``merge_splits`` at a time (H200: one by one is cheaper at 2-8 splits,
-    blocks at 32-128). ``early_merge``: launch the merge as a programmatic dependent of the split kernel (Hopper),
-    which starts it while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches
-    read each latent tile once per product and decode it in that product's operand layout, fp8 as bf16 (the
-    round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both products, fp8
-    as float16 with the query scaled into float16's range (see decode_kernel)."""
+    each (tests, sweeps). ``merge_splits`` caps the partials a merge step reads at once (None: as many as
+    ``MERGE_VALUES`` allows). ``early_merge``: launch the merge kernel as a programmatic
+    dependent of the split kernel (Hopper), which starts it while the split kernel runs and hides its launch
+    latency. ``reread_values``: quantized caches read each latent tile once per product and decode it in that
+    product's operand layout, fp8 as bf16 (the round-2 kernel: fewer registers); off (the default), a tile is
+    read and decoded once for both products, fp8 as float16 with the query scaled into float16's range (see
+    decode_kernel)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -66,8 +72,7 @@ class DecodeConfig:
     programs_per_sm: int = 1
     min_split: int = 128
     num_splits: int | None = None
-    merge_splits: int = 8
-    serial_merge_max: int = 16
+    merge_splits: int | None = None
     early_merge: bool = False
     reread_values: bool = False
 
@@ -76,7 +81,7 @@ class DecodeConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, got {value}")
-        if self.merge_splits < 1 or self.merge_splits & (self.merge_splits - 1):
+        if self.merge_splits is not None and (self.merge_splits < 1 or self.merge_splits & (self.merge_splits - 1)):
             raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
@@ -111,11 +116,10 @@ class DecodePlan:
     q: torch.Tensor
     cache: PagedCache
     block_table: torch.Tensor
-    query_start: torch.Tensor
     visible: torch.Tensor
-    work: torch.Tensor
-    program_items: torch.Tensor
-    groups: torch.Tensor
+    work: torch.Tensor           # [programs, max items, ITEM_FIELDS] int32 (``work_table``)
+    item_counts: torch.Tensor    # [programs] int32
+    groups: torch.Tensor         # [groups, 5] int32, the merge kernel's (``_merge_groups``)
     out: torch.Tensor
     lse: torch.Tensor
     part_out: torch.Tensor
@@ -125,8 +129,9 @@ class DecodePlan:
     out_scale: float
     config: DecodeConfig
     schedule: Schedule
+    merge_splits: int            # partials per merge step
     merge_tile: tuple[int, int]  # (rows, columns) per merge program
-    early_merge: bool            # the merge runs as a programmatic dependent launch (config asks, Hopper or newer)
+    early_merge: bool            # the merge kernel runs as a programmatic dependent launch (config asks, Hopper+)
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -150,19 +155,18 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                               _sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
     scaled = KERNEL_LAYOUTS[cache.layout.name]
     global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
-    query_start = torch.tensor(cumulative(q_lens), dtype=torch.int32)
+    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, _sm_count(device))
+    work, item_counts = work_table(schedule, q_lens)
     return DecodePlan(
-        q=q, cache=cache, block_table=block_table, query_start=query_start.to(device), visible=visible,
-        work=_int_rows(schedule.items, 5, device),
-        program_items=torch.tensor(schedule.program_items, dtype=torch.int32).to(device),
-        groups=_int_rows(schedule.groups, 4, device),
+        q=q, cache=cache, block_table=block_table, visible=visible, work=work.to(device),
+        item_counts=item_counts.to(device), groups=_merge_groups(schedule, q_lens).to(device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
         lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
         part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
         part_lse=torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device),
         qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
         out_scale=global_scale, config=config, schedule=schedule,
-        merge_tile=_merge_tile(len(schedule.groups), config.block_m, _sm_count(device)),
+        merge_splits=_merge_splits(schedule.max_splits, rows * cols, config.merge_splits), merge_tile=merge_tile,
         early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device))
 
 
@@ -171,12 +175,11 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
     if plan.work.shape[0]:
-        _decode_split_kernel[(plan.schedule.num_programs,)](
+        _decode_split_kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
-            plan.query_start, plan.visible, plan.work, plan.program_items, plan.out, plan.out.stride(0),
-            plan.out.stride(1),
-            plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.nope_scale,
-            plan.out_scale, plan.q.shape[1],
+            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
+            plan.nope_scale, plan.out_scale, plan.q.shape[1],
             LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
             TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
             REREAD=cfg.reread_values and cache.layout.name != "bf16",
@@ -187,9 +190,9 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
         _merge_splits_kernel[grid](
-            plan.groups, plan.query_start, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0),
-            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
-            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=_merge_step(plan), INTERPRET=INTERPRETED,
+            plan.groups, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
+            plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
+            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=plan.merge_splits, INTERPRET=INTERPRETED,
             EARLY_MERGE=early_merge, num_warps=4, **({"launch_pdl": True} if early_merge else {}))
     return plan.out, plan.lse
 
@@ -310,17 +313,47 @@ def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list
     return visible_lens
 
 
-def _merge_step(plan: DecodePlan) -> int:
-    """Partials the merge reads per step: 1 (one by one) for few splits, else ``merge_splits``."""
-    cfg = plan.config
-    return 1 if plan.schedule.max_splits <= cfg.serial_merge_max else cfg.merge_splits
+def work_table(schedule: Schedule, q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule as the split kernel reads it: ``[programs, max items, ITEM_FIELDS]`` int32, program p's items
+    in rows ``[p, 0 .. count)``, columns ``ITEM_COLUMNS``; and the item count of each program. Each item carries
+    its request's first token and token count, so the kernel reads nothing else before its queries and
+    block-table row."""
+    programs = schedule.num_programs
+    counts = [schedule.program_items[p + 1] - schedule.program_items[p] for p in range(programs)]
+    width = max(counts, default=1)
+    first_token = cumulative(q_lens)
+    table = [[0] * ITEM_FIELDS.value for _ in range(programs * width)]
+    for p in range(programs):
+        for j, item in enumerate(schedule.items[schedule.program_items[p]:schedule.program_items[p + 1]]):
+            request = item[0]
+            row = (*item, first_token[request], q_lens[request])
+            table[p * width + j][:len(row)] = row
+    return (torch.tensor(table, dtype=torch.int32).reshape(programs, width, ITEM_FIELDS.value),
+            torch.tensor(counts, dtype=torch.int32))
+
+
+def _merge_groups(schedule: Schedule, q_lens: list[int]) -> torch.Tensor:
+    """The merge kernel's rows: row block, first slot, slots, the request's first token and token count."""
+    first_token = cumulative(q_lens)
+    rows = [(row_block, first, count, first_token[request], q_lens[request])
+            for request, row_block, first, count in schedule.groups]
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 5)
+
+
+def _merge_splits(max_splits: int, tile_elements: int, cap: int | None) -> int:
+    """Partials per merge step: all of a group's at once where ``[splits, rows, columns]`` float32 holds at most
+    ``MERGE_VALUES``, else as many as that allows; at most ``cap``."""
+    fits = max(1, MERGE_VALUES // tile_elements)
+    wanted = 1 << (max(1, max_splits) - 1).bit_length()
+    splits = min(wanted, 1 << (fits.bit_length() - 1))
+    return min(splits, cap) if cap else splits
 
 
 def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:
-    """Rows and columns per merge program: 16 x 64, narrowed until the merge has two programs per SM (a batch of
-    one request with many splits would otherwise merge on a handful of SMs)."""
+    """Rows and columns per merge kernel program: 16 x 64, narrowed until the merge has two programs per SM (a
+    batch of one request with many splits would otherwise merge on a handful of SMs)."""
     rows, cols = min(16, block_m), 64
-    while cols > 16 and groups * (block_m // rows) * (NOPE.value // cols) < 2 * sms:
+    while cols > 8 and groups * (block_m // rows) * (NOPE.value // cols) < 2 * sms:
         cols //= 2
     return rows, cols
 
@@ -336,6 +369,3 @@ def _sm_count(device: torch.device) -> int:
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
-
-def _int_rows(rows: list[tuple[int, ...]], width: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width).to(device)

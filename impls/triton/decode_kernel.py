@@ -40,6 +40,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 NOPE = tl.constexpr(512)  # latent (value) width of a cache entry
 ROPE = tl.constexpr(64)   # rope width
 TILE = tl.constexpr(128)  # latent values per tile (fp8_ds_mla's scale block)
+ITEM_FIELDS = tl.constexpr(8)  # int32 per work item row, 7 used (decode.ITEM_COLUMNS): 32-byte rows
 
 
 @triton.jit
@@ -314,10 +315,9 @@ def _decode_split_kernel(
     q, stride_qt, stride_qh,            # [T, H, 576] queries
     cache,                              # uint8 base of the paged cache, BYTES_PER_TOKEN bytes per slot
     block_table, stride_bt,             # [B, max_blocks] int32
-    query_start,                        # [B+1] int32
     visible,                            # [T] int32: keys of its request each query token may see
-    work,                               # [num_items, 5] int32: request, row block, kv start, kv end, slot
-    program_items,                      # [programs + 1] int32: program p runs items [program_items[p], [p + 1])
+    work, items_stride,                 # [programs, max items + 1, ITEM_FIELDS] int32: each program's work items
+    item_counts,                        # [programs] int32: work items of each program
     out, stride_ot, stride_oh,          # [T, H, 512] final output
     lse, stride_lt,                     # [T, H] float32 natural-log lse
     part_out, part_lse,                 # [num_slots, BLOCK_M, 512] / [num_slots, BLOCK_M] float32
@@ -330,22 +330,33 @@ def _decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
     REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr,
 ):
-    """A persistent program: runs its consecutive work items one after the other (a balanced share of the
-    batch's key blocks; see decode_schedule). ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
+    """A persistent program: runs its work items one after the other (a balanced share of the batch's key blocks;
+    see decode_schedule). An item's row holds all it needs before its queries and block-table row can be read.
+    (Reading the next row ahead, carried across the key loop, miscompiles with Triton 3.6: wrong results on an
+    H200 for programs of several items.) ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
     dependent, start now and wait for this grid's results on the device (its launch latency hidden)."""
     if EARLY_MERGE:
         gdc_launch_dependents()
     program = tl.program_id(0)
-    for item in range(tl.load(program_items + program), tl.load(program_items + program + 1)):
+    table = work + program.to(tl.int64) * items_stride
+    for i in range(tl.load(item_counts + program)):
         _attend_item(
-            q, stride_qt, stride_qh, cache, block_table, stride_bt, query_start, visible, work, item,
+            q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, _item_fields(table + i * ITEM_FIELDS),
             out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
             LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD)
 
 
 @triton.jit
+def _item_fields(row):
+    """A work item's row (``decode.ITEM_COLUMNS``) as a tuple of scalars: one load each, so that the compiler knows
+    them uniform across the program (a vector load reduced to scalars is not, and costs registers)."""
+    return (tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4), tl.load(row + 5),
+            tl.load(row + 6))
+
+
+@triton.jit
 def _attend_item(
-    q, stride_qt, stride_qh, cache, block_table, stride_bt, query_start, visible, work, item,
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, fields,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
@@ -353,15 +364,9 @@ def _attend_item(
     REREAD: tl.constexpr,
 ):
     """One work item: a block of query rows of one request over one range of its keys."""
-    request = tl.load(work + item * 5)
-    row_block = tl.load(work + item * 5 + 1)
-    kv_start = tl.load(work + item * 5 + 2)
-    kv_end = tl.load(work + item * 5 + 3)
-    slot_out = tl.load(work + item * 5 + 4)
+    request, row_block, kv_start, kv_end, slot_out, q_first, q_len = fields
 
     # Query rows of this item: (token, head) pairs of the request, head fastest.
-    q_first = tl.load(query_start + request)
-    q_len = tl.load(query_start + request + 1) - q_first
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len * num_heads
     token = q_first + rows // num_heads
@@ -506,9 +511,49 @@ def _attend_item(
 
 
 @triton.jit
+def _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+    """LSE merge of a group's partials (workspace slots ``first .. first + count``) for the rows ``local`` of its
+    row block and the output columns ``cols``, ``SPLITS`` partials per step with independent loads (one step for
+    up to ``SPLITS`` splits; a long list is not a chain of memory latencies). Returns ``(sum_i w_i o_i, sum_i w_i,
+    m)`` with ``w_i = 2^(lse_i - m)`` and ``m`` the largest log2-sum-exp."""
+    rows: tl.constexpr = local.shape[0]
+    m = tl.full([rows], float("-inf"), tl.float32)
+    total = tl.zeros([rows], tl.float32)
+    acc = tl.zeros([rows, cols.shape[0]], tl.float32)
+    for i in range(0, count, SPLITS):
+        split = i + tl.arange(0, SPLITS)
+        ok = split < count
+        at = (first + split).to(tl.int64)[:, None] * BLOCK_M + local[None, :]
+        lse_i = tl.load(part_lse + at, mask=ok[:, None], other=float("-inf"))
+        o = tl.load(part_out + (at * NOPE)[:, :, None] + cols[None, None, :], mask=ok[:, None, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_i, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split saw a key yet: weights stay 0
+        alpha = tl.math.exp2(m - m_use)
+        w = tl.math.exp2(lse_i - m_use[None, :])
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    return acc, total, m
+
+
+@triton.jit
+def _store_merged(acc, total, out_row, cols, row_ok, out_scale, INTERPRET: tl.constexpr):
+    """The merged output columns ``cols`` (bf16, times the layer scale); rows that saw nothing get 0."""
+    seen = total > 0.0
+    o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
+    tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merged_lse(m, total):
+    """Natural-log lse of merged rows; -inf for rows that saw nothing."""
+    seen = total > 0.0
+    return tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf")) * LN2
+
+
+@triton.jit
 def _merge_splits_kernel(
-    groups,                             # [num_groups, 4] int32: request, row block, first slot, slots
-    query_start,
+    groups,                             # [num_groups, 5] int32: row block, first slot, slots, first token, tokens
     part_out, part_lse,                 # as written by _decode_split_kernel
     out, stride_ot, stride_oh,
     lse, stride_lt,
@@ -516,68 +561,25 @@ def _merge_splits_kernel(
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr,
 ):
-    """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns. ``SPLITS`` 1 reads the
-    partials one after the other (cheapest for a few); more reads that many per step with independent loads, so
-    a long list of splits (batch 1) is not a chain of memory latencies. ``EARLY_MERGE``: launched before the split
-    kernel finished (programmatic dependent launch), so first wait until its writes are complete and visible."""
-    if EARLY_MERGE:
-        gdc_wait()
+    """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns (``_merged_partials``).
+    ``EARLY_MERGE``: launched before the split kernel finished (programmatic dependent launch): the group's row is
+    read first, then the program waits until the split kernel's writes are complete and visible."""
     group = tl.program_id(0)
-    request = tl.load(groups + group * 4)
-    row_block = tl.load(groups + group * 4 + 1)
-    first = tl.load(groups + group * 4 + 2)
-    count = tl.load(groups + group * 4 + 3)
-
+    row_block = tl.load(groups + group * 5)
+    first = tl.load(groups + group * 5 + 1)
+    count = tl.load(groups + group * 5 + 2)
+    q_first = tl.load(groups + group * 5 + 3)
+    q_len = tl.load(groups + group * 5 + 4)
     local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)      # rows within the row block
     cols = tl.program_id(2) * COLS + tl.arange(0, COLS)
-    q_first = tl.load(query_start + request)
-    q_len = tl.load(query_start + request + 1) - q_first
     rows = row_block * BLOCK_M + local
     row_ok = rows < q_len * num_heads
-
-    if SPLITS == 1:  # few splits: one partial at a time, rescaling online
-        m = tl.full([ROWS], float("-inf"), tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, COLS], tl.float32)
-        for i in range(count):
-            part = (first + i).to(tl.int64) * BLOCK_M + local
-            lse_i = tl.load(part_lse + part)
-            o_i = tl.load(part_out + part[:, None] * NOPE + cols[None, :])
-            m_new = tl.maximum(m, lse_i)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m - m_use)
-            w = tl.math.exp2(lse_i - m_use)
-            total = total * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * o_i
-            m = m_new
-    else:  # many splits: SPLITS partials per step, independent loads instead of a chain of latencies
-        m = tl.full([ROWS], float("-inf"), tl.float32)  # pass 1: the largest log2-sum-exp of each row
-        for i in range(0, count, SPLITS):
-            split = i + tl.arange(0, SPLITS)
-            part = (first + split).to(tl.int64) * BLOCK_M
-            lse_i = tl.load(part_lse + part[:, None] + local[None, :], mask=(split < count)[:, None],
-                            other=float("-inf"))
-            m = tl.maximum(m, tl.max(lse_i, 0))
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([ROWS], tl.float32)            # pass 2: the weighted sum of the normalized partials
-        acc = tl.zeros([ROWS, COLS], tl.float32)
-        for i in range(0, count, SPLITS):
-            split = i + tl.arange(0, SPLITS)
-            part = (first + split).to(tl.int64) * BLOCK_M
-            ok = split < count
-            w = tl.math.exp2(tl.load(part_lse + part[:, None] + local[None, :], mask=ok[:, None],
-                                     other=float("-inf")) - m_use[None, :])
-            o = tl.load(part_out + ((part[:, None] + local[None, :]) * NOPE)[:, :, None] + cols[None, None, :],
-                        mask=ok[:, None, None], other=0.0)
-            total += tl.sum(w, 0)
-            acc += tl.sum(w[:, :, None] * o, 0)
-
-    seen = total > 0.0
-    o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
     token = q_first + rows // num_heads
     head = rows % num_heads
     out_row = out + token.to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
+    if EARLY_MERGE:
+        gdc_wait()
+    acc, total, m = _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M, SPLITS)
+    _store_merged(acc, total, out_row, cols, row_ok, out_scale, INTERPRET)
     if tl.program_id(2) == 0:
-        lse_row = tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
-        tl.store(lse + token.to(tl.int64) * stride_lt + head, lse_row * LN2, mask=row_ok)
+        tl.store(lse + token.to(tl.int64) * stride_lt + head, _merged_lse(m, total), mask=row_ok)
