@@ -57,9 +57,8 @@ class DecodeConfig:
     kernel keeps ``num_stages - 1`` key tiles in flight); ``programs_per_sm`` sets the persistent grid (SMs times
     it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
     each (tests, sweeps). ``merge_splits`` caps the partials a merge step reads at once (None: as many as
-    ``MERGE_VALUES`` allows). ``early_merge``: launch the merge kernel as a programmatic
-    dependent of the split kernel (Hopper), which starts it while the split kernel runs and hides its launch
-    latency. ``reread_values``: quantized caches read each latent tile once per product and decode it in that
+    ``MERGE_VALUES`` allows). ``early_merge``: launch the merge kernel as a programmatic dependent of the split
+    kernel (Hopper), which starts it while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches read each latent tile once per product and decode it in that
     product's operand layout, fp8 as bf16 (the round-2 kernel: fewer registers); off (the default), a tile is
     read and decoded once for both products, fp8 as float16 with the query scaled into float16's range (see
     decode_kernel)."""
@@ -117,7 +116,7 @@ class DecodePlan:
     cache: PagedCache
     block_table: torch.Tensor
     visible: torch.Tensor
-    work: torch.Tensor           # [programs, max items, ITEM_FIELDS] int32 (``work_table``)
+    work: torch.Tensor           # [programs, max items, ITEM_FIELDS] int32 (``_work_table``)
     item_counts: torch.Tensor    # [programs] int32
     groups: torch.Tensor         # [groups, 5] int32, the merge kernel's (``_merge_groups``)
     out: torch.Tensor
@@ -156,10 +155,11 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     scaled = KERNEL_LAYOUTS[cache.layout.name]
     global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
     rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, _sm_count(device))
-    work, item_counts = work_table(schedule, q_lens)
+    first_token = cumulative(q_lens)
+    work, item_counts = _work_table(schedule, q_lens, first_token)
     return DecodePlan(
         q=q, cache=cache, block_table=block_table, visible=visible, work=work.to(device),
-        item_counts=item_counts.to(device), groups=_merge_groups(schedule, q_lens).to(device),
+        item_counts=item_counts.to(device), groups=_merge_groups(schedule, q_lens, first_token).to(device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
         lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
         part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
@@ -313,7 +313,8 @@ def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list
     return visible_lens
 
 
-def work_table(schedule: Schedule, q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _work_table(schedule: Schedule, q_lens: list[int],
+                first_token: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule as the split kernel reads it: ``[programs, max items, ITEM_FIELDS]`` int32, program p's items
     in rows ``[p, 0 .. count)``, columns ``ITEM_COLUMNS``; and the item count of each program. Each item carries
     its request's first token and token count, so the kernel reads nothing else before its queries and
@@ -321,7 +322,6 @@ def work_table(schedule: Schedule, q_lens: list[int]) -> tuple[torch.Tensor, tor
     programs = schedule.num_programs
     counts = [schedule.program_items[p + 1] - schedule.program_items[p] for p in range(programs)]
     width = max(counts, default=1)
-    first_token = cumulative(q_lens)
     table = [[0] * ITEM_FIELDS.value for _ in range(programs * width)]
     for p in range(programs):
         for j, item in enumerate(schedule.items[schedule.program_items[p]:schedule.program_items[p + 1]]):
@@ -332,9 +332,8 @@ def work_table(schedule: Schedule, q_lens: list[int]) -> tuple[torch.Tensor, tor
             torch.tensor(counts, dtype=torch.int32))
 
 
-def _merge_groups(schedule: Schedule, q_lens: list[int]) -> torch.Tensor:
+def _merge_groups(schedule: Schedule, q_lens: list[int], first_token: list[int]) -> torch.Tensor:
     """The merge kernel's rows: row block, first slot, slots, the request's first token and token count."""
-    first_token = cumulative(q_lens)
     rows = [(row_block, first, count, first_token[request], q_lens[request])
             for request, row_block, first, count in schedule.groups]
     return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 5)

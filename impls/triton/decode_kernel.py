@@ -316,7 +316,7 @@ def _decode_split_kernel(
     cache,                              # uint8 base of the paged cache, BYTES_PER_TOKEN bytes per slot
     block_table, stride_bt,             # [B, max_blocks] int32
     visible,                            # [T] int32: keys of its request each query token may see
-    work, items_stride,                 # [programs, max items + 1, ITEM_FIELDS] int32: each program's work items
+    work, items_stride,                 # [programs, max items, ITEM_FIELDS] int32: each program's work items
     item_counts,                        # [programs] int32: work items of each program
     out, stride_ot, stride_oh,          # [T, H, 512] final output
     lse, stride_lt,                     # [T, H] float32 natural-log lse
@@ -537,21 +537,6 @@ def _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M: tl.
 
 
 @triton.jit
-def _store_merged(acc, total, out_row, cols, row_ok, out_scale, INTERPRET: tl.constexpr):
-    """The merged output columns ``cols`` (bf16, times the layer scale); rows that saw nothing get 0."""
-    seen = total > 0.0
-    o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
-    tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
-
-
-@triton.jit
-def _merged_lse(m, total):
-    """Natural-log lse of merged rows; -inf for rows that saw nothing."""
-    seen = total > 0.0
-    return tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf")) * LN2
-
-
-@triton.jit
 def _merge_splits_kernel(
     groups,                             # [num_groups, 5] int32: row block, first slot, slots, first token, tokens
     part_out, part_lse,                 # as written by _decode_split_kernel
@@ -580,6 +565,9 @@ def _merge_splits_kernel(
     if EARLY_MERGE:
         gdc_wait()
     acc, total, m = _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M, SPLITS)
-    _store_merged(acc, total, out_row, cols, row_ok, out_scale, INTERPRET)
+    seen = total > 0.0  # rows that saw nothing get out 0 and lse -inf
+    o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
+    tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
     if tl.program_id(2) == 0:
-        tl.store(lse + token.to(tl.int64) * stride_lt + head, _merged_lse(m, total), mask=row_ok)
+        lse_row = tl.where(seen, m + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(lse + token.to(tl.int64) * stride_lt + head, lse_row * LN2, mask=row_ok)
