@@ -175,7 +175,7 @@ def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: tor
         candidates += [(peer, None) for peer in peers if shape.label in PEER_SHAPES]
         for name, config in candidates:
             if name == "triton":
-                resolved = config or default_config(shape.heads, shape.q_len, shape.layout)
+                resolved = config or default_config(shape.heads, shape.q_len, shape.layout, shape.page_size)
                 impl, label = triton_impl(config), config_label(resolved)
                 key = check_key(shape, "triton", resolved)
             else:
@@ -302,7 +302,7 @@ def check_tasks(entries: list[tuple[Shape, list]], peers: list[str], sweep: bool
     tasks = [(f"sweep {w.label}", "triton", None, w.to_dict(), device) for w in correctness_workloads()] if sweep else []
     for shape, configs in entries:
         for config in configs:
-            resolved = config or default_config(shape.heads, shape.q_len, shape.layout)
+            resolved = config or default_config(shape.heads, shape.q_len, shape.layout, shape.page_size)
             tasks.append((check_key(shape, "triton", resolved), "triton", asdict(resolved),
                           config_check_workload(shape).to_dict(), device))
         if shape.label in PEER_SHAPES:

@@ -384,10 +384,9 @@ def _attend_item(
     # into float16's range (_pow2_scales), the scores scaled back with the softmax scale.
     ONCE: tl.constexpr = not REREAD
     F16: tl.constexpr = (LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2") and ONCE
-    row_scale = qk_scale + tl.zeros([BLOCK_M], tl.float32)
     if F16:
         up, down = _pow2_scales(q0, q1, q2, q3, q_rope)
-        row_scale = row_scale * down
+        row_scale = qk_scale * down
         q0 = (q0 * up[:, None]).to(tl.float16)
         q1 = (q1 * up[:, None]).to(tl.float16)
         q2 = (q2 * up[:, None]).to(tl.float16)
@@ -447,7 +446,11 @@ def _attend_item(
         if HEADS_AS_N:
             s = tl.trans(s)
 
-        s = tl.where(offs_n[None, :] < limit[:, None], s * row_scale[:, None], float("-inf"))
+        if F16:
+            s = s * row_scale[:, None]
+        else:  # a scalar: a per-row vector here cost 64-row page-1 blocks 25% (NOTES.md, round 5)
+            s = s * qk_scale
+        s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
         alpha = tl.math.exp2(m_i - m_use)

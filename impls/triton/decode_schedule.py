@@ -7,16 +7,21 @@ cut from the groups in order, so that every program finishes at about the same t
 lengths (a large batch is not rounded up to whole waves, batch 1 with a long context still fills the GPU).
 A cut group becomes several *items* (splits), each writing a partial result to a workspace slot that the
 merge kernel combines by LSE; an uncut group writes its result directly. Each item also costs a fixed
-overhead (loading its queries, writing its result), counted in key blocks.
+overhead (loading its queries, writing its result), counted in key blocks. Cutting at all costs more: the
+partials' traffic and a merge that waits for the last program. So where whole groups packed onto the programs
+(longest first) take at most ``SPLIT_PENALTY_KEYS`` longer than the balanced cut, nothing is cut (a batch about
+as large as the GPU: 16 heads, 128 requests on 132 multiprocessors, 159 -> 147 us on an H200, NOTES.md round 5).
 
 Pure host code on plain lists, so it is unit-tested without a kernel.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 OVERHEAD_KEYS = 64  # what an item costs beyond its keys (query load, result store, merge), in keys
+SPLIT_PENALTY_KEYS = 256  # what cutting any group costs the batch (partials, the merge's wait), in keys
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,22 @@ def _balanced(blocks: list[int], programs: int, overhead: int, min_blocks: int) 
     return _fill(blocks, low, overhead)
 
 
+def _whole(blocks: list[int], programs: int, overhead: int) -> list[list[tuple[int, int, int]]]:
+    """Whole groups, longest first, each onto the least loaded of at most ``programs`` programs."""
+    loads = [(0, p) for p in range(min(programs, len(blocks)))]
+    assignment: list[list[tuple[int, int, int]]] = [[] for _ in loads]
+    for group in sorted(range(len(blocks)), key=lambda g: -blocks[g]):
+        load, p = heapq.heappop(loads)
+        assignment[p].append((group, 0, blocks[group]))
+        heapq.heappush(loads, (load + blocks[group] + overhead, p))
+    return [sorted(pieces) for pieces in assignment if pieces]
+
+
+def _cost(assignment: list[list[tuple[int, int, int]]], overhead: int) -> int:
+    """The largest program's key blocks plus overhead per piece."""
+    return max((sum(end - first + overhead for _, first, end in pieces) for pieces in assignment), default=0)
+
+
 def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_m: int, block_n: int,
                    programs: int, min_split: int, num_splits: int | None = None) -> Schedule:
     """The work of a batch for at most ``programs`` persistent programs, each given at least ``min_split`` keys (a
@@ -92,7 +113,12 @@ def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_
             cuts = list(range(0, n, per_split)) if n else [0]
             assignment += [[(g, first, min(n, first + per_split) if n else 0)] for first in cuts]
     else:
-        assignment = _balanced(blocks, programs, _ceil_div(OVERHEAD_KEYS, block_n), _ceil_div(min_split, block_n))
+        overhead = _ceil_div(OVERHEAD_KEYS, block_n)
+        assignment = _balanced(blocks, programs, overhead, _ceil_div(min_split, block_n))
+        if sum(map(len, assignment)) > len(blocks):  # the balanced assignment cuts a group
+            whole = _whole(blocks, programs, overhead)
+            if _cost(whole, overhead) <= _cost(assignment, overhead) + _ceil_div(SPLIT_PENALTY_KEYS, block_n):
+                assignment = whole
 
     pieces_of: dict[int, int] = {}
     for pieces in assignment:
