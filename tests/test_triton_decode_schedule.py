@@ -81,10 +81,12 @@ def test_min_split_bounds_the_number_of_splits():
 
 
 def test_a_large_batch_is_not_split_further_than_the_gpu_needs():
-    """256 equal requests on 132 programs: each program gets about two, at most a few groups are cut."""
+    """256 equal requests on 132 programs: two whole requests per program (a balanced cut would shorten the longest
+    program by less than a cut costs)."""
     schedule = build_schedule([1] * 256, [4096] * 256, 16, 16, 64, programs=132, min_split=64)
-    coverage(schedule, [1] * 256, [4096] * 256, 16, 16)
-    assert len(schedule.groups) < 132 and schedule.max_splits <= 2
+    assert coverage(schedule, [1] * 256, [4096] * 256, 16, 16) == {(b, 0): 1 for b in range(256)}
+    assert not schedule.groups and schedule.num_programs == 132
+    assert max(program_costs(schedule, 64)) == 2 * (4096 // 64 + 1)
 
 
 def test_forced_splits_and_empty_requests():

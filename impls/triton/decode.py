@@ -58,10 +58,10 @@ class DecodeConfig:
     it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
     each (tests, sweeps). ``merge_splits`` caps the partials a merge step reads at once (None: as many as
     ``MERGE_VALUES`` allows). ``early_merge``: launch the merge kernel as a programmatic dependent of the split
-    kernel (Hopper), which starts it while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches read each latent tile once per product and decode it in that
-    product's operand layout, fp8 as bf16 (the round-2 kernel: fewer registers); off (the default), a tile is
-    read and decoded once for both products, fp8 as float16 with the query scaled into float16's range (see
-    decode_kernel)."""
+    kernel (Hopper), which starts it while the split kernel runs and hides its launch latency. ``reread_values``:
+    quantized caches read each latent tile once per product and decode it in that product's operand layout, fp8 as
+    bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
+    products, fp8 as float16 with the query scaled into float16's range (see decode_kernel)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -94,8 +94,9 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     once per product (decoded once, its float16 path spills registers). 16 or 32 rows: memory-bound, the mma.sync
     path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages: 64-key steps, one program per multiprocessor (bf16:
     three tiles of 72 KB fill its shared memory); other 16-row blocks two programs of 32-key steps (page 1 and the
-    other quantized layouts measured slower with 64-key steps, NOTES.md round 5). The early merge helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1
-    (29.5 -> 36.7 us), so only the former use it.
+    other quantized layouts measured slower with 64-key steps, NOTES.md round 5). The early merge helps the
+    memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the
+    former use it.
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
