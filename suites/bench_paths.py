@@ -14,7 +14,8 @@ Self-contained (the latency suite will supersede the timing part):
    (query, key) pairs, 2 * (192 + 128) each per head; sparse counts 2 * (576 + 512) per valid index per head;
 4. chunked prefill's peak extra memory (``torch.cuda.max_memory_allocated`` over plan + run) against its
    workspace, for two context lengths with the same MCC;
-5. DCP (``--parts dcp``): NCCL runs against the reference, then decode time at context 128k with W=1 and W=2.
+5. DCP (``--parts dcp``): NCCL runs against the reference, then decode time at context 128k with W=1 and W=2,
+   each rank's step (and its attention alone) replayed as a CUDA graph (``impls/triton/dcp/launch.py``).
 
 Writes ``paths_bench.json`` under ``--out`` (default ``$OUT`` or ``results``) and prints a table last.
 """

@@ -15,6 +15,7 @@ import torch
 import impls.triton  # noqa: F401
 from impls.triton.chunked import context_segments
 from impls.triton.dcp import run_dcp
+from impls.triton.dcp.comm import HeadComm
 from suites.sweeps import as_dcp
 from impls.triton.dcp.impl import TritonDcp
 from impls.triton.dcp.reorg import local_part_slots, padded_part_len, reorg_source_rows
@@ -44,6 +45,19 @@ def test_local_count_is_vllms_local_length():
             positions = torch.arange(70)
             expect = [dcp_local_len(int(p), rank, world, interleave) for p in positions]
             assert local_count(positions, rank, world, interleave).tolist() == expect
+
+
+@pytest.mark.parametrize("heads,world", [(16, 2), (16, 3), (2, 3), (128, 4)])
+def test_head_groups_are_contiguous_slices_in_tensor_split_order(heads, world):
+    """Each rank's heads are a slice (a view: capturable in a CUDA graph) and the slices tile the heads in order
+    with tensor_split's sizes, empty groups included when there are fewer heads than ranks."""
+    comms = [HeadComm(heads, rank, world) for rank in range(world)]
+    expected_groups = [g.tolist() for g in torch.arange(heads).tensor_split(world)]
+    got = [list(range(heads))[comm.my_heads] for comm in comms]
+    assert got == expected_groups
+    x = torch.randn(3, heads, 5)
+    assert all(x[:, comm.my_heads]._base is x for comm in comms)  # a view, not a gathered copy
+    assert comms[0].width == max(len(g) for g in expected_groups)
 
 
 @pytest.mark.parametrize("world, interleave", [(2, 1), (3, 2), (4, 8)])

@@ -49,7 +49,7 @@ class DcpSpec:
     backend: str
     attention: Any = "triton_decode"  # a name in SHARD_ATTENTIONS, or a picklable ShardAttention
     rescale: Any = rescale_partial
-    time_iters: int = 0               # > 0: time that many steps on the GPU after warm-up
+    time_iters: int = 0               # > 0: time that many CUDA-graph replays of a step on the GPU
     reorg_chunk: int | None = None    # check the context reorg with chunks of this many tokens
     synthetic: bool = False           # timing only: each rank draws its shard on the device (no global problem)
 
@@ -80,18 +80,30 @@ def _move(problem: Problem, device: torch.device) -> Problem:
 
 
 def _timed_steps(run, iters: int) -> float:
-    for _ in range(3):
+    """Median milliseconds of ``run`` captured in a CUDA graph and replayed ``iters`` times, the ranks aligned by a
+    barrier before each replay: as a serving engine replays its decode step (the latency suite times every impl
+    this way), without the host's launch time between the step's small kernels and collectives. Every rank
+    captures and replays the same number of times, so the collectives inside stay matched."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture stream: compiles, allocates, connects NCCL
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         run()
     times = []
-    for _ in range(iters):
+    for _ in range(iters + 1):  # the first replay uploads the graph: not timed
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def _check_reorg(problem: Problem, shard, comm: HeadComm, chunk: int) -> float:
