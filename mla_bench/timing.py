@@ -104,17 +104,11 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
     if not fns:
         raise ValueError("time_rotation needs at least one callable")
     with torch.cuda.device(device):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: compiles, autotunes, fills caches of the impl
-            for fn in fns:
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        warm_up(fns)
         launches, method, fallback = list(fns), EVENTS, ""
         if use_graphs:
             try:
-                launches, method = (_capture_all(fns) if one_graph else _capture(fns)), GRAPH
+                launches, method = (_capture_all(fns) if one_graph else capture_graphs(fns)), GRAPH
             except Exception as exc:  # noqa: BLE001 - any capture failure means: time plain launches
                 fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
                 torch.cuda.synchronize()
@@ -126,8 +120,21 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
         return TimingStats.of([t / per_sample for t in _events(launches, iters)], method, fallback)
 
 
-def _capture(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
-    """One CUDA graph per callable, sharing a memory pool (they replay in capture order)."""
+def warm_up(fns: list[Callable[[], Any]], rounds: int = 1) -> None:
+    """Run every callable ``rounds`` times on a side stream, then synchronize: compiles, autotunes, fills the impl's
+    caches (and connects a process group's communicators) before anything is captured or timed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def capture_graphs(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
+    """One CUDA graph per callable, sharing a memory pool (they replay in capture order); returns their replays."""
     graphs: list[torch.cuda.CUDAGraph] = []
     pool = None
     for fn in fns:

@@ -35,6 +35,7 @@ from impls.triton.merge import rescale_partial
 from mla_bench.layouts import LATENT_DIM
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import TORCH_DTYPES, Problem, build_problem
+from mla_bench.timing import capture_graphs, warm_up
 from mla_bench.workload import Mode, Workload
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -84,22 +85,14 @@ def _timed_steps(run, iters: int) -> float:
     barrier before each replay: as a serving engine replays its decode step (the latency suite times every impl
     this way), without the host's launch time between the step's small kernels and collectives. Every rank
     captures and replays the same number of times, so the collectives inside stay matched."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up off the capture stream: compiles, allocates, connects NCCL
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    warm_up([run], rounds=3)
+    (replay,) = capture_graphs([run])
     times = []
     for _ in range(iters + 1):  # the first replay uploads the graph: not timed
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
