@@ -52,7 +52,8 @@ PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4), P
                    PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)]
 SPARSE_CONFIGS = {  # per layout: what was tried (NOTES.md, part 2, has the earlier rounds)
     "fp8_ds_mla": [SparseConfig(128, 64, 8, 1), SparseConfig(128, 32, 8, 1), SparseConfig(64, 64, 8, 2)],
-    "fp8_ds_mla_pow2": [SparseConfig(32, 64, 4, 2), SparseConfig(64, 64, 8, 2), SparseConfig(128, 32, 8, 1)],
+    "fp8_ds_mla_pow2": [SparseConfig(64, 128, 8, 1, prefetch=True), SparseConfig(64, 128, 8, 1),
+                        SparseConfig(64, 64, 8, 2, prefetch=True), SparseConfig(64, 64, 8, 2)],
     "bf16": [SparseConfig(32, 64, 4, 2), SparseConfig(64, 64, 8, 2)],
 }
 ROWS: list[dict[str, Any]] = []  # the final table
@@ -208,7 +209,8 @@ def bench_sparse(device: torch.device, timer: Timer, ceil: dict, quick: bool) ->
         label = f"sparse decode h{heads} b{batch} topk{topk} {layout}"
         scale = get_preset("deepseek-v3").softmax_scale
         for config in configs[:1] if quick else configs:
-            variant = f"BH{config.block_h} BN{config.block_n} w{config.num_warps} s{config.num_stages}"
+            variant = (f"BH{config.block_h} BN{config.block_n} w{config.num_warps} s{config.num_stages}"
+                       + (" prefetch" if config.prefetch else ""))
             try:
                 check = judge(TritonSparse(config), build_problem(Workload(
                     mode="sparse_decode", preset="deepseek-v3", q_lens=(1,) * 8, kv_lens=(3000,) * 8, page_size=64,

@@ -46,6 +46,15 @@ def test_sparse_reads_the_other_fp8_layouts(transform, layout):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
+@pytest.mark.parametrize("layout", ["bf16", "fp8_ds_mla_pow2"])
+def test_prefetching_the_next_steps_rows_changes_no_result(layout):
+    """The prefetch reads the next step's indices (past top-k at the last step, -1 padding among them): on a GPU
+    it runs, and must neither fault nor change a result."""
+    impl = TritonSparse(SparseConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, prefetch=True))
+    verdict = judge(impl, build_problem(sparse("paged", "sparse_prefill", layout, topk=40, seed=6), DEVICE))
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
 @pytest.mark.parametrize("transform, layout", [("paged", "bf16"), ("ragged", "fp8_ds_mla")])
 def test_top_k_2048(transform, layout):
     w = sparse(transform, layout=layout, q_lens=(1, 1), kv_lens=(2100, 2048), topk=2048, seed=0)

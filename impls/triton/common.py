@@ -1,4 +1,4 @@
-"""Small pieces every Triton kernel module here shares, and two workarounds for Triton 3.9's interpreter.
+"""Small pieces the Triton kernel modules here share, and two workarounds for Triton 3.9's interpreter.
 
 - The interpreter multiplies bfloat16 tiles as their raw uint16 bits (``np.matmul`` on the storage), so under
   ``TRITON_INTERPRET=1`` the kernels feed ``tl.dot`` float32 copies of their bf16/fp16 tiles (``mma``). The
@@ -36,3 +36,12 @@ def cast(x, DTYPE: tl.constexpr, INTERP: tl.constexpr):
             bits = bits + 0x7FFF + ((bits >> 16) & 1)
             x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+@triton.jit
+def prefetch_l2(ptrs, INTERP: tl.constexpr):
+    """Request the cache lines holding ``ptrs`` into L2, without a result to wait for: a hint that starts a DRAM
+    read a later load of the loop will need (skipped by the interpreter, which has no inline assembly)."""
+    if not INTERP:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)

@@ -92,11 +92,12 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     Query rows per request (heads x new tokens) set the row block. 64 rows (128 heads, or 16 heads x 4 tokens):
     the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); fp8_ds_mla there decodes its tiles
     once per product (decoded once, its float16 path spills registers). 16 or 32 rows: memory-bound, the mma.sync
-    path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages: 64-key steps, one program per multiprocessor (bf16:
-    three tiles of 72 KB fill its shared memory); other 16-row blocks two programs of 32-key steps (page 1 and the
-    other quantized layouts measured slower with 64-key steps, NOTES.md round 5). The early merge helps the
-    memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the
-    former use it.
+    path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per
+    multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
+    prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts,
+    and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps
+    the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only
+    the former use it.
     """
     rows = num_heads * max_q_len
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
@@ -104,7 +105,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
-    if block_m == 16 and layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0:
+    whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
+    if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, early_merge=True)
     if block_m == 16:
         return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, early_merge=True)

@@ -35,11 +35,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from impls.triton.common import prefetch_l2
+
 LOG2E = 1.4426950408889634  # host side: the softmax scale is passed premultiplied by log2(e)
 LN2 = tl.constexpr(0.6931471805599453)
 NOPE = tl.constexpr(512)  # latent (value) width of a cache entry
 ROPE = tl.constexpr(64)   # rope width
 TILE = tl.constexpr(128)  # latent values per tile (fp8_ds_mla's scale block)
+# Block-table lines requested ahead, in tiles, for pages smaller than a tile (page 1, 16 heads, an H200: 2-4 tiles
+# ahead measured alike, 6 worse; NOTES.md, round 7).
+TABLE_PREFETCH_STEPS = tl.constexpr(2)
 ITEM_FIELDS = tl.constexpr(8)  # int32 per work item row, 7 used (decode.ITEM_COLUMNS): 32-byte rows
 
 
@@ -235,14 +240,17 @@ def _pow2_scales(q0, q1, q2, q3, q_rope):
 
 
 @triton.jit
-def _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                BYTES_PER_TOKEN: tl.constexpr):
+def _token_base(cache, pages, start, offs_n, n_ok, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                BYTES_PER_TOKEN: tl.constexpr, INTERPRET: tl.constexpr):
     """Byte address of each key's cache row ``[BLOCK_N]``, through the request's block table ``pages``.
 
     Triton's software pipeliner counts a pipelinable load that feeds a cache tile's address as one more level of
     indirection and gives every load only ``(num_stages - 1) / (levels + 1)`` iterations of prefetch distance.
     Block-table entries read as two 16-bit halves (non-negative int32, little-endian) are too small for it to
     pipeline, so the tiles keep the full distance (``num_stages - 1``). A tile inside one page reads one entry.
+    Pages smaller than a tile read an entry per key, at the point where the pipeliner issues a later tile's copy:
+    each step waited there for a block-table line from DRAM, so the lines of the entries ``TABLE_PREFETCH_STEPS``
+    tiles ahead are requested into L2 first.
     """
     if PAGE_SIZE % BLOCK_N == 0:  # tiles start at multiples of BLOCK_N: one page per tile, consecutive rows
         halves = pages.to(tl.pointer_type(tl.uint16)) + 2 * (start // PAGE_SIZE)
@@ -250,6 +258,7 @@ def _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE: tl.constexpr, BLOC
         first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * BYTES_PER_TOKEN
         base = first + tl.arange(0, BLOCK_N) * BYTES_PER_TOKEN
     else:
+        prefetch_l2(pages + tl.minimum(offs_n + TABLE_PREFETCH_STEPS * BLOCK_N, kv_end - 1) // PAGE_SIZE, INTERPRET)
         halves = pages.to(tl.pointer_type(tl.uint16)) + 2 * (offs_n // PAGE_SIZE)
         low = tl.load(halves, mask=n_ok, other=0).to(tl.int64)
         high = tl.load(halves + 1, mask=n_ok, other=0).to(tl.int64)
@@ -417,7 +426,7 @@ def _attend_item(
     for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        base = _token_base(cache, pages, start, offs_n, n_ok, PAGE_SIZE, BLOCK_N, BYTES_PER_TOKEN)
+        base = _token_base(cache, pages, start, offs_n, n_ok, kv_end, PAGE_SIZE, BLOCK_N, BYTES_PER_TOKEN, INTERPRET)
         row = base[:, None]
         keep: tl.constexpr = "evict_last" if REREAD else ""
         k0 = _latent_tile(row, 0, n_ok, LAYOUT, keep, ONCE)

@@ -17,13 +17,13 @@ cache exactly, whatever its scales, instead of rounding dequantized keys to bf16
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from impls.triton.common import INTERPRETING, cast, mma
+from impls.triton.common import INTERPRETING, cast, mma, prefetch_l2
 from impls.triton.latent_io import SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
@@ -35,6 +35,7 @@ class SparseConfig:
     block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
+    prefetch: bool = False  # request the next step's rows into L2 while this step computes
 
 
 INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op
@@ -48,10 +49,10 @@ def default_config(device: torch.device, heads: int, layout_code: int = 0) -> Sp
         best = SparseConfig(128, 64, 8, 1)
     elif layout_code == 0:
         best = SparseConfig(32, 64, 4, 2)
-    else:  # power-of-two fp8 dequantized in registers: wide head blocks amortize the decode (BH32 was 4.6x slower)
-        best = SparseConfig(64, 64, 8, 2)
-    return SparseConfig(min(best.block_h, max(16, triton.next_power_of_2(heads))), best.block_n, best.num_warps,
-                        best.num_stages)
+    else:  # power-of-two fp8 dequantized in registers: wide head blocks amortize the decode (BH32 was 4.6x slower);
+        # one stage of 128 keys with the next step's rows prefetched: 404 (BN64 s2) -> 331 us (NOTES.md, round 7)
+        best = SparseConfig(64, 128, 8, 1, prefetch=True)
+    return replace(best, block_h=min(best.block_h, max(16, triton.next_power_of_2(heads))))
 
 
 @triton.jit
@@ -72,10 +73,22 @@ def _values(acc, p, codes, scale, alpha, SCALED: tl.constexpr, UPCAST: tl.conste
 
 
 @triton.jit
+def _prefetch_rows(idx_row, first, topk, SRC, num_rows, row_bytes, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """Request into L2 every 128-byte line of the source rows that indices ``first .. first + BLOCK_N`` name."""
+    offs = first + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_row + offs, mask=offs < topk, other=-1).to(tl.int64)
+    rows = tl.where((idx >= 0) & (idx < num_rows), idx, 0)
+    LINES: tl.constexpr = 16 if LAYOUT == 0 else 8  # bf16 rows are 1152 bytes, fp8 rows 576 or 656
+    lines = tl.minimum(tl.arange(0, LINES) * 128, row_bytes - 1)
+    prefetch_l2(SRC + rows[:, None] * row_bytes + lines[None, :], UPCAST)
+
+
+@triton.jit
 def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_scale, qk_scale,
                    s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
                    LAYOUT: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
@@ -102,6 +115,8 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
         k2, c2 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 2, LAYOUT, q0.dtype)
         k3, c3 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 3, LAYOUT, q0.dtype)
         k_r, c_r = load_rope_tile(SRC, rows, valid, row_bytes, tensor_scale, LAYOUT, q_r.dtype)
+        if PREFETCH:  # after this step's loads are issued, before its products
+            _prefetch_rows(IDX + t * s_it, n0 + BLOCK_N, topk, SRC, num_rows, row_bytes, LAYOUT, BLOCK_N, UPCAST)
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         s = _scores(s, q0, k0, c0, SCALED, UPCAST)
         s = _scores(s, q1, k1, c1, SCALED, UPCAST)
@@ -159,7 +174,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
                              tensor_scale, scale * LOG2E, q.stride(0), q.stride(1), indices.stride(0),
                              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                              LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
-                             BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+                             BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,
                              UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
 
