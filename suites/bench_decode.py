@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from impls.triton.decode import FP4_LAYOUTS, DecodeConfig, TritonDecode, default_config
+from impls.triton.decode import FP4_LAYOUTS, DecodeConfig, TritonDecode, default_config, sm_count
 from mla_bench import timing
 from mla_bench.costs import cost
 from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
@@ -62,6 +62,12 @@ class Shape:
     def workload(self, seed: int = 0) -> Workload:
         return Workload.uniform(Mode.DECODE, self.batch, self.q_len, self.ctx, preset=PRESET_OF_HEADS[self.heads],
                                 layout=self.layout, page_size=self.page_size, seed=seed)
+
+
+def shape_default(shape: Shape, device: torch.device) -> DecodeConfig:
+    """The configuration ``TritonDecode`` chooses for the shape's workload on ``device``."""
+    return default_config(shape.heads, shape.q_len, shape.layout, shape.page_size,
+                          shape.batch * shape.ctx / sm_count(device))
 
 
 def timing_problem(shape: Shape, device: torch.device, seed: int) -> Problem:
@@ -175,7 +181,7 @@ def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: tor
         candidates += [(peer, None) for peer in peers if shape.label in PEER_SHAPES]
         for name, config in candidates:
             if name == "triton":
-                resolved = config or default_config(shape.heads, shape.q_len, shape.layout, shape.page_size)
+                resolved = config or shape_default(shape, device)
                 impl, label = triton_impl(config), config_label(resolved)
                 key = check_key(shape, "triton", resolved)
             else:
@@ -302,7 +308,7 @@ def check_tasks(entries: list[tuple[Shape, list]], peers: list[str], sweep: bool
     tasks = [(f"sweep {w.label}", "triton", None, w.to_dict(), device) for w in correctness_workloads()] if sweep else []
     for shape, configs in entries:
         for config in configs:
-            resolved = config or default_config(shape.heads, shape.q_len, shape.layout, shape.page_size)
+            resolved = config or shape_default(shape, torch.device(device))
             tasks.append((check_key(shape, "triton", resolved), "triton", asdict(resolved),
                           config_check_workload(shape).to_dict(), device))
         if shape.label in PEER_SHAPES:

@@ -114,6 +114,16 @@ def test_fp8_float16_products_hold_queries_and_scales_of_any_magnitude(layout, q
     assert verdict.kernel.rel_l2 < 4e-3
 
 
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
+def test_128_row_blocks_of_quantized_layouts_pass_the_judge(layout):
+    """Quantized layouts' default for 128 rows or more (default_config): here a block holds two tokens of 64 heads,
+    causal between them, and a request whose one token fills half of it."""
+    problem = build_problem(workload(layout, 16, ((2, 1, 2), (90, 33, 17)), heads=64, seed=21))
+    verdict = judge(Configured(DecodeConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    assert verdict.kernel.rel_l2 < 4e-3
+
+
 def test_fp8_ds_mla_tile_scales_are_applied_after_exact_products_in_both_orientations():
     problem = build_problem(workload("fp8_ds_mla", 16, ((2, 1), (90, 33)), heads=16, seed=5))
     for heads_as_n in (True, False):

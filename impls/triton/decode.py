@@ -39,6 +39,10 @@ KERNEL_LAYOUTS: dict[str, str | None] = {
     "mxfp4_nsa": None, "nvfp4": "nope",
 }
 FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
+# Keys of a batch per multiprocessor from which 128-row blocks pay (default_config). H200, 128 heads: at 993 (b32
+# ctx4096, b16 ctx8192) they cut fp8_ds_mla and FP4 decode by 2-12%, at 3972 (b128) by 9-20%; at 496 (b8 ctx8192)
+# -1% to +3%; at 62 (b1 ctx8192) +36-45% (NOTES.md, round 7).
+WIDE_ROWS_MIN_KEYS_PER_SM = 512
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
 # workspace slot (-1: writes the final output), and the request's first token and token count.
@@ -86,10 +90,16 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
 
 
-def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64) -> DecodeConfig:
-    """Parameters for a workload, chosen from the H200 sweeps in NOTES.md.
+def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
+                   keys_per_sm: float = 0.0) -> DecodeConfig:
+    """Parameters for a workload, chosen from the H200 sweeps in NOTES.md; ``keys_per_sm`` is the batch's keys
+    over the GPU's multiprocessors.
 
-    Query rows per request (heads x new tokens) set the row block. 64 rows (128 heads, or 16 heads x 4 tokens):
+    Query rows per request (heads x new tokens) set the row block. 128 rows or more of a quantized layout other
+    than fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys per multiprocessor: 128-row blocks, one stage
+    of 64 keys, tiles decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still
+    faster; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128 heads, or
+    16 heads x 4 tokens):
     the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); fp8_ds_mla there decodes its tiles
     once per product (decoded once, its float16 path spills registers). 16 or 32 rows: memory-bound, the mma.sync
     path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per
@@ -100,6 +110,9 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     the former use it.
     """
     rows = num_heads * max_q_len
+    wide_rows = layout.startswith("fp8_ds_mla") or layout in FP4_LAYOUTS
+    if rows >= 128 and wide_rows and keys_per_sm >= WIDE_ROWS_MIN_KEYS_PER_SM:
+        return DecodeConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     if block_m == 64:
         if layout.startswith("fp8_ds_mla"):
@@ -152,16 +165,17 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
-    config = config or default_config(num_heads, max(q_lens), cache.layout.name, cache.page_size)
+    config = config or default_config(num_heads, max(q_lens), cache.layout.name, cache.page_size,
+                                      sum(kv_lens) / sm_count(device))
     if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
         raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
                                 f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
                                 f"use block_n >= 32")
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
-                              _sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
+                              sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
     scaled = KERNEL_LAYOUTS[cache.layout.name]
     global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
-    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, _sm_count(device))
+    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, sm_count(device))
     first_token = cumulative(q_lens)
     work, item_counts = _work_table(schedule, q_lens, first_token)
     return DecodePlan(
@@ -369,7 +383,7 @@ def _has_dependent_launch(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Multiprocessors to fill; the interpreter gets a nominal 4 so that small tests still split."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
