@@ -73,12 +73,20 @@ def _values(acc, p, codes, scale, alpha, SCALED: tl.constexpr, UPCAST: tl.conste
 
 
 @triton.jit
+def _index_rows(idx_row, first, topk, num_rows, BLOCK_N: tl.constexpr):
+    """Source rows of indices ``first .. first + BLOCK_N`` of a token's list, and which are valid (in top-k and
+    ``0 <= idx < num_rows``); invalid ones read row 0."""
+    offs = first + tl.arange(0, BLOCK_N)
+    idx = tl.load(idx_row + offs, mask=offs < topk, other=-1).to(tl.int64)
+    valid = (idx >= 0) & (idx < num_rows)
+    return tl.where(valid, idx, 0), valid
+
+
+@triton.jit
 def _prefetch_rows(idx_row, first, topk, SRC, num_rows, row_bytes, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr,
                    UPCAST: tl.constexpr):
     """Request into L2 every 128-byte line of the source rows that indices ``first .. first + BLOCK_N`` name."""
-    offs = first + tl.arange(0, BLOCK_N)
-    idx = tl.load(idx_row + offs, mask=offs < topk, other=-1).to(tl.int64)
-    rows = tl.where((idx >= 0) & (idx < num_rows), idx, 0)
+    rows, _ = _index_rows(idx_row, first, topk, num_rows, BLOCK_N)
     LINES: tl.constexpr = 16 if LAYOUT == 0 else 8  # bf16 rows are 1152 bytes, fp8 rows 576 or 656
     lines = tl.minimum(tl.arange(0, LINES) * 128, row_bytes - 1)
     prefetch_l2(SRC + rows[:, None] * row_bytes + lines[None, :], UPCAST)
@@ -106,10 +114,7 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     for n0 in range(0, topk, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(IDX + t * s_it + offs_n, mask=offs_n < topk, other=-1).to(tl.int64)
-        valid = (idx >= 0) & (idx < num_rows)
-        rows = tl.where(valid, idx, 0)
+        rows, valid = _index_rows(IDX + t * s_it, n0, topk, num_rows, BLOCK_N)
         k0, c0 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 0, LAYOUT, q0.dtype)
         k1, c1 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 1, LAYOUT, q0.dtype)
         k2, c2 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 2, LAYOUT, q0.dtype)
