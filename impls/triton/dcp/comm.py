@@ -11,13 +11,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mla_bench.metadata.reference import cumulative
+
 
 class HeadComm:
     def __init__(self, heads: int, rank: int, world: int, group: dist.ProcessGroup | None = None) -> None:
         self.rank, self.world, self.group = rank, world, group
         self.sizes = [len(g) for g in torch.arange(heads).tensor_split(world)]
-        starts = [sum(self.sizes[:r]) for r in range(world)]
-        self.groups = [slice(start, start + size) for start, size in zip(starts, self.sizes)]
+        bounds = cumulative(self.sizes)
+        self.groups = [slice(start, end) for start, end in zip(bounds, bounds[1:])]
         self.width = max(self.sizes)
 
     @property
