@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from impls.triton.decode import FP4_LAYOUTS, DecodeConfig, TritonDecode, default_config, sm_count
+from impls.triton.decode import FP4_LAYOUTS, DecodeConfig, TritonDecode, batch_config
 from mla_bench import timing
 from mla_bench.costs import cost
 from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
@@ -66,8 +66,8 @@ class Shape:
 
 def shape_default(shape: Shape, device: torch.device) -> DecodeConfig:
     """The configuration ``TritonDecode`` chooses for the shape's workload on ``device``."""
-    return default_config(shape.heads, shape.q_len, shape.layout, shape.page_size,
-                          shape.batch * shape.ctx / sm_count(device))
+    return batch_config(shape.heads, [shape.q_len] * shape.batch, [shape.ctx] * shape.batch, shape.layout,
+                        shape.page_size, device)
 
 
 def timing_problem(shape: Shape, device: torch.device, seed: int) -> Problem:

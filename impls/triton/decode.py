@@ -128,6 +128,12 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=4, early_merge=True)
 
 
+def batch_config(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int], layout: str, page_size: int,
+                 device: torch.device) -> DecodeConfig:
+    """``default_config`` for a batch on ``device``: its longest query, and its keys per multiprocessor."""
+    return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / _sm_count(device))
+
+
 @dataclass
 class DecodePlan:
     """Everything ``run_decode`` launches with: inputs (referenced, not copied), outputs, workspaces."""
@@ -165,17 +171,17 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     num_tokens, num_heads = q.shape[0], q.shape[1]
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
-    config = config or default_config(num_heads, max(q_lens), cache.layout.name, cache.page_size,
-                                      sum(kv_lens) / sm_count(device))
+    config = config or batch_config(num_heads, q_lens, kv_lens, cache.layout.name, cache.page_size, device)
     if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
         raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
                                 f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
                                 f"use block_n >= 32")
+    sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
-                              sm_count(device) * config.programs_per_sm, config.min_split, config.num_splits)
+                              sms * config.programs_per_sm, config.min_split, config.num_splits)
     scaled = KERNEL_LAYOUTS[cache.layout.name]
     global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
-    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, sm_count(device))
+    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, sms)
     first_token = cumulative(q_lens)
     work, item_counts = _work_table(schedule, q_lens, first_token)
     return DecodePlan(
@@ -383,7 +389,7 @@ def _has_dependent_launch(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     """Multiprocessors to fill; the interpreter gets a nominal 4 so that small tests still split."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
