@@ -10,6 +10,7 @@ graph launch (which matters for kernels of a few microseconds).
 
 ``measure_ceilings(device)`` gives the two numbers every result is a fraction of: device-to-device copy
 bandwidth (read + write bytes) and the bf16 matmul rate on 8192^3, measured once per device per process.
+``time_copy(bytes)`` times a copy of a given size the same way as a kernel, for a size-matched reference.
 ``cuda_event_timer`` is a clock for pytest-benchmark that reads the GPU's own timeline.
 """
 
@@ -30,6 +31,8 @@ COLD_L2_FACTOR = 4          # the rotating input sets together exceed this many 
 DEFAULT_L2_BYTES = 50 << 20  # when the device does not report its L2 size
 MATMUL_N = 8192
 COPY_BYTES = 1 << 30
+COPY_PAGE = 4096            # time_copy moves whole pages of this many bytes each way
+COPY_TRIES = 4              # ... and times this many sizes a page apart, keeping the fastest
 
 
 @dataclass
@@ -118,6 +121,28 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
         _events(launches, int(min(max_iters, warmup_ms / per_launch)))
         iters = int(min(max_iters, max(min_iters, 3 * len(launches), target_ms / per_launch)))
         return TimingStats.of([t / per_sample for t in _events(launches, iters)], method, fallback)
+
+
+def time_copy(num_bytes: int, device: torch.device, l2_bytes: int) -> TimingStats:
+    """A device-to-device copy moving ``num_bytes`` (read + write), timed like a kernel under test (cold L2, one
+    graph): how fast the device moves that many bytes at all. At a few hundred MB it is below the 1 GiB copy rate
+    of ``measure_ceilings`` (ramp-up and tail are a larger share), which a fraction of that rate hides.
+
+    The driver's memcpy (torch's ``copy_``) runs 1.5x slower at some sizes than at sizes a page away (an H200:
+    304,218,112 bytes each way in 146.5 us, 304,222,208 in 228.1 us; which sizes is not a simple alignment rule),
+    so ``COPY_TRIES`` sizes a ``COPY_PAGE`` apart around ``num_bytes / 2`` are timed and the fastest is returned."""
+    if num_bytes <= 0:
+        raise ValueError(f"time_copy needs a positive byte count, got {num_bytes}")
+    first = max(1, round(num_bytes / 2 / COPY_PAGE)) * COPY_PAGE
+    best = None
+    for half in range(first, first + COPY_TRIES * COPY_PAGE, COPY_PAGE):
+        pairs = [(torch.empty(half, dtype=torch.uint8, device=device),
+                  torch.empty(half, dtype=torch.uint8, device=device))
+                 for _ in range(sets_for_cold_l2(num_bytes, l2_bytes))]
+        stats = time_rotation([lambda src=src, dst=dst: dst.copy_(src) for src, dst in pairs], device, one_graph=True)
+        best = stats if best is None or stats.median < best.median else best
+        del pairs
+    return best
 
 
 def warm_up(fns: list[Callable[[], Any]], rounds: int = 1) -> None:

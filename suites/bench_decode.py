@@ -9,7 +9,9 @@
    per query row and visible key);
 3. peers (``--peers flashinfer_mla``) judged and timed through their ``Impl`` adapters on the same shapes.
 
-Writes ``decode_bench.json`` to ``--out`` (default ``$OUT``) and prints a table last. ``--once`` runs each
+Each shape's table row also gives ``copy@size``: the time of a device copy of the same bytes (``timing.time_copy``),
+what moving those bytes takes at all at that size. Writes ``decode_bench.json`` to ``--out`` (default ``$OUT``) and
+prints a table last. ``--once`` runs each
 configuration of the profile once, for a profiler, and times nothing.
 """
 
@@ -177,6 +179,8 @@ def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: tor
         except torch.OutOfMemoryError:
             print(f"[time] {shape.label}: out of memory building inputs", flush=True)
             continue
+        same_bytes_ms = timing.time_copy(work.bytes, device, ceilings.l2_bytes).median
+        print(f"[time] {shape.label:34s} {'copy of the same bytes':30s} {same_bytes_ms * 1e3:8.1f} us", flush=True)
         candidates = [("triton", config) for config in configs]
         candidates += [(peer, None) for peer in peers if shape.label in PEER_SHAPES]
         for name, config in candidates:
@@ -202,6 +206,7 @@ def run_latency(entries: list[tuple[Shape, list]], peers: list[str], device: tor
                       "ms": ms, "GBps": work.gbps(ms), "TFLOPs": work.tflops(ms),
                       "copy_fraction": work.gbps(ms) / ceilings.copy_gbps,
                       "floor_ms": max(work.bytes / ceilings.copy_gbps / 1e6, work.flops / ceilings.matmul_tflops / 1e9),
+                      "copy_same_bytes_ms": same_bytes_ms,
                       "input_sets": sets, "ms_repeats": [r.median for r in repeats]}
             records.append(record)
             spread = "".join(f" / {r.median * 1e3:.1f}" for r in repeats[1:])
@@ -329,11 +334,12 @@ def print_table(records: list[dict]) -> None:
             rows[r["label"], kind] = r
         if r["default"]:
             rows[r["label"], "default"] = r
-    print(f"\n{'shape':34s} {'which':8s} {'config':30s} {'us':>7s} {'GB/s':>6s} {'copy':>5s} {'TFLOP/s':>7s} {'floor':>6s}")
+    print(f"\n{'shape':34s} {'which':8s} {'config':30s} {'us':>7s} {'GB/s':>6s} {'copy':>5s} {'TFLOP/s':>7s} {'floor':>6s} "
+          f"{'copy@size':>9s}")
     for (label, kind), r in sorted(rows.items(), key=lambda kv: (list(dict.fromkeys(x['label'] for x in records))
                                                                  .index(kv[0][0]), kv[0][1])):
         print(f"{label:34s} {kind:8s} {r['config']:30s} {r['ms'] * 1e3:7.1f} {r['GBps']:6.0f} "
-              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:6.1f}")
+              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:6.1f} {r['copy_same_bytes_ms'] * 1e3:9.1f}")
 
 
 def main() -> None:

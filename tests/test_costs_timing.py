@@ -66,6 +66,25 @@ def test_graph_timing_and_its_fallback_on_the_gpu():
     assert whole.method == timing.GRAPH and whole.median == pytest.approx(graphed.median, rel=0.5)
 
 
+def test_a_copy_of_no_bytes_is_refused():
+    with pytest.raises(ValueError, match="positive byte count"):
+        timing.time_copy(0, torch.device("cpu"), 50 << 20)
+
+
+@pytest.mark.gpu
+def test_a_size_matched_copy_grows_with_its_size_and_stays_near_the_ceiling_rate():
+    device = torch.device("cuda")
+    ceilings = timing.measure_ceilings(device)
+    small, large = (timing.time_copy(n, device, ceilings.l2_bytes) for n in (16 << 20, 512 << 20))
+    assert small.method == large.method == timing.GRAPH
+    assert large.median > 4 * small.median
+    assert (512 << 20) / (large.median * 1e-3) / 1e9 < 1.2 * ceilings.copy_gbps
+    # Sizes where the driver's memcpy alone is 1.5x slower (a few KiB from fast ones) time like their neighbours.
+    for fast, slow in ((151_003_136, 151_000_064), (608_436_224, 608_444_416)):
+        a, b = (timing.time_copy(n, device, ceilings.l2_bytes).median for n in (fast, slow))
+        assert b < 1.15 * a
+
+
 @pytest.mark.gpu
 def test_ceilings_are_plausible():
     ceilings = timing.measure_ceilings(torch.device("cuda"))
