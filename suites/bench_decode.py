@@ -11,8 +11,7 @@
 
 Each shape's table row also gives ``copy@size``: the time of a device copy of the same bytes (``timing.time_copy``),
 what moving those bytes takes at all at that size. Writes ``decode_bench.json`` to ``--out`` (default ``$OUT``) and
-prints a table last. ``--once`` runs each
-configuration of the profile once, for a profiler, and times nothing.
+prints a table last. ``--once`` runs each configuration of the profile once, for a profiler, and times nothing.
 """
 
 from __future__ import annotations
