@@ -333,12 +333,13 @@ def print_table(records: list[dict]) -> None:
             rows[r["label"], kind] = r
         if r["default"]:
             rows[r["label"], "default"] = r
-    print(f"\n{'shape':34s} {'which':8s} {'config':30s} {'us':>7s} {'GB/s':>6s} {'copy':>5s} {'TFLOP/s':>7s} {'floor':>6s} "
-          f"{'copy@size':>9s}")
+    print(f"\n{'shape':34s} {'which':8s} {'config':30s} {'us':>7s} {'GB/s':>6s} {'copy':>5s} {'TFLOP/s':>7s} "
+          f"{'floor':>6s} {'copy@size':>9s}")
     for (label, kind), r in sorted(rows.items(), key=lambda kv: (list(dict.fromkeys(x['label'] for x in records))
                                                                  .index(kv[0][0]), kv[0][1])):
         print(f"{label:34s} {kind:8s} {r['config']:30s} {r['ms'] * 1e3:7.1f} {r['GBps']:6.0f} "
-              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:6.1f} {r['copy_same_bytes_ms'] * 1e3:9.1f}")
+              f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:6.1f} "
+              f"{r['copy_same_bytes_ms'] * 1e3:9.1f}")
 
 
 def main() -> None:
