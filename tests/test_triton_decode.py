@@ -68,10 +68,11 @@ CONFIGS = [  # the merge reads all of a group's partials at once or a few per st
     DecodeConfig(block_m=32, block_n=32, heads_as_n=True, num_splits=7, merge_splits=4),
     DecodeConfig(block_m=64, block_n=16, heads_as_n=False, num_splits=2),
     DecodeConfig(block_m=16, block_n=32, programs_per_sm=2, min_split=32, early_merge=True),  # balanced schedule
+    DecodeConfig(block_m=16, block_n=32, num_splits=3, keep_partials=True),  # partials stored to stay in L2
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["st-16", "hN-16", "hN-32", "st-64", "persistent"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["st-16", "hN-16", "hN-32", "st-64", "persistent", "kept"])
 def test_forced_splits_and_both_orientations_pass_with_16_heads(config):
     mix = ((1, 3, 2), (300, 41, 64))
     problem = build_problem(workload("bf16", 16, mix, heads=16, seed=3))

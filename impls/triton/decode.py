@@ -50,6 +50,10 @@ ITEM_COLUMNS = ("request", "row_block", "kv_start", "kv_end", "slot", "first_tok
 # Float32 partial values one merge step reads (16 per thread of 4 warps): fewer steps at batch 1 (64 splits), and
 # few enough registers that the loads stay in flight (H200: 8192 per step cost 2% at b32-b64; NOTES.md, round 4).
 MERGE_VALUES = 2048
+# The split partials are stored to stay in L2 for the merge (evict_last) when they fill at most this share of it.
+# H200 (60 MiB L2): 16 heads, 4 MiB of partials, b32 46.5 -> 45.0 us and b64 81.4 -> 79.8; 128 heads in 128-row
+# blocks, 32 MiB, fp8_ds_mla 340 -> 357 and nvfp4 209.5 -> 224.5 (NOTES.md, round 8).
+PARTIALS_L2_SHARE = 0.25
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
@@ -65,7 +69,8 @@ class DecodeConfig:
     kernel (Hopper), which starts it while the split kernel runs and hides its launch latency. ``reread_values``:
     quantized caches read each latent tile once per product and decode it in that product's operand layout, fp8 as
     bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
-    products, fp8 as float16 with the query scaled into float16's range (see decode_kernel)."""
+    products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
+    store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -78,6 +83,7 @@ class DecodeConfig:
     merge_splits: int | None = None
     early_merge: bool = False
     reread_values: bool = False
+    keep_partials: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -157,6 +163,7 @@ class DecodePlan:
     merge_splits: int            # partials per merge step
     merge_tile: tuple[int, int]  # (rows, columns) per merge program
     early_merge: bool            # the merge kernel runs as a programmatic dependent launch (config asks, Hopper+)
+    keep_partials: bool          # the partials are stored to stay in L2 for the merge
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -194,7 +201,9 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
         out_scale=global_scale, config=config, schedule=schedule,
         merge_splits=_merge_splits(schedule.max_splits, rows * cols, config.merge_splits), merge_tile=merge_tile,
-        early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device))
+        early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device),
+        keep_partials=(config.keep_partials if config.keep_partials is not None
+                       else _partials_fit_l2(schedule.num_slots * config.block_m * (NOPE.value + 1) * 4, device)))
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +221,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             REREAD=cfg.reread_values and cache.layout.name != "bf16",
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
-            EARLY_MERGE=early_merge, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     if plan.groups.shape[0]:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
@@ -220,7 +230,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.groups, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
             plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
             BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=plan.merge_splits, INTERPRET=INTERPRETED,
-            EARLY_MERGE=early_merge, num_warps=4, **({"launch_pdl": True} if early_merge else {}))
+            EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials, num_warps=4,
+            **({"launch_pdl": True} if early_merge else {}))
     return plan.out, plan.lse
 
 
@@ -387,6 +398,13 @@ def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:
 def _has_dependent_launch(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): CUDA devices of compute capability 9.0 (Hopper) and newer."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _partials_fit_l2(workspace_bytes: int, device: torch.device) -> bool:
+    """Whether the split partials (``workspace_bytes``) are few enough to keep in the device's L2 for the merge: at
+    most ``PARTIALS_L2_SHARE`` of it."""
+    return (device.type == "cuda" and 0 < workspace_bytes
+            <= PARTIALS_L2_SHARE * torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -308,13 +308,15 @@ def _finish(acc, inv_l, HEADS_AS_N: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(o, t: tl.constexpr, out_row, part_row, row_ok, DIRECT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Write output tile ``t``: to ``out`` (bf16) when ``DIRECT``, else to the float32 partial workspace."""
+def _store_tile(o, t: tl.constexpr, out_row, part_row, row_ok, DIRECT: tl.constexpr, INTERPRET: tl.constexpr,
+                EVICT: tl.constexpr = ""):
+    """Write output tile ``t``: to ``out`` (bf16) when ``DIRECT``, else to the float32 partial workspace with the
+    L2 eviction policy ``EVICT``."""
     cols = TILE * t + tl.arange(0, TILE)
     if DIRECT:
         tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
     else:
-        tl.store(part_row[:, None] + cols[None, :], o)
+        tl.store(part_row[:, None] + cols[None, :], o, eviction_policy=EVICT)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
@@ -337,22 +339,26 @@ def _decode_split_kernel(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
-    REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr,
+    REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr, KEEP_PARTIALS: tl.constexpr,
 ):
     """A persistent program: runs its work items one after the other (a balanced share of the batch's key blocks;
     see decode_schedule). An item's row holds all it needs before its queries and block-table row can be read.
     (Reading the next row ahead, carried across the key loop, miscompiles with Triton 3.6: wrong results on an
     H200 for programs of several items.) ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
-    dependent, start now and wait for this grid's results on the device (its launch latency hidden)."""
+    dependent, start now and wait for this grid's results on the device (its launch latency hidden).
+    ``KEEP_PARTIALS``: store the partials to stay in L2 (``evict_last``) for the merge, which reads them right after
+    (``decode.PARTIALS_L2_SHARE`` says when)."""
     if EARLY_MERGE:
         gdc_launch_dependents()
+    partial_evict: tl.constexpr = "evict_last" if KEEP_PARTIALS else ""
     program = tl.program_id(0)
     table = work + program.to(tl.int64) * items_stride
     for i in range(tl.load(item_counts + program)):
         _attend_item(
             q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, _item_fields(table + i * ITEM_FIELDS),
             out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
-            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD)
+            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD,
+            partial_evict)
 
 
 @triton.jit
@@ -370,7 +376,7 @@ def _attend_item(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
-    REREAD: tl.constexpr,
+    REREAD: tl.constexpr, PARTIAL_EVICT: tl.constexpr,
 ):
     """One work item: a block of query rows of one request over one range of its keys."""
     request, row_block, kv_start, kv_end, slot_out, q_first, q_len = fields
@@ -515,19 +521,20 @@ def _attend_item(
         tl.store(lse + token.to(tl.int64) * stride_lt + head, lse2 * LN2, mask=row_ok)
     else:  # one split of several: normalized partial, merged by _merge_splits_kernel
         inv_l = tl.where(seen, unit / tl.where(seen, l_i, 1.0), 0.0)
-        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, False, INTERPRET)
-        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, False, INTERPRET)
-        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, False, INTERPRET)
-        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, False, INTERPRET)
-        tl.store(part_lse + part, lse2)
+        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
+        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
+        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
+        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
+        tl.store(part_lse + part, lse2, eviction_policy=PARTIAL_EVICT)
 
 
 @triton.jit
-def _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+def _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+                     EVICT: tl.constexpr):
     """LSE merge of a group's partials (workspace slots ``first .. first + count``) for the rows ``local`` of its
     row block and the output columns ``cols``, ``SPLITS`` partials per step with independent loads (one step for
     up to ``SPLITS`` splits; a long list is not a chain of memory latencies). Returns ``(sum_i w_i o_i, sum_i w_i,
-    m)`` with ``w_i = 2^(lse_i - m)`` and ``m`` the largest log2-sum-exp."""
+    m)`` with ``w_i = 2^(lse_i - m)`` and ``m`` the largest log2-sum-exp. ``EVICT``: the loads' L2 eviction policy."""
     rows: tl.constexpr = local.shape[0]
     m = tl.full([rows], float("-inf"), tl.float32)
     total = tl.zeros([rows], tl.float32)
@@ -536,8 +543,9 @@ def _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M: tl.
         split = i + tl.arange(0, SPLITS)
         ok = split < count
         at = (first + split).to(tl.int64)[:, None] * BLOCK_M + local[None, :]
-        lse_i = tl.load(part_lse + at, mask=ok[:, None], other=float("-inf"))
-        o = tl.load(part_out + (at * NOPE)[:, :, None] + cols[None, None, :], mask=ok[:, None, None], other=0.0)
+        lse_i = tl.load(part_lse + at, mask=ok[:, None], other=float("-inf"), eviction_policy=EVICT)
+        o = tl.load(part_out + (at * NOPE)[:, :, None] + cols[None, None, :], mask=ok[:, None, None], other=0.0,
+                    eviction_policy=EVICT)
         m_new = tl.maximum(m, tl.max(lse_i, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split saw a key yet: weights stay 0
         alpha = tl.math.exp2(m - m_use)
@@ -556,11 +564,12 @@ def _merge_splits_kernel(
     lse, stride_lt,
     out_scale, num_heads,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr,
+    INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr, KEEP_PARTIALS: tl.constexpr,
 ):
     """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns (``_merged_partials``).
     ``EARLY_MERGE``: launched before the split kernel finished (programmatic dependent launch): the group's row is
-    read first, then the program waits until the split kernel's writes are complete and visible."""
+    read first, then the program waits until the split kernel's writes are complete and visible. ``KEEP_PARTIALS``:
+    the partials were kept in L2 for this read, their only one, after which their lines go first (``evict_first``)."""
     group = tl.program_id(0)
     row_block = tl.load(groups + group * 5)
     first = tl.load(groups + group * 5 + 1)
@@ -576,7 +585,8 @@ def _merge_splits_kernel(
     out_row = out + token.to(tl.int64) * stride_ot + head * stride_oh
     if EARLY_MERGE:
         gdc_wait()
-    acc, total, m = _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M, SPLITS)
+    partial_evict: tl.constexpr = "evict_first" if KEEP_PARTIALS else ""
+    acc, total, m = _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M, SPLITS, partial_evict)
     seen = total > 0.0  # rows that saw nothing get out 0 and lse -inf
     o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
     tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
