@@ -309,7 +309,7 @@ def _finish(acc, inv_l, HEADS_AS_N: tl.constexpr):
 
 @triton.jit
 def _store_tile(o, t: tl.constexpr, out_row, part_row, row_ok, DIRECT: tl.constexpr, INTERPRET: tl.constexpr,
-                EVICT: tl.constexpr = ""):
+                EVICT: tl.constexpr):
     """Write output tile ``t``: to ``out`` (bf16) when ``DIRECT``, else to the float32 partial workspace with the
     L2 eviction policy ``EVICT``."""
     cols = TILE * t + tl.arange(0, TILE)
@@ -350,7 +350,6 @@ def _decode_split_kernel(
     (``decode.PARTIALS_L2_SHARE`` says when)."""
     if EARLY_MERGE:
         gdc_launch_dependents()
-    partial_evict: tl.constexpr = "evict_last" if KEEP_PARTIALS else ""
     program = tl.program_id(0)
     table = work + program.to(tl.int64) * items_stride
     for i in range(tl.load(item_counts + program)):
@@ -358,7 +357,7 @@ def _decode_split_kernel(
             q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, _item_fields(table + i * ITEM_FIELDS),
             out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
             LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD,
-            partial_evict)
+            KEEP_PARTIALS)
 
 
 @triton.jit
@@ -376,7 +375,7 @@ def _attend_item(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
-    REREAD: tl.constexpr, PARTIAL_EVICT: tl.constexpr,
+    REREAD: tl.constexpr, KEEP_PARTIALS: tl.constexpr,
 ):
     """One work item: a block of query rows of one request over one range of its keys."""
     request, row_block, kv_start, kv_end, slot_out, q_first, q_len = fields
@@ -514,18 +513,19 @@ def _attend_item(
     part_row = part_out + part * NOPE
     if slot_out < 0:  # the item covers its rows' whole range: the final result
         inv_l = tl.where(seen, out_scale * unit / tl.where(seen, l_i, 1.0), 0.0)
-        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, True, INTERPRET)
-        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, True, INTERPRET)
-        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, True, INTERPRET)
-        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, True, INTERPRET)
+        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, True, INTERPRET, "")
+        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, True, INTERPRET, "")
+        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, True, INTERPRET, "")
+        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, True, INTERPRET, "")
         tl.store(lse + token.to(tl.int64) * stride_lt + head, lse2 * LN2, mask=row_ok)
     else:  # one split of several: normalized partial, merged by _merge_splits_kernel
         inv_l = tl.where(seen, unit / tl.where(seen, l_i, 1.0), 0.0)
-        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
-        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
-        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
-        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, False, INTERPRET, PARTIAL_EVICT)
-        tl.store(part_lse + part, lse2, eviction_policy=PARTIAL_EVICT)
+        partial_policy: tl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        _store_tile(_finish(acc0, inv_l, HEADS_AS_N), 0, out_row, part_row, row_ok, False, INTERPRET, partial_policy)
+        _store_tile(_finish(acc1, inv_l, HEADS_AS_N), 1, out_row, part_row, row_ok, False, INTERPRET, partial_policy)
+        _store_tile(_finish(acc2, inv_l, HEADS_AS_N), 2, out_row, part_row, row_ok, False, INTERPRET, partial_policy)
+        _store_tile(_finish(acc3, inv_l, HEADS_AS_N), 3, out_row, part_row, row_ok, False, INTERPRET, partial_policy)
+        tl.store(part_lse + part, lse2, eviction_policy=partial_policy)
 
 
 @triton.jit
