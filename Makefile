@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test baseline setup clean
+.PHONY: run test baseline compile-check setup clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,14 @@ test: $(STAMP)
 	$(VENV)/bin/mla-bench run --impl all --suite accuracy --device cpu --out results/ci-tiny --no-report \
 		|| echo "the run reported failures: the gate decides"
 	$(VENV)/bin/mla-bench gate --baseline baselines/cpu-tiny.json results/ci-tiny/run.json
+
+# Every Triton kernel launch compiled for sm_90 without a GPU, with the installed Triton and the GPU machine's.
+TRITON_GPU := 3.6.0
+compile-check: $(STAMP)
+	$(PY) -m impls.triton.compile_check
+	@test -d .triton-$(TRITON_GPU) || \
+		$(PY) -m pip install -q --no-deps --target .triton-$(TRITON_GPU) triton==$(TRITON_GPU)
+	$(PY) -m impls.triton.compile_check --triton-path .triton-$(TRITON_GPU)
 
 # Rewrite the CPU baseline after an intended change of results (review the diff before committing it).
 baseline: $(STAMP)

@@ -51,8 +51,8 @@ ITEM_COLUMNS = ("request", "row_block", "kv_start", "kv_end", "slot", "first_tok
 # few enough registers that the loads stay in flight (H200: 8192 per step cost 2% at b32-b64; NOTES.md, round 4).
 MERGE_VALUES = 2048
 # The split partials are stored to stay in L2 for the merge (evict_last) when they fill at most this share of it.
-# H200 (60 MiB L2): 16 heads, 4 MiB of partials, b32 46.5 -> 45.0 us and b64 81.4 -> 79.8; 128 heads in 128-row
-# blocks, 32 MiB, fp8_ds_mla 340 -> 357 and nvfp4 209.5 -> 224.5 (NOTES.md, round 8).
+# H200 (60 MiB L2): 16 heads, 4 MiB of partials, b32 47.1 -> 45.6 us and b64 83.0 -> 81.1 (NOTES.md, round 9);
+# kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)

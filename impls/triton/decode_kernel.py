@@ -356,8 +356,8 @@ def _decode_split_kernel(
         _attend_item(
             q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, _item_fields(table + i * ITEM_FIELDS),
             out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
-            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET, REREAD,
-            KEEP_PARTIALS)
+            LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET,
+            REREAD, KEEP_PARTIALS)
 
 
 @triton.jit
