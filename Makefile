@@ -36,13 +36,15 @@ test: $(STAMP)
 		|| echo "the run reported failures: the gate decides"
 	$(VENV)/bin/mla-bench gate --baseline baselines/cpu-tiny.json results/ci-tiny/run.json
 
-# Every Triton kernel launch compiled for sm_90 without a GPU, with the installed Triton and the GPU machine's.
+# Every Triton kernel launch compiled for sm_90 without a GPU, with the GPU machine's Triton and the installed one
+# (both run; the target fails if either fails).
 TRITON_GPU := 3.6.0
 compile-check: $(STAMP)
-	$(PY) -m impls.triton.compile_check
 	@test -d .triton-$(TRITON_GPU) || \
 		$(PY) -m pip install -q --no-deps --target .triton-$(TRITON_GPU) triton==$(TRITON_GPU)
-	$(PY) -m impls.triton.compile_check --triton-path .triton-$(TRITON_GPU)
+	$(PY) -m impls.triton.compile_check --triton-path .triton-$(TRITON_GPU); gpu=$$?; \
+		$(PY) -m impls.triton.compile_check; installed=$$?; \
+		test $$gpu -eq 0 && test $$installed -eq 0
 
 # Rewrite the CPU baseline after an intended change of results (review the diff before committing it).
 baseline: $(STAMP)

@@ -13,7 +13,11 @@ import torch
 
 from impls.triton import compile_check
 from impls.triton.compile_check import Launch, gpu_variant, recorded_launches, write_launches
+from impls.triton.decode import DecodeConfig, TritonDecode
+from impls.triton import merge
 from impls.triton.merge import merge_attn_states
+from mla_bench.problem import build_problem
+from mla_bench.workload import Workload
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="records launches through Triton's interpreter (a CPU-only session)")
@@ -35,35 +39,55 @@ def test_a_recorded_launch_is_not_executed_and_has_the_compilers_types():
     assert launch.kernel == "_merge_kernel" and launch.module == "impls.triton.merge"
     assert launch.signature["out_ptr"] == "*fp32" and launch.signature["lse_a_ptr"] == "*fp32"
     assert launch.signature["R"] == "i32" and launch.signature["D"] == "i32"
+    assert {"out_ptr", "lse_a_ptr", "D"} <= set(launch.aligned) and "R" not in launch.aligned  # D 96, R 12
     assert launch.signature["BLOCK_D"] == "constexpr" and launch.constexprs["BLOCK_D"] == 128
-    assert launch.constexprs["INTERP"] is True
+    assert launch.constexprs["INTERP"] is False and launch.constexprs["BLOCK_R"] == 16  # as a GPU launches it
+    assert merge.INTERPRETING  # and the interpreter's choices back after the block
 
 
 def test_the_gpu_variant_turns_interpreter_flags_off_and_gpu_only_flags_on():
     launch = Launch("m", "k", {"INTERPRET": "constexpr", "EARLY_MERGE": "constexpr", "N": "constexpr"},
-                    {"INTERPRET": True, "EARLY_MERGE": False, "N": 3}, {"num_warps": 4})
+                    {"INTERPRET": True, "EARLY_MERGE": False, "N": 3}, [], {"num_warps": 4})
     assert gpu_variant(launch).constexprs == {"INTERPRET": False, "EARLY_MERGE": True, "N": 3}
 
 
-def test_large_integers_and_unknown_arguments():
-    def kernel(a, b, c):
+def test_arguments_are_specialized_as_tritons_launcher_does():
+    def kernel(wide, one, aligned, odd, x, tensor, N: "tl.constexpr"):  # noqa: F821 - an annotation, as in kernels
         pass
 
-    launch = compile_check._as_launch(kernel, (2**31, 5, 0.5), {"num_warps": 2})
-    assert launch.signature == {"a": "i64", "b": "i32", "c": "fp32"} and launch.options == {"num_warps": 2}
-    with pytest.raises(TypeError, match="argument c of type str"):
-        compile_check._as_launch(kernel, (1, 2, "x"), {})
+    launch = compile_check._as_launch(kernel, (2**31, 1, 32, 17, 0.5, torch.randn(8)[1:], 4), {"num_warps": 2})
+    assert launch.signature == {"wide": "i64", "one": "constexpr", "aligned": "i32", "odd": "i32", "x": "fp32",
+                                "tensor": "*fp32", "N": "constexpr"}
+    assert launch.constexprs == {"one": 1, "N": 4} and launch.options == {"num_warps": 2}
+    assert launch.aligned == ["wide", "aligned"]  # the tensor starts 4 bytes into its storage
 
 
-def test_launches_compile_for_sm90_and_a_rejected_one_fails_the_check(tmp_path):
+def _decode_launch(config: DecodeConfig) -> Launch:
+    problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(70,)),
+                            torch.device("cpu"))
+    impl = TritonDecode()
+    impl.config = config
+    with recorded_launches() as launches:
+        impl.run(impl.plan(problem))
+    return launches[0]
+
+
+def test_launches_compile_for_sm90_and_rejected_ones_fail_the_check_by_name(tmp_path):
     launch, _ = _merge_launch()
     rejected = dataclasses.replace(launch, constexprs={**launch.constexprs, "BLOCK_D": 96})  # arange of 96
+    too_deep = _decode_launch(DecodeConfig(16, 64, num_warps=4, num_stages=4))  # four 72 KB tiles: 241,664 bytes
     path = tmp_path / "launches.json"
-    write_launches(path, [launch, rejected])
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "1"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    write_launches(path, [launch, rejected, too_deep])
+    done = subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "2",
+                           "--resources"], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "1 of 2 kernel launches compile" in done.stdout
-    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
-    assert len(failed) == 1 and "_merge_kernel" in failed[0] and "'BLOCK_D': 96" in failed[0]
+    assert "1 of 3 kernel launches compile" in done.stdout
+    lines = done.stdout.splitlines()
+    failed = [line for line in lines if line.startswith("FAILED")]
+    assert len(failed) == 2
+    assert any("_merge_kernel" in line and "'BLOCK_D': 96" in line for line in failed)
+    assert any("_decode_split_kernel" in line and "'num_stages': 4" in line for line in failed)
+    assert "needs 241664 bytes of shared memory" in done.stdout
+    usage = [line for line in lines if "registers" in line and "_merge_kernel" in line]
+    assert len(usage) == 1 and "bytes spilled" in usage[0] and "bytes shared" in usage[0], done.stdout

@@ -10,10 +10,12 @@ with the GPU machine's 3.6). So this check:
 1. records launches: in a process with ``TRITON_INTERPRET=1``, the impls plan and run small problems with the
    configurations a GPU gets by default (``default_config`` with a CUDA device; the decode's cut in two splits, so
    that its merge runs too), every cache layout and the page sizes that change a kernel; each launch's argument
-   types, constexprs and launch options are recorded and its execution skipped;
+   types, constexprs, 16-aligned arguments (as Triton's launcher specializes them: the aligned loads are what
+   pipelines through shared memory) and launch options are recorded and its execution skipped;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
-   the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on. ptxas ships with Triton's wheel. What
-   only a launch shows (more shared memory than an SM has) is not checked.
+   the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
+   than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
+   launch's registers and spills (``ptxas -v``) and shared memory.
 
 ``--triton-path DIR`` puts another Triton first on the path of both processes: ``make compile-check`` runs the
 check with the installed Triton and with the GPU machine's (``pip install --target DIR triton==3.6.0``).
@@ -24,10 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,23 +42,26 @@ import torch
 
 MODULE = "impls.triton.compile_check"  # run as ``-m``, this module's __name__ is "__main__"
 TARGET = ("cuda", 90, 32)  # Hopper (H100/H200): backend, compute capability, warp size
-INTERPRETER_FLAGS = ("INTERPRET", "INTERP")  # constexprs that select the interpreter's code: off on a GPU
+SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one program may use on sm_90 (the opt-in maximum)
+INTERPRETER_FLAGS = ("INTERPRET",)  # the decode's constexpr for the interpreter's code (its plan needs it on here)
+# Modules whose launches choose tiles and constexprs (INTERP, UPCAST) by ``INTERPRETING``: off while recording.
+HOST_CHOICE_MODULES = ("impls.triton.latent_io", "impls.triton.merge", "impls.triton.prefill_kernel",
+                       "impls.triton.sparse_kernel")
 GPU_ONLY_FLAGS = ("EARLY_MERGE",)  # constexprs a plan turns on only on a GPU: compiled on
 DECODE_PAGE_SIZES = (1, 16, 64)  # page 1 prefetches table lines, 16 is under a tile, 64 fills one
-POINTER_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-                 torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-                 torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """One kernel launch as the compiler sees it: where the kernel lives, each argument's type (``constexpr`` for
-    compile-time ones), the constexprs' values and the launch options (``num_warps``, ``num_stages``, ...)."""
+    compile-time ones), the constexprs' values, the arguments known 16-aligned (pointers, integers) and the launch
+    options (``num_warps``, ``num_stages``, ...)."""
 
     module: str
     kernel: str
     signature: dict
     constexprs: dict
+    aligned: list
     options: dict
 
     def key(self) -> str:
@@ -68,32 +75,29 @@ class Launch:
 
 # ---- 1. recording, in the interpreter ----------------------------------------------------------------------------
 
-def _argument_type(kernel: str, name: str, value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + POINTER_TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"{kernel}: argument {name} of type {type(value).__name__} has no compile-time type here")
-
-
 def _as_launch(fn, args: tuple, kwargs: dict) -> Launch:
-    """The ``Launch`` of ``fn(*args, **kwargs)``: arguments bound to its parameters (defaults applied), the rest
-    of ``kwargs`` launch options."""
+    """The ``Launch`` of ``fn(*args, **kwargs)``: arguments bound to its parameters (defaults applied) and typed,
+    specialized and marked 16-aligned as Triton's launcher does (ints equal to 1 become constexprs); the rest of
+    ``kwargs`` launch options."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
     params = inspect.signature(fn).parameters
     bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     bound.apply_defaults()
-    signature, constexprs = {}, {}
+    signature, constexprs, aligned = {}, {}, []
     for name, value in bound.arguments.items():
-        if "constexpr" in str(fn.__annotations__.get(name, "")) or value is None:
+        if "constexpr" in str(fn.__annotations__.get(name, "")):
             signature[name], constexprs[name] = "constexpr", value
-        else:
-            signature[name] = _argument_type(fn.__name__, name, value)
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = key
+        elif key == "D":
+            aligned.append(name)
     options = {k: v for k, v in kwargs.items() if k not in params}
-    return Launch(fn.__module__, fn.__name__, signature, constexprs, options)
+    return Launch(fn.__module__, fn.__name__, signature, constexprs, aligned, options)
 
 
 def _drive_impls() -> None:
@@ -152,10 +156,13 @@ def _drive_impls() -> None:
 
 @contextlib.contextmanager
 def recorded_launches():
-    """Within the block, interpreted kernel launches are recorded instead of executed: yields the ``Launch``
+    """Within the block, interpreted kernel launches are recorded instead of executed, with the arguments a GPU
+    would get (the modules' ``INTERPRETING`` off: GPU tile sizes, no float32 upcasts): yields the ``Launch``
     objects, one per distinct launch, in order."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    host_choices = [module for module in map(importlib.import_module, HOST_CHOICE_MODULES)
+                    if getattr(module, "INTERPRETING", False)]
     recorded: list[Launch] = []
     keys: set[str] = set()
 
@@ -167,10 +174,14 @@ def recorded_launches():
 
     executed = InterpretedFunction.run
     InterpretedFunction.run = run_recorded
+    for module in host_choices:
+        module.INTERPRETING = False
     try:
         yield recorded
     finally:
         InterpretedFunction.run = executed
+        for module in host_choices:
+            module.INTERPRETING = True
 
 
 def write_launches(path: Path, launches: list[Launch]) -> None:
@@ -187,19 +198,44 @@ def gpu_variant(launch: Launch) -> Launch:
     return dataclasses.replace(launch, constexprs=constexprs)
 
 
-def compile_launch(launch: Launch) -> str | None:
-    """Compile ``launch`` for ``TARGET``; the error's last lines, or None when it compiles."""
+def compile_launch(launch: Launch, resources: bool = False) -> tuple[str | None, str]:
+    """Compile ``launch`` for ``TARGET``: (why it fails on the GPU, or None; with ``resources``, its registers,
+    spills and shared memory as ptxas and Triton report them)."""
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
     kernel = getattr(importlib.import_module(launch.module), launch.kernel)
     try:
-        source = ASTSource(kernel, dict(launch.signature), dict(launch.constexprs))
-        triton.compile(source, target=GPUTarget(*TARGET), options=dict(launch.options))
+        divisible = BaseBackend.parse_attr("D")  # what the launcher tells the compiler of a 16-aligned argument
+        attrs = {(i,): divisible for i, name in enumerate(launch.signature) if name in launch.aligned}
+        source = ASTSource(kernel, dict(launch.signature), dict(launch.constexprs), attrs)
+        compiled = triton.compile(source, target=GPUTarget(*TARGET), options=dict(launch.options))
     except Exception as error:  # noqa: BLE001 - any compiler failure is the finding
-        return _innermost(error)
-    return None
+        return _innermost(error), ""
+    shared = compiled.metadata.shared
+    if shared > SHARED_MEMORY_LIMIT:
+        return f"needs {shared} bytes of shared memory; a program may use at most {SHARED_MEMORY_LIMIT}", ""
+    return None, f"{_ptxas_usage(compiled.asm['ptx'])}, {shared} bytes shared" if resources else ""
+
+
+def _ptxas_usage(ptx: str) -> str:
+    """Registers per thread and spilled bytes of ``ptx``, from ``ptxas -v`` (Triton's own ptxas)."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        ptxas = compiler.get_ptxas(TARGET[1]).path  # Triton 3.6 and later take the architecture
+    except TypeError:
+        ptxas = compiler.get_ptxas().path
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        report = subprocess.run([ptxas, f"-arch=sm_{TARGET[1]}a", "-v", str(source), "-o", os.devnull],
+                                capture_output=True, text=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spilled = re.search(r"(\d+) bytes spill stores", report)
+    return (f"{registers.group(1) if registers else '?'} registers, "
+            f"{spilled.group(1) if spilled else '?'} bytes spilled")
 
 
 def _innermost(error: BaseException) -> str:
@@ -213,20 +249,25 @@ def _innermost(error: BaseException) -> str:
     return text if chain[-1] in located else f"{text}\n{chain[-1]!r}"
 
 
-def compile_all(path: Path, workers: int) -> int:
-    """Compile every GPU variant of the launches in ``path``; print failures; the number of failures."""
+def compile_all(path: Path, workers: int, resources: bool = False) -> int:
+    """Compile every GPU variant of the launches in ``path``; print failures (and with ``resources`` each launch's
+    registers, spills and shared memory); the number of failures."""
     import triton
 
     launches = {v.key(): v for v in (gpu_variant(Launch(**raw)) for raw in json.loads(path.read_text()))}
     ordered = sorted(launches.values(), key=lambda launch: launch.key())
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        errors = list(pool.map(compile_launch, ordered))
-    failed = [(launch, error) for launch, error in zip(ordered, errors) if error]
-    for launch, error in failed:
-        print(f"FAILED {launch.label}\n{error}\n")
-    print(f"Triton {triton.__version__}, sm_{TARGET[1]}: {len(ordered) - len(failed)} of {len(ordered)} kernel "
+        results = list(pool.map(functools.partial(compile_launch, resources=resources), ordered))
+    failures = 0
+    for launch, (error, usage) in zip(ordered, results):
+        if error:
+            failures += 1
+            print(f"FAILED {launch.label}\n{error}\n")
+        elif usage:
+            print(f"{usage:60s} {launch.label}")
+    print(f"Triton {triton.__version__}, sm_{TARGET[1]}: {len(ordered) - failures} of {len(ordered)} kernel "
           f"launches compile")
-    return len(failed)
+    return failures
 
 
 # ---- the two processes ---------------------------------------------------------------------------------------------
@@ -235,7 +276,8 @@ def _phase(name: str, path: Path, interpret: bool, args: argparse.Namespace) -> 
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
     if args.triton_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(args.triton_path), env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", MODULE, f"--{name}", str(path), "--workers", str(args.workers)]
+    command = [sys.executable, "-m", MODULE, f"--{name}", str(path), "--workers", str(args.workers),
+               *(["--resources"] if args.resources else [])]
     return subprocess.run(command, env=env).returncode
 
 
@@ -243,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--triton-path", help="a directory holding another Triton, put first on the path")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--resources", action="store_true",
+                        help="print each launch's registers, spills and shared memory")
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # phase 1, in its own process
     parser.add_argument("--compile", type=Path, help=argparse.SUPPRESS)  # phase 2, in its own process
     args = parser.parse_args(argv)
@@ -252,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         write_launches(args.record, launches)
         return 0
     if args.compile:
-        return 1 if compile_all(args.compile, args.workers) else 0
+        return 1 if compile_all(args.compile, args.workers, args.resources) else 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "launches.json"
         return _phase("record", path, True, args) or _phase("compile", path, False, args)
