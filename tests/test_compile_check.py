@@ -7,14 +7,14 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from impls.triton import compile_check
+from impls.triton import compile_check, merge
 from impls.triton.compile_check import Launch, gpu_variant, recorded_launches, write_launches
 from impls.triton.decode import DecodeConfig, TritonDecode
-from impls.triton import merge
 from impls.triton.merge import merge_attn_states
 from mla_bench.problem import build_problem
 from mla_bench.workload import Workload
@@ -43,6 +43,16 @@ def test_a_recorded_launch_is_not_executed_and_has_the_compilers_types():
     assert launch.signature["BLOCK_D"] == "constexpr" and launch.constexprs["BLOCK_D"] == 128
     assert launch.constexprs["INTERP"] is False and launch.constexprs["BLOCK_R"] == 16  # as a GPU launches it
     assert merge.INTERPRETING  # and the interpreter's choices back after the block
+
+
+def test_every_module_choosing_launch_arguments_by_the_interpreter_is_switched_while_recording():
+    """A new module reading ``INTERPRETING`` for its launches must join ``HOST_CHOICE_MODULES``, or its launches
+    are recorded with the interpreter's tiles and flags."""
+    package = Path(compile_check.__file__).parent
+    readers = {".".join(("impls", "triton", *path.relative_to(package).with_suffix("").parts))
+               for path in package.rglob("*.py")
+               if path.stem not in ("common", "compile_check") and "INTERPRETING" in path.read_text()}
+    assert readers == set(compile_check.HOST_CHOICE_MODULES)
 
 
 def test_the_gpu_variant_turns_interpreter_flags_off_and_gpu_only_flags_on():

@@ -82,8 +82,9 @@ def _as_launch(fn, args: tuple, kwargs: dict) -> Launch:
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    params = inspect.signature(fn).parameters
-    bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+    signature_of_fn = inspect.signature(fn)
+    params = signature_of_fn.parameters
+    bound = signature_of_fn.bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     bound.apply_defaults()
     signature, constexprs, aligned = {}, {}, []
     for name, value in bound.arguments.items():
@@ -168,8 +169,9 @@ def recorded_launches():
 
     def run_recorded(self, *args, grid, warmup, **kwargs):
         launch = _as_launch(self.fn, args, kwargs)
-        if launch.key() not in keys:
-            keys.add(launch.key())
+        key = launch.key()
+        if key not in keys:
+            keys.add(key)
             recorded.append(launch)
 
     executed = InterpretedFunction.run
@@ -223,10 +225,7 @@ def _ptxas_usage(ptx: str) -> str:
     """Registers per thread and spilled bytes of ``ptx``, from ``ptxas -v`` (Triton's own ptxas)."""
     from triton.backends.nvidia import compiler
 
-    try:
-        ptxas = compiler.get_ptxas(TARGET[1]).path  # Triton 3.6 and later take the architecture
-    except TypeError:
-        ptxas = compiler.get_ptxas().path
+    ptxas = compiler.get_ptxas(TARGET[1]).path
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)

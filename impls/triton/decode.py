@@ -191,19 +191,20 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, sms)
     first_token = cumulative(q_lens)
     work, item_counts = _work_table(schedule, q_lens, first_token)
+    part_out = torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device)
+    part_lse = torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device)
     return DecodePlan(
         q=q, cache=cache, block_table=block_table, visible=visible, work=work.to(device),
         item_counts=item_counts.to(device), groups=_merge_groups(schedule, q_lens, first_token).to(device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
         lse=torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device),
-        part_out=torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device),
-        part_lse=torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device),
+        part_out=part_out, part_lse=part_lse,
         qk_scale=scale * LOG2E * (global_scale if scaled == "all" else 1.0), nope_scale=global_scale,
         out_scale=global_scale, config=config, schedule=schedule,
         merge_splits=_merge_splits(schedule.max_splits, rows * cols, config.merge_splits), merge_tile=merge_tile,
         early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device),
         keep_partials=(config.keep_partials if config.keep_partials is not None
-                       else _partials_fit_l2(schedule.num_slots * config.block_m * (NOPE.value + 1) * 4, device)))
+                       else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)))
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
