@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from impls.triton import decode
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM, PagedCache
@@ -78,6 +79,30 @@ def test_forced_splits_and_both_orientations_pass_with_16_heads(config):
     problem = build_problem(workload("bf16", 16, mix, heads=16, seed=3))
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+def test_a_merge_of_many_splits_on_a_large_gpu_narrows_its_rows_and_passes(monkeypatch):
+    """One request cut in 22 splits on a GPU of 64 multiprocessors (this machine's plan says 4): the merge tile
+    narrows its columns to 8, then its rows until a program reads all 22 partials in one step."""
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 64)
+    impl = Configured(DecodeConfig(block_m=16, block_n=16, num_splits=24))
+    problem = build_problem(workload("bf16", 16, ((1,), (700,)), heads=16, seed=8))
+    plan = impl.checked_plan(problem)
+    assert plan.schedule.max_splits == 22 and plan.merge_tile == (8, 8) and plan.merge_splits == 32
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.parametrize("groups, block_m, max_splits, sms, tile", [
+    (1, 16, 64, 132, (4, 8)),     # batch 1, 16 heads: one merge step instead of four
+    (2, 16, 64, 132, (4, 8)),
+    (2, 64, 64, 132, (16, 8)),    # batch 1, 128 heads: two programs per SM already, rows stay
+    (32, 16, 4, 132, (16, 32)),   # batch 32: columns only
+    (64, 16, 2, 132, (16, 64)),
+    (1, 16, 2, 132, (16, 8)),     # few splits: one step at full rows
+])
+def test_the_merge_tile_fills_the_gpu_and_takes_few_steps(groups, block_m, max_splits, sms, tile):
+    assert decode._merge_tile(groups, block_m, max_splits, sms) == tile
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])

@@ -9,9 +9,10 @@ with the GPU machine's 3.6). So this check:
 
 1. records launches: in a process with ``TRITON_INTERPRET=1``, the impls plan and run small problems with the
    configurations a GPU gets by default (``default_config`` with a CUDA device; the decode's cut in two splits, so
-   that its merge runs too), every cache layout and the page sizes that change a kernel; each launch's argument
-   types, constexprs, 16-aligned arguments (as Triton's launcher specializes them: the aligned loads are what
-   pipelines through shared memory) and launch options are recorded and its execution skipped;
+   that its merge runs too, and once in many as on a GPU of 132 SMs, whose merge narrows its rows), every cache
+   layout and the page sizes that change a kernel; each launch's argument types, constexprs, 16-aligned arguments
+   (as Triton's launcher specializes them: the aligned loads are what pipelines through shared memory) and launch
+   options are recorded and its execution skipped;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
    than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
@@ -131,6 +132,14 @@ def _drive_impls() -> None:
                 decode.run_decode(decode.plan_decode(problem.q, problem.cache, meta.block_table, meta.q_lens,
                                                      meta.kv_lens, problem.scale, config=split_and_kept(config)))
         cache = problem.cache
+        if layout == "bf16":  # one request cut in 33 on a GPU of 132 SMs: the merge narrows its rows (_merge_tile)
+            long = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(4200,),
+                                          page_size=64), cpu)
+            meta = long.meta
+            config = dataclasses.replace(split_and_kept(decode.default_config(16, 1)), num_splits=64)
+            with _sm_count(decode, 132):
+                decode.run_decode(decode.plan_decode(long.q, long.cache, meta.block_table, meta.q_lens, meta.kv_lens,
+                                                     long.scale, config=config))
         if has_kernel(cache.layout):
             slots = torch.tensor([0, 5, 17], dtype=torch.int64)
             write_cache_triton(cache, torch.randn(3, LATENT_DIM), slots, validate=False)
@@ -153,6 +162,17 @@ def _drive_impls() -> None:
     parts = [(torch.randn(3, 4, 512), torch.randn(3, 4)) for _ in range(2)]
     merge_attn_states(*parts[0], *parts[1])
     rescale_partial(parts[0][0], torch.stack([lse for _, lse in parts]), rank=1)
+
+
+@contextlib.contextmanager
+def _sm_count(decode_module, sms: int):
+    """Within the block, the decode plans as on a GPU of ``sms`` multiprocessors (this machine's plan says 4)."""
+    counted = decode_module._sm_count
+    decode_module._sm_count = lambda device: sms
+    try:
+        yield
+    finally:
+        decode_module._sm_count = counted
 
 
 @contextlib.contextmanager

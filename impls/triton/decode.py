@@ -188,7 +188,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
     scaled = KERNEL_LAYOUTS[cache.layout.name]
     global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
-    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, sms)
+    rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, schedule.max_splits, sms)
     first_token = cumulative(q_lens)
     work, item_counts = _work_table(schedule, q_lens, first_token)
     part_out = torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device)
@@ -387,12 +387,22 @@ def _merge_splits(max_splits: int, tile_elements: int, cap: int | None) -> int:
     return min(splits, cap) if cap else splits
 
 
-def _merge_tile(groups: int, block_m: int, sms: int) -> tuple[int, int]:
+def _merge_tile(groups: int, block_m: int, max_splits: int, sms: int) -> tuple[int, int]:
     """Rows and columns per merge kernel program: 16 x 64, narrowed until the merge has two programs per SM (a
-    batch of one request with many splits would otherwise merge on a handful of SMs)."""
+    batch of one request with many splits would otherwise merge on a handful of SMs): columns first, down to 8,
+    then rows while a program would still read its ``max_splits`` partials in more than one step of
+    ``MERGE_VALUES`` (each step a dependent L2 round trip; H200, 16 heads, 64 splits: b1 14.3 -> 12.8 us, b2
+    17.7 -> 16.4; 128 heads, which have their two programs per SM already, were slower with narrower rows: NOTES.md,
+    round 10)."""
     rows, cols = min(16, block_m), 64
-    while cols > 8 and groups * (block_m // rows) * (NOPE.value // cols) < 2 * sms:
+
+    def programs() -> int:
+        return groups * (block_m // rows) * (NOPE.value // cols)
+
+    while cols > 8 and programs() < 2 * sms:
         cols //= 2
+    while rows > 1 and programs() < 2 * sms and max_splits * rows * cols > MERGE_VALUES:
+        rows //= 2
     return rows, cols
 
 
