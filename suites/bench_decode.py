@@ -241,7 +241,7 @@ def config_label(c: DecodeConfig) -> str:
             f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else "")
             + (f" min{c.min_split}" if c.min_split != default.min_split else "")
             + (f" ms{c.merge_splits}" if c.merge_splits != default.merge_splits else "")
-            + (" early" if c.early_merge else "") + ("" if c.reread_values else " once"))
+            + (" early" if c.early_merge else "") + ("" if c.reread_values else " once") + (" wgmma" if c.wgmma else ""))
 
 
 # ---- profiles -------------------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ OTHER_SHAPES = [Shape(16, 32, 4096, page_size=1), Shape(128, 32, 4096, page_size
 
 SMALL_ROWS = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 8, 3), _cfg(16, 32, 4, 2, 3),
               _cfg(16, 32, 4, 3, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, early_merge=True)]
-BIG_ROWS = [None, _cfg(64, 64, 8, 2, early_merge=True), _cfg(64, 32, 8, 3)]
+BIG_ROWS = [None, _cfg(64, 64, 8, 2), _cfg(64, 64, 8, 2, early_merge=True), _cfg(64, 32, 8, 3)]
 QUANT = [None, _cfg(16, 64, 8, 2), _cfg(16, 32, 8, 4)]
 BATCH1 = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 4, 2, 2, min_split=64), _cfg(16, 32, 4, 3, 2, early_merge=True),
           _cfg(16, 64, 4, 2, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, min_split=64, early_merge=True),

@@ -201,6 +201,54 @@ def test_a_plan_runs_again_with_the_same_result():
         assert torch.equal(a, b)
 
 
+# ---- the Gluon split kernel (Hopper only) ----------------------------------------------------------------------
+
+def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():
+    assert decode.default_config(128, 1, "bf16", 64, hopper=True).wgmma
+    assert decode.default_config(16, 4, "bf16", 1, hopper=True).wgmma  # 16 heads x 4 tokens: 64 rows
+    assert not decode.default_config(128, 1, "bf16", 64, hopper=False).wgmma
+    assert not decode.default_config(128, 1, "fp8_e4m3", 64, hopper=True).wgmma
+    assert not decode.default_config(16, 1, "bf16", 64, hopper=True).wgmma  # 16 rows: the mma.sync path
+    assert not decode.batch_config(128, [1], [4096], "bf16", 64, torch.device("cpu")).wgmma
+
+
+def test_the_wgmma_kernel_is_refused_where_it_cannot_run():
+    wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, wgmma=True)
+    with pytest.raises(UnsupportedConfig):  # CPU tensors: no Hopper (and, on a GPU machine, no interpreter)
+        Configured(wgmma).checked_plan(build_problem(workload("bf16", 64, SINGLE)))
+    bf16, fp8 = (build_problem(workload(layout, 64, SINGLE)).cache for layout in ("bf16", "fp8_e4m3"))
+    with pytest.raises(UnsupportedConfig, match="needs a Hopper GPU"):
+        decode._check_wgmma(bf16, torch.device("cpu"))
+    with pytest.raises(UnsupportedConfig, match="reads bf16 caches, not 'fp8_e4m3'"):
+        decode._check_wgmma(fp8, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"wgmma runs \(block_m, block_n, num_warps\) = \(64, 64, 8\)"):
+        DecodeConfig(block_m=16, block_n=64, num_warps=8, wgmma=True)
+
+
+WGMMA_CASES = [  # (page size, mix, heads, forced splits, partials kept in L2)
+    (64, SINGLE, 128, None, None), (1, UNIFORM, 64, None, None), (48, VARLEN, 128, 3, False),
+    (16, VARLEN, 20, 2, True), (128, UNIFORM, 16, 5, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, mix, heads, splits, keep", WGMMA_CASES,
+                         ids=["ps64", "ps1-mtp", "ps48-split3", "ps16-h20-kept", "ps128-h16-q3"])
+def test_the_wgmma_kernel_passes_the_judge_on_hopper(page_size, mix, heads, splits, keep):
+    """Empty and one-key requests, MTP and varlen rows across tokens, padded head counts, page sizes that cut
+    tiles, forced splits merged by LSE; the judge poisons outputs and unused cache slots (NaN: masked copies must
+    keep them out of the products)."""
+    device = torch.device("cuda")
+    if not decode._has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size), device)
+    config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, wgmma=True)
+    verdict = judge(Configured(config), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    if heads == 128:
+        assert TritonDecode().checked_plan(problem).config.wgmma  # the default there
+
+
 # ---- planted bugs: each must fail the judge --------------------------------------------------------------------
 
 def _item_rows(plan):

@@ -8,11 +8,12 @@ compiler: a kernel that one Triton version's front end rejects passes every CPU 
 with the GPU machine's 3.6). So this check:
 
 1. records launches: in a process with ``TRITON_INTERPRET=1``, the impls plan and run small problems with the
-   configurations a GPU gets by default (``default_config`` with a CUDA device; the decode's cut in two splits, so
+   configurations a GPU gets by default (``default_config`` with a CUDA device, Hopper or not; the decode's cut in two splits, so
    that its merge runs too, and once in many as on a GPU of 132 SMs, whose merge narrows its rows), every cache
    layout and the page sizes that change a kernel; each launch's argument types, constexprs, 16-aligned arguments
    (as Triton's launcher specializes them: the aligned loads are what pipelines through shared memory) and launch
-   options are recorded and its execution skipped;
+   options are recorded and its execution skipped. Gluon kernels (``decode_wgmma``), which the interpreter cannot
+   run, are planned as on a Hopper GPU and their launches recorded the same way;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
    than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
@@ -124,8 +125,9 @@ def _drive_impls() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for layout in LAYOUTS:
         for page_size in DECODE_PAGE_SIZES:
-            configs = {decode.default_config(heads, q_len, layout, page_size, keys_per_sm)
-                       for heads in (16, 32, 64, 128) for q_len in (1, 2, 4) for keys_per_sm in (0.0, 1e9)}
+            configs = {decode.default_config(heads, q_len, layout, page_size, keys_per_sm, hopper)
+                       for heads in (16, 32, 64, 128) for q_len in (1, 2, 4) for keys_per_sm in (0.0, 1e9)
+                       for hopper in (False, True)}
             problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, layout=layout,
                                              page_size=page_size, q_lens=(1, 2), kv_lens=(70, 9)), cpu)
             for config in sorted(configs, key=repr):
@@ -169,7 +171,10 @@ def recorded_launches():
     """Within the block, interpreted kernel launches are recorded instead of executed, with the arguments a GPU
     would get (the modules' ``INTERPRETING`` off: GPU tile sizes, no float32 upcasts): yields the ``Launch``
     objects, one per distinct launch, in order."""
+    from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.runtime.interpreter import InterpretedFunction
+
+    from impls.triton import decode
 
     host_choices = [module for module in map(importlib.import_module, HOST_CHOICE_MODULES)
                     if getattr(module, "INTERPRETING", False)]
@@ -183,14 +188,14 @@ def recorded_launches():
             keys.add(key)
             recorded.append(launch)
 
-    executed = InterpretedFunction.run
-    InterpretedFunction.run = run_recorded
     for module in host_choices:
         module.INTERPRETING = False
     try:
-        yield recorded
+        with mock.patch.object(InterpretedFunction, "run", run_recorded), \
+                mock.patch.object(GluonJITFunction, "run", run_recorded), \
+                mock.patch.object(decode, "_has_wgmma", lambda device: True):
+            yield recorded
     finally:
-        InterpretedFunction.run = executed
         for module in host_choices:
             module.INTERPRETING = True
 
@@ -215,12 +220,14 @@ def compile_launch(launch: Launch, resources: bool = False) -> tuple[str | None,
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = getattr(importlib.import_module(launch.module), launch.kernel)
     try:
         divisible = BaseBackend.parse_attr("D")  # what the launcher tells the compiler of a 16-aligned argument
         attrs = {(i,): divisible for i, name in enumerate(launch.signature) if name in launch.aligned}
-        source = ASTSource(kernel, dict(launch.signature), dict(launch.constexprs), attrs)
+        source_type = GluonASTSource if kernel.is_gluon() else ASTSource
+        source = source_type(kernel, dict(launch.signature), dict(launch.constexprs), attrs)
         compiled = triton.compile(source, target=GPUTarget(*TARGET), options=dict(launch.options))
     except Exception as error:  # noqa: BLE001 - any compiler failure is the finding
         return _innermost(error), ""

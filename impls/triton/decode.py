@@ -6,6 +6,9 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
+On Hopper, 64-row blocks of a bf16 cache run the split step in Gluon (``decode_wgmma``: the score product once
+across both warpgroups, where Triton's layout rule computes it in each); the merge and everything else are shared.
+
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
 
@@ -25,6 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
+from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 from mla_bench.metadata.reference import blocks_needed, cumulative
@@ -54,6 +58,8 @@ MERGE_VALUES = 2048
 # H200 (60 MiB L2): 16 heads, 4 MiB of partials, b32 47.1 -> 45.6 us and b64 83.0 -> 81.1 (NOTES.md, round 9);
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
+# The Gluon split kernel's tile (decode_wgmma): query rows, keys per step, warps.
+WGMMA_TILE = (64, 64, 8)
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
@@ -70,7 +76,9 @@ class DecodeConfig:
     quantized caches read each latent tile once per product and decode it in that product's operand layout, fp8 as
     bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
     products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
-    store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it)."""
+    store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
+    ``wgmma``: the split step runs ``decode_wgmma``'s Gluon kernel, which computes the score product once across its
+    two warpgroups (Hopper only; bf16 caches, 64 rows, 64 keys, 8 warps)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -84,6 +92,7 @@ class DecodeConfig:
     early_merge: bool = False
     reread_values: bool = False
     keep_partials: bool | None = None
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -94,19 +103,24 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
+        if self.wgmma and (self.block_m, self.block_n, self.num_warps) != WGMMA_TILE:
+            raise ValueError(f"DecodeConfig.wgmma runs (block_m, block_n, num_warps) = {WGMMA_TILE}, got "
+                             f"{(self.block_m, self.block_n, self.num_warps)}")
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
-                   keys_per_sm: float = 0.0) -> DecodeConfig:
-    """Parameters for a workload, chosen from the H200 sweeps in NOTES.md; ``keys_per_sm`` is the batch's keys
-    over the GPU's multiprocessors.
+                   keys_per_sm: float = 0.0, hopper: bool = False) -> DecodeConfig:
+    """Parameters for a workload, chosen from the H100/H200 sweeps in NOTES.md; ``keys_per_sm`` is the batch's keys
+    over the GPU's multiprocessors; ``hopper``: the device runs wgmma (compute capability 9).
 
     Query rows per request (heads x new tokens) set the row block. 128 rows or more of a quantized layout other
     than fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys per multiprocessor: 128-row blocks, one stage
     of 64 keys, tiles decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still
     faster; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128 heads, or
     16 heads x 4 tokens):
-    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); fp8_ds_mla there decodes its tiles
+    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper runs the Gluon kernel
+    (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6 -> 105.7 us,
+    NOTES.md round 11); fp8_ds_mla there decodes its tiles
     once per product (decoded once, its float16 path spills registers). 16 or 32 rows: memory-bound, the mma.sync
     path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per
     multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
@@ -123,7 +137,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     if block_m == 64:
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
-        return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+        return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=hopper and layout == "bf16")
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
     if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, early_merge=True)
@@ -137,7 +151,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
 def batch_config(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int], layout: str, page_size: int,
                  device: torch.device) -> DecodeConfig:
     """``default_config`` for a batch on ``device``: its longest query, and its keys per multiprocessor."""
-    return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / _sm_count(device))
+    return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / _sm_count(device),
+                          _has_wgmma(device))
 
 
 @dataclass
@@ -183,6 +198,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
                                 f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
                                 f"use block_n >= 32")
+    if config.wgmma:
+        _check_wgmma(cache, device)
     sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
@@ -211,7 +228,14 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    if plan.work.shape[0]:
+    if plan.work.shape[0] and cfg.wgmma:
+        _decode_split_kernel_wgmma[(plan.work.shape[0],)](
+            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
+            plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
+            plan.out.stride(0), plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse,
+            plan.qk_scale, plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
+            num_warps=cfg.num_warps)
+    elif plan.work.shape[0]:
         _decode_split_kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
@@ -404,6 +428,21 @@ def _merge_tile(groups: int, block_m: int, max_splits: int, sms: int) -> tuple[i
     while rows > 1 and programs() < 2 * sms and max_splits * rows * cols > MERGE_VALUES:
         rows //= 2
     return rows, cols
+
+
+def _has_wgmma(device: torch.device) -> bool:
+    """Hopper's warpgroup MMA: CUDA devices of compute capability 9 (Blackwell's tensor cores take other
+    instructions)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _check_wgmma(cache: PagedCache, device: torch.device) -> None:
+    """What the Gluon split kernel needs beyond its tile (``DecodeConfig`` checks that): UnsupportedConfig."""
+    if cache.layout.name != "bf16":
+        raise UnsupportedConfig(f"triton_decode: the wgmma kernel reads bf16 caches, not {cache.layout.name!r}")
+    if not _has_wgmma(device):
+        raise UnsupportedConfig(f"triton_decode: the wgmma kernel needs a Hopper GPU (compute capability 9), "
+                                f"not {device}")
 
 
 def _has_dependent_launch(device: torch.device) -> bool:

@@ -1,0 +1,211 @@
+"""The 64-row bf16 decode split kernel in Gluon: the score product computed once, by both warpgroups together.
+
+``decode_kernel._decode_split_kernel`` in Triton gives a dot that feeds another dot every warp along M, so with 64
+query rows and two warpgroups (the 64 x 512 float32 output needs both) each warpgroup computes the whole score tile
+``S = Q K^T``: 2 x 576 + 512 multiply-adds per (row, key) instead of 1088 (NOTES.md, rounds 1 and 7). Gluon lets
+the layouts be chosen: here warpgroup ``w`` computes the scores of keys ``[32 w, 32 w + 32)`` of each 64-key tile,
+the row maximum is exchanged through shared memory, ``P`` is written to shared memory once, and each warpgroup
+multiplies all of ``P`` by its half of the value columns (output columns ``[64 w, 64 w + 64)`` of each 128-wide
+tile). The row sums stay per warpgroup until the end.
+
+Same arguments, work items and outputs as ``_decode_split_kernel`` (bf16 cache, ``BLOCK_M`` 64, ``BLOCK_N`` 64,
+8 warps); the merge is shared. Key tiles are copied with ``cp.async`` (masked: keys past the range are zeros, so
+poisoned slots never reach a product) into two stages: the next tile's copy runs during the current tile's
+products. Gluon has no interpreter: this kernel runs
+on Hopper GPUs only; the CPU tests cover the Triton kernel, and ``make compile-check`` compiles this one for sm_90.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from mla_bench.layouts import LATENT_DIM
+
+# Triton 3.6 (the GPU machine) and newer releases (CI) name two of the operations differently.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+ROWS = gl.constexpr(64)        # query rows per item (BLOCK_M)
+KEYS = gl.constexpr(64)        # keys per tile (BLOCK_N)
+STAGES = gl.constexpr(2)       # key tiles in shared memory: 2 x 72 KB, with the 72 KB query block and P
+WIDTH = gl.constexpr(LATENT_DIM)  # bf16 per cache row and query row: 512 latent + 64 rope
+
+# Scores [64 rows, 64 keys]: warpgroup w takes keys [32 w, 32 w + 32). Outputs [64 rows, 128 columns] per tile:
+# warpgroup w takes columns [64 w, 64 w + 64) (one 128-byte swizzle atom of the value tile).
+SCORE_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+OUT_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16]))
+# Copies: 16 bytes per thread, a warp covers 4 rows of 64 columns.
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                            order=[1, 0]))
+SWIZZLED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _copy_rows(smem, rows_base, ok, first_col: gl.constexpr, COLS: gl.constexpr):
+    """cp.async of ``COLS`` bf16 columns from ``first_col`` of 64 rows (``rows_base``: each row's first element)
+    into ``smem``; rows not ``ok`` become zeros."""
+    cols = first_col + gl.arange(0, COLS, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    _async_load(smem, rows_base[:, None] + cols[None, :], mask=ok[:, None])
+
+
+@gluon.jit
+def _copy_key_tile(lat_smem, rope_smem, stage, cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
+    """Issue the copies of keys ``[start, start + 64)`` (those below ``kv_end``) into stage ``stage``."""
+    keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    ok = keys < kv_end
+    if PAGE_SIZE % KEYS == 0:  # one page per tile: one block-table entry
+        page = gl.load(pages + start // PAGE_SIZE).to(gl.int64)
+    else:
+        page = gl.load(pages + keys // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    base = cache + (page * PAGE_SIZE + keys % PAGE_SIZE) * WIDTH
+    for t in gl.static_range(4):
+        _copy_rows(lat_smem.index(stage * 4 + t), base, ok, TILE * t, TILE)
+    _copy_rows(rope_smem.index(stage), base, ok, NOPE, ROPE)
+
+
+@gluon.jit
+def _decode_split_kernel_wgmma(
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
+    out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract); ``cache`` is the bf16 view
+    of the paged cache, ``WIDTH`` values per slot."""
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
+    k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, KEYS], SWIZZLED)
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    for i in range(gl.load(item_counts + program)):
+        row = table + i * ITEM_FIELDS
+        _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
+                     gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4),
+                     gl.load(row + 5), gl.load(row + 6),
+                     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+                     q_lat, q_rope, k_lat, k_rope, p_smem, PAGE_SIZE, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
+                 request, row_block, kv_start, kv_end, slot_out, q_first, q_len,
+                 out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+                 q_lat, q_rope, k_lat, k_rope, p_smem, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
+    """One work item: 64 query rows of one request over keys ``[kv_start, kv_end)``."""
+    # The query block, in the first copy group with the first key tile.
+    rows_c = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    ok_c = rows_c < q_len * num_heads
+    q_base = q + (q_first + rows_c // num_heads).to(gl.int64) * stride_qt + (rows_c % num_heads) * stride_qh
+    for t in gl.static_range(4):
+        _copy_rows(q_lat.index(t), q_base, ok_c, TILE * t, TILE)
+    _copy_rows(q_rope, q_base, ok_c, NOPE, ROPE)
+
+    pages = block_table + request.to(gl.int64) * stride_bt
+    tiles = gl.cdiv(kv_end - kv_start, KEYS)
+    _copy_key_tile(k_lat, k_rope, 0, cache, pages, kv_start, kv_end, PAGE_SIZE)
+    async_copy.commit_group()
+    if tiles > 1:
+        _copy_key_tile(k_lat, k_rope, 1, cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
+    async_copy.commit_group()
+
+    # Rows in the score layout: the causal frontier of each row, clipped to the item's range.
+    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
+    ok_s = rows_s < q_len * num_heads
+    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    key_cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, SCORE_LAYOUT))
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))
+    l_part = gl.zeros([ROWS, KEYS], gl.float32, SCORE_LAYOUT)  # each warpgroup's running sums, summed at the end
+    acc0 = gl.zeros([ROWS, TILE], gl.float32, OUT_LAYOUT)
+    acc1 = gl.zeros([ROWS, TILE], gl.float32, OUT_LAYOUT)
+    acc2 = gl.zeros([ROWS, TILE], gl.float32, OUT_LAYOUT)
+    acc3 = gl.zeros([ROWS, TILE], gl.float32, OUT_LAYOUT)
+    for j in range(tiles):
+        stage = j % STAGES
+        async_copy.wait_group(1)  # this thread's copies of tile j (and the query block) have landed
+        hopper.fence_async_shared()
+        _cta_barrier()            # ... and every thread's
+
+        s = gl.zeros([ROWS, KEYS], gl.float32, SCORE_LAYOUT)
+        for t in gl.static_range(4):
+            s = hopper.warpgroup_mma(q_lat.index(t), k_lat.index(stage * 4 + t).permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma(q_rope, k_rope.index(stage).permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
+
+        start = kv_start + j * KEYS
+        s = gl.where((start + key_cols)[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_part = l_part * alpha[:, None] + p
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        hopper.fence_async_shared()
+        _cta_barrier()
+
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+        acc0 = hopper.warpgroup_mma(p_smem, k_lat.index(stage * 4 + 0), acc0 * alpha_o, is_async=True)
+        acc1 = hopper.warpgroup_mma(p_smem, k_lat.index(stage * 4 + 1), acc1 * alpha_o, is_async=True)
+        acc2 = hopper.warpgroup_mma(p_smem, k_lat.index(stage * 4 + 2), acc2 * alpha_o, is_async=True)
+        acc3 = hopper.warpgroup_mma(p_smem, k_lat.index(stage * 4 + 3), acc3 * alpha_o, is_async=True)
+        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        _cta_barrier()  # both warpgroups are done with this stage and with P
+        if j + STAGES < tiles:
+            _copy_key_tile(k_lat, k_rope, stage, cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+    _cta_barrier()  # the next item's copies reuse the buffers
+
+    l_i = gl.sum(l_part, 1)
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), gl.SliceLayout(1, OUT_LAYOUT))
+    rows_o = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    ok_o = rows_o < q_len * num_heads
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))
+    if slot_out < 0:  # the item covers its rows' whole range: the final result
+        out_row = out + (q_first + rows_o // num_heads).to(gl.int64) * stride_ot + (rows_o % num_heads) * stride_oh
+        _store_out(out_row, cols, ok_o, acc0, acc1, acc2, acc3, inv_l)
+        gl.store(lse + (q_first + rows_s // num_heads).to(gl.int64) * stride_lt + rows_s % num_heads,
+                 lse2 * LN2, mask=ok_s)
+    else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
+        part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        _store_partial(part_out + part_rows * NOPE, cols, acc0, acc1, acc2, acc3, inv_l, KEEP_PARTIALS)
+        lse_at = part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
+        if KEEP_PARTIALS:
+            gl.store(lse_at, lse2, eviction_policy="evict_last")
+        else:
+            gl.store(lse_at, lse2)
+
+
+@gluon.jit
+def _store_out(out_row, cols, ok, acc0, acc1, acc2, acc3, inv_l):
+    """The final output rows, bf16."""
+    scale = inv_l[:, None]
+    mask = ok[:, None]
+    gl.store(out_row[:, None] + (0 * TILE + cols)[None, :], (acc0 * scale).to(gl.bfloat16), mask=mask)
+    gl.store(out_row[:, None] + (1 * TILE + cols)[None, :], (acc1 * scale).to(gl.bfloat16), mask=mask)
+    gl.store(out_row[:, None] + (2 * TILE + cols)[None, :], (acc2 * scale).to(gl.bfloat16), mask=mask)
+    gl.store(out_row[:, None] + (3 * TILE + cols)[None, :], (acc3 * scale).to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _store_partial(part_row, cols, acc0, acc1, acc2, acc3, inv_l, KEEP_PARTIALS: gl.constexpr):
+    """A split's normalized partial, float32 (kept in L2 for the merge when ``KEEP_PARTIALS``)."""
+    scale = inv_l[:, None]
+    if KEEP_PARTIALS:
+        gl.store(part_row[:, None] + (0 * TILE + cols)[None, :], acc0 * scale, eviction_policy="evict_last")
+        gl.store(part_row[:, None] + (1 * TILE + cols)[None, :], acc1 * scale, eviction_policy="evict_last")
+        gl.store(part_row[:, None] + (2 * TILE + cols)[None, :], acc2 * scale, eviction_policy="evict_last")
+        gl.store(part_row[:, None] + (3 * TILE + cols)[None, :], acc3 * scale, eviction_policy="evict_last")
+    else:
+        gl.store(part_row[:, None] + (0 * TILE + cols)[None, :], acc0 * scale)
+        gl.store(part_row[:, None] + (1 * TILE + cols)[None, :], acc1 * scale)
+        gl.store(part_row[:, None] + (2 * TILE + cols)[None, :], acc2 * scale)
+        gl.store(part_row[:, None] + (3 * TILE + cols)[None, :], acc3 * scale)
