@@ -53,18 +53,24 @@ def _copy_rows(smem, rows_base, ok, first_col: gl.constexpr, COLS: gl.constexpr)
 
 
 @gluon.jit
-def _copy_key_tile(lat_smem, rope_smem, stage, cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
-    """Issue the copies of keys ``[start, start + 64)`` (those below ``kv_end``) into stage ``stage``."""
+def _key_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
+    """The cache rows of keys ``[start, start + 64)`` through the block table, and which are below ``kv_end``
+    (none past the range: nothing is read then)."""
     keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, COPY_LAYOUT))
     ok = keys < kv_end
     if PAGE_SIZE % KEYS == 0:  # one page per tile: one block-table entry
-        page = gl.load(pages + start // PAGE_SIZE).to(gl.int64)
+        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
     else:
         page = gl.load(pages + keys // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
-    base = cache + (page * PAGE_SIZE + keys % PAGE_SIZE) * WIDTH
+    return cache + (page * PAGE_SIZE + keys % PAGE_SIZE) * WIDTH, ok
+
+
+@gluon.jit
+def _copy_key_tile(lat_smem, rope_smem, stage, rows, ok):
+    """Issue the copies of a key tile (``_key_rows``) into stage ``stage``."""
     for t in gl.static_range(4):
-        _copy_rows(lat_smem.index(stage * 4 + t), base, ok, TILE * t, TILE)
-    _copy_rows(rope_smem.index(stage), base, ok, NOPE, ROPE)
+        _copy_rows(lat_smem.index(stage * 4 + t), rows, ok, TILE * t, TILE)
+    _copy_rows(rope_smem.index(stage), rows, ok, NOPE, ROPE)
 
 
 @gluon.jit
@@ -107,10 +113,12 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
 
     pages = block_table + request.to(gl.int64) * stride_bt
     tiles = gl.cdiv(kv_end - kv_start, KEYS)
-    _copy_key_tile(k_lat, k_rope, 0, cache, pages, kv_start, kv_end, PAGE_SIZE)
+    rows, ok = _key_rows(cache, pages, kv_start, kv_end, PAGE_SIZE)
+    _copy_key_tile(k_lat, k_rope, 0, rows, ok)
     async_copy.commit_group()
     if tiles > 1:
-        _copy_key_tile(k_lat, k_rope, 1, cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
+        rows, ok = _key_rows(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
+        _copy_key_tile(k_lat, k_rope, 1, rows, ok)
     async_copy.commit_group()
 
     # Rows in the score layout: the causal frontier of each row, clipped to the item's range.
@@ -127,6 +135,10 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
     acc3 = gl.zeros([ROWS, TILE], gl.float32, OUT_LAYOUT)
     for j in range(tiles):
         stage = j % STAGES
+        start = kv_start + j * KEYS
+        # The block-table entries of the tile copied after this one's products are read now: their latency
+        # (a DRAM round trip per tile in pages smaller than it) hides behind the products.
+        next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE)
         async_copy.wait_group(1)  # this thread's copies of tile j (and the query block) have landed
         hopper.fence_async_shared()
         _cta_barrier()            # ... and every thread's
@@ -137,7 +149,6 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
         s = hopper.warpgroup_mma(q_rope, k_rope.index(stage).permute((1, 0)), s, is_async=True)
         s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
 
-        start = kv_start + j * KEYS
         s = gl.where((start + key_cols)[None, :] < limit[:, None], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
@@ -157,7 +168,7 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
         acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # both warpgroups are done with this stage and with P
         if j + STAGES < tiles:
-            _copy_key_tile(k_lat, k_rope, stage, cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE)
+            _copy_key_tile(k_lat, k_rope, stage, next_rows, next_ok)
         async_copy.commit_group()
     async_copy.wait_group(0)
     _cta_barrier()  # the next item's copies reuse the buffers
