@@ -324,6 +324,22 @@ def test_planted_bugs_fail_the_judge(bug, layout, mix):
     assert verdict.violations
 
 
+@pytest.mark.gpu
+def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
+    """The wgmma kernel must honour each item's key range inside a page (its copies read whole tiles): an item
+    ending one key early must change the answer."""
+    device = torch.device("cuda")
+    if not decode._has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+
+    class WgmmaSkipsTheLastKey(SkipsTheLastKey):
+        config = DecodeConfig(block_m=64, block_n=64, num_warps=8, wgmma=True)
+
+    verdict = judge(WgmmaSkipsTheLastKey(), build_problem(workload("bf16", 64, SINGLE, heads=128, seed=11), device))
+    assert verdict.status == "failed", "the wgmma kernel ignored the item's end"
+    assert verdict.violations
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 
 def _planned_inputs(**changes):

@@ -11,8 +11,8 @@ tile). The row sums stay per warpgroup until the end.
 Same arguments, work items and outputs as ``_decode_split_kernel`` (bf16 cache, ``BLOCK_M`` 64, ``BLOCK_N`` 64,
 8 warps); the merge is shared. Key tiles are copied with ``cp.async`` (masked: keys past the range are zeros, so
 poisoned slots never reach a product) into two stages: the next tile's copy runs during the current tile's
-products. Gluon has no interpreter: this kernel runs
-on Hopper GPUs only; the CPU tests cover the Triton kernel, and ``make compile-check`` compiles this one for sm_90.
+products. Gluon has no interpreter: this kernel runs on Hopper GPUs only; the CPU tests cover the Triton kernel,
+and ``make compile-check`` compiles this one for sm_90.
 """
 
 from __future__ import annotations
@@ -113,13 +113,11 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
 
     pages = block_table + request.to(gl.int64) * stride_bt
     tiles = gl.cdiv(kv_end - kv_start, KEYS)
-    rows, ok = _key_rows(cache, pages, kv_start, kv_end, PAGE_SIZE)
-    _copy_key_tile(k_lat, k_rope, 0, rows, ok)
-    async_copy.commit_group()
-    if tiles > 1:
-        rows, ok = _key_rows(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
-        _copy_key_tile(k_lat, k_rope, 1, rows, ok)
-    async_copy.commit_group()
+    for first in gl.static_range(STAGES):  # one copy group per stage, empty past the range
+        if first < tiles:
+            rows, ok = _key_rows(cache, pages, kv_start + first * KEYS, kv_end, PAGE_SIZE)
+            _copy_key_tile(k_lat, k_rope, first, rows, ok)
+        async_copy.commit_group()
 
     # Rows in the score layout: the causal frontier of each row, clipped to the item's range.
     rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
@@ -139,7 +137,7 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
         # The block-table entries of the tile copied after this one's products are read now: their latency
         # (a DRAM round trip per tile in pages smaller than it) hides behind the products.
         next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE)
-        async_copy.wait_group(1)  # this thread's copies of tile j (and the query block) have landed
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j (and the query block) have landed
         hopper.fence_async_shared()
         _cta_barrier()            # ... and every thread's
 
@@ -187,12 +185,10 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
                  lse2 * LN2, mask=ok_s)
     else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
         part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
-        _store_partial(part_out + part_rows * NOPE, cols, acc0, acc1, acc2, acc3, inv_l, KEEP_PARTIALS)
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        _store_partial(part_out + part_rows * NOPE, cols, acc0, acc1, acc2, acc3, inv_l, policy)
         lse_at = part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
-        if KEEP_PARTIALS:
-            gl.store(lse_at, lse2, eviction_policy="evict_last")
-        else:
-            gl.store(lse_at, lse2)
+        gl.store(lse_at, lse2, eviction_policy=policy)
 
 
 @gluon.jit
@@ -207,16 +203,11 @@ def _store_out(out_row, cols, ok, acc0, acc1, acc2, acc3, inv_l):
 
 
 @gluon.jit
-def _store_partial(part_row, cols, acc0, acc1, acc2, acc3, inv_l, KEEP_PARTIALS: gl.constexpr):
-    """A split's normalized partial, float32 (kept in L2 for the merge when ``KEEP_PARTIALS``)."""
+def _store_partial(part_row, cols, acc0, acc1, acc2, acc3, inv_l, EVICT: gl.constexpr):
+    """A split's normalized partial, float32, with the L2 eviction policy ``EVICT`` ("evict_last": kept there for
+    the merge)."""
     scale = inv_l[:, None]
-    if KEEP_PARTIALS:
-        gl.store(part_row[:, None] + (0 * TILE + cols)[None, :], acc0 * scale, eviction_policy="evict_last")
-        gl.store(part_row[:, None] + (1 * TILE + cols)[None, :], acc1 * scale, eviction_policy="evict_last")
-        gl.store(part_row[:, None] + (2 * TILE + cols)[None, :], acc2 * scale, eviction_policy="evict_last")
-        gl.store(part_row[:, None] + (3 * TILE + cols)[None, :], acc3 * scale, eviction_policy="evict_last")
-    else:
-        gl.store(part_row[:, None] + (0 * TILE + cols)[None, :], acc0 * scale)
-        gl.store(part_row[:, None] + (1 * TILE + cols)[None, :], acc1 * scale)
-        gl.store(part_row[:, None] + (2 * TILE + cols)[None, :], acc2 * scale)
-        gl.store(part_row[:, None] + (3 * TILE + cols)[None, :], acc3 * scale)
+    gl.store(part_row[:, None] + (0 * TILE + cols)[None, :], acc0 * scale, eviction_policy=EVICT)
+    gl.store(part_row[:, None] + (1 * TILE + cols)[None, :], acc1 * scale, eviction_policy=EVICT)
+    gl.store(part_row[:, None] + (2 * TILE + cols)[None, :], acc2 * scale, eviction_policy=EVICT)
+    gl.store(part_row[:, None] + (3 * TILE + cols)[None, :], acc3 * scale, eviction_policy=EVICT)
