@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -38,7 +39,7 @@ from impls.triton.prefill import TritonPrefill
 from impls.triton.prefill_kernel import PrefillConfig, mha_prefill, prefill_flops
 from impls.triton.sparse import TritonSparse, TritonSparseRagged
 from impls.triton.latent_io import cache_tensor_scale, layout_code
-from impls.triton.sparse_kernel import SparseConfig, sparse_flops, sparse_mqa
+from impls.triton.sparse_kernel import WGMMA_CONFIG, SparseConfig, sparse_flops, sparse_mqa
 from mla_bench.dims import get_preset
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import write_cache
@@ -51,8 +52,9 @@ from suites.judge import judge
 PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4), PrefillConfig(128, 64, 8, 2),
                    PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 3)]
 SPARSE_CONFIGS = {  # per layout: what was tried (NOTES.md, part 2, has the earlier rounds)
-    "fp8_ds_mla": [SparseConfig(128, 64, 8, 1), SparseConfig(128, 32, 8, 1), SparseConfig(64, 64, 8, 2)],
-    "fp8_ds_mla_pow2": [SparseConfig(64, 128, 8, 1, prefetch=True), SparseConfig(64, 128, 8, 1),
+    "fp8_ds_mla": [WGMMA_CONFIG, SparseConfig(128, 64, 8, 1), SparseConfig(128, 32, 8, 1),
+                   SparseConfig(64, 64, 8, 2)],
+    "fp8_ds_mla_pow2": [WGMMA_CONFIG, SparseConfig(64, 128, 8, 1, prefetch=True), SparseConfig(64, 128, 8, 1),
                         SparseConfig(64, 64, 8, 2, prefetch=True), SparseConfig(64, 64, 8, 2)],
     "bf16": [SparseConfig(32, 64, 4, 2), SparseConfig(64, 64, 8, 2)],
 }
@@ -71,9 +73,17 @@ class Timer:
     def __init__(self, device: torch.device) -> None:
         self.flush_buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
 
-    def __call__(self, fn: Callable[[], Any], reps: int = 15, warmup: int = 3) -> dict[str, float]:
-        for _ in range(warmup):
+    def __call__(self, fn: Callable[[], Any], reps: int = 15, warmup: int = 3,
+                 warmup_s: float = 0.2) -> dict[str, float]:
+        """Samples after at least ``warmup`` calls and ``warmup_s`` seconds of them: after the host-bound checks the
+        GPU's clock is low, and three calls of a sub-millisecond kernel did not raise it (the first row timed after
+        them read 13-15% slow, NOTES.md part 2, session 12)."""
+        began, calls = time.perf_counter(), 0
+        while calls < warmup or time.perf_counter() - began < warmup_s:
             fn()
+            calls += 1
+            if calls % 16 == 0:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         samples = []
         for _ in range(reps):
@@ -210,7 +220,7 @@ def bench_sparse(device: torch.device, timer: Timer, ceil: dict, quick: bool) ->
         scale = get_preset("deepseek-v3").softmax_scale
         for config in configs[:1] if quick else configs:
             variant = (f"BH{config.block_h} BN{config.block_n} w{config.num_warps} s{config.num_stages}"
-                       + (" prefetch" if config.prefetch else ""))
+                       + (" prefetch" if config.prefetch else "") + (" wgmma" if config.wgmma else ""))
             try:
                 check = judge(TritonSparse(config), build_problem(Workload(
                     mode="sparse_decode", preset="deepseek-v3", q_lens=(1,) * 8, kv_lens=(3000,) * 8, page_size=64,

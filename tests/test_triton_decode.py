@@ -14,11 +14,12 @@ import math
 import pytest
 import torch
 
-from impls.triton import decode
+from impls.triton import common, decode
+from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.layouts import NOPE_DIM, PagedCache
-from mla_bench.layouts.ops import gather_cache, write_cache
+from mla_bench.layouts import NOPE_DIM
+from mla_bench.layouts.ops import gather_cache
 from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
 from mla_bench.workload import Workload
@@ -113,19 +114,6 @@ def test_quantized_tiles_read_twice_pass_too(layout):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
-def _magnified(problem, q_factor: float, kv_factor: float):
-    """The same attention with the query times ``q_factor`` and the cache's tokens times ``kv_factor`` (powers of
-    two: bf16 values stay exact), the softmax scale divided by both: equal scores, outputs times ``kv_factor``."""
-    problem.q = problem.q * q_factor
-    problem.kv = problem.kv * kv_factor
-    problem.scale = problem.scale / (q_factor * kv_factor)
-    layout, meta = problem.cache.layout, problem.meta
-    problem.cache = PagedCache.empty(layout, meta.num_blocks, meta.page_size, device=problem.kv.device,
-                                     tensor_scale=layout.fit_tensor_scale(problem.kv))
-    write_cache(problem.cache, problem.kv, meta.token_slots)
-    return problem
-
-
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "fp8_ds_mla"])
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
@@ -133,7 +121,7 @@ def _magnified(problem, q_factor: float, kv_factor: float):
 def test_fp8_float16_products_hold_queries_and_scales_of_any_magnitude(layout, q_factor, kv_factor, heads_as_n):
     """fp8 layouts multiply in float16: queries (up to 2^22 here) and tile scales (above 65504 here) beyond its
     range, or far below it, must not overflow or lose precision."""
-    problem = _magnified(build_problem(workload(layout, 16, VARLEN, heads=16, seed=13)), q_factor, kv_factor)
+    problem = magnified(build_problem(workload(layout, 16, VARLEN, heads=16, seed=13)), q_factor, kv_factor)
     config = DecodeConfig(block_m=16, block_n=32, heads_as_n=heads_as_n, num_splits=2)
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -239,7 +227,7 @@ def test_the_wgmma_kernel_passes_the_judge_on_hopper(page_size, mix, heads, spli
     tiles, forced splits merged by LSE; the judge poisons outputs and unused cache slots (NaN: masked copies must
     keep them out of the products)."""
     device = torch.device("cuda")
-    if not decode._has_wgmma(device):
+    if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size), device)
     config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, wgmma=True)
@@ -329,7 +317,7 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
     """The wgmma kernel must honour each item's key range inside a page (its copies read whole tiles): an item
     ending one key early must change the answer."""
     device = torch.device("cuda")
-    if not decode._has_wgmma(device):
+    if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
 
     class WgmmaSkipsTheLastKey(SkipsTheLastKey):

@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def has_wgmma(device: torch.device) -> bool:
+    """Hopper's warpgroup MMA, which the Gluon kernels (``decode_wgmma``, ``sparse_wgmma``) issue: CUDA devices of
+    compute capability 9 (Blackwell's tensor cores take other instructions)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @triton.jit

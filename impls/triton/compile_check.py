@@ -12,8 +12,8 @@ with the GPU machine's 3.6). So this check:
    two splits, so that its merge runs too, and once in many as on a GPU of 132 SMs, whose merge narrows its rows),
    every cache layout and the page sizes that change a kernel; each launch's argument types, constexprs, 16-aligned
    arguments (as Triton's launcher specializes them: the aligned loads are what pipelines through shared memory)
-   and launch options are recorded and its execution skipped. Gluon kernels (``decode_wgmma``), which the
-   interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the same way;
+   and launch options are recorded and its execution skipped. Gluon kernels (``decode_wgmma``, ``sparse_wgmma``),
+   which the interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the same way;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
    than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import itertools
 import json
 import os
 import re
@@ -152,8 +153,8 @@ def _drive_impls() -> None:
             for impl, transform in ((TritonSparse, "paged"), (TritonSparseRagged, "ragged")):
                 problem = build_problem(Workload(mode=mode, q_lens=(2, 1), kv_lens=(70, 33), page_size=16,
                                                  layout=layout, topk=32, index_transform=transform), cpu)
-                for heads in (16, 64, 128):
-                    runner = impl(sparse_kernel.default_config(gpu, heads, code))
+                for heads, hopper in itertools.product((16, 64, 128), (False, True)):
+                    runner = impl(sparse_kernel.default_config(gpu, heads, code, hopper=hopper))
                     runner.run(runner.plan(problem))
         chunked = TritonChunkedPrefill(prefill_kernel.default_config(gpu))
         problem = build_problem(Workload(mode="chunked_prefill", q_lens=(3, 2), kv_lens=(40, 9), page_size=16,
@@ -174,7 +175,7 @@ def recorded_launches():
     from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.runtime.interpreter import InterpretedFunction
 
-    from impls.triton import decode
+    from impls.triton import common
 
     host_choices = [module for module in map(importlib.import_module, HOST_CHOICE_MODULES)
                     if getattr(module, "INTERPRETING", False)]
@@ -193,7 +194,7 @@ def recorded_launches():
     try:
         with mock.patch.object(InterpretedFunction, "run", run_recorded), \
                 mock.patch.object(GluonJITFunction, "run", run_recorded), \
-                mock.patch.object(decode, "_has_wgmma", lambda device: True):
+                mock.patch.object(common, "has_wgmma", lambda device: True):
             yield recorded
     finally:
         for module in host_choices:

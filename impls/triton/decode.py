@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
+from impls.triton import common
 from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
@@ -152,7 +153,7 @@ def batch_config(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int], 
                  device: torch.device) -> DecodeConfig:
     """``default_config`` for a batch on ``device``: its longest query, and its keys per multiprocessor."""
     return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / _sm_count(device),
-                          _has_wgmma(device))
+                          common.has_wgmma(device))
 
 
 @dataclass
@@ -430,17 +431,11 @@ def _merge_tile(groups: int, block_m: int, max_splits: int, sms: int) -> tuple[i
     return rows, cols
 
 
-def _has_wgmma(device: torch.device) -> bool:
-    """Hopper's warpgroup MMA: CUDA devices of compute capability 9 (Blackwell's tensor cores take other
-    instructions)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
 def _check_wgmma(cache: PagedCache, device: torch.device) -> None:
     """What the Gluon split kernel needs beyond its tile (``DecodeConfig`` checks that): UnsupportedConfig."""
     if cache.layout.name != "bf16":
         raise UnsupportedConfig(f"triton_decode: the wgmma kernel reads bf16 caches, not {cache.layout.name!r}")
-    if not _has_wgmma(device):
+    if not common.has_wgmma(device):
         raise UnsupportedConfig(f"triton_decode: the wgmma kernel needs a Hopper GPU (compute capability 9), "
                                 f"not {device}")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
-from impls.triton.sparse_kernel import SparseConfig, default_config, sparse_mqa
+from impls.triton.sparse_kernel import SparseConfig, check_wgmma, default_config, sparse_mqa
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -52,7 +52,8 @@ class _TritonSparseBase(Impl):
         tokens, heads = problem.q.shape[:2]
         out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)
-        config = self.config or default_config(problem.device, heads, layout)
+        config = self.config or default_config(problem.device, heads, layout, problem.q.dtype)
+        check_wgmma(config, problem.device, layout, problem.q.dtype)
         return SparsePlan(problem, out, lse, config, layout, buffer)
 
     def poison(self, plan: SparsePlan) -> None:

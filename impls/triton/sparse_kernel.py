@@ -13,6 +13,10 @@ layouts enter the products as their exact codes and each tile's per-token scale 
 (after the score product; folded into the probabilities for the value product): the kernel reads an FP8
 cache exactly, whatever its scales, instead of rounding dequantized keys to bf16. Power-of-two scales
 (``fp8_ds_mla_pow2``) dequantize exactly into bf16, so that layout takes the unscaled products like bf16.
+
+On Hopper, 64-head blocks of ``fp8_ds_mla`` with bf16 queries run ``sparse_wgmma``'s Gluon kernel instead
+(``SparseConfig.wgmma``, which also reads ``fp8_ds_mla_pow2``): same arguments and results, the serial chain of
+this kernel's step shortened.
 """
 
 from __future__ import annotations
@@ -23,10 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
+from impls.triton import common
 from impls.triton.common import INTERPRETING, cast, mma, prefetch_l2
-from impls.triton.latent_io import SCALED_CODES, load_nope_tile, load_rope_tile
+from impls.triton.latent_io import LAYOUT_CODES, SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
+from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
+from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+
+WGMMA_LAYOUTS = (LAYOUT_CODES["fp8_ds_mla"], LAYOUT_CODES["fp8_ds_mla_pow2"])  # what sparse_wgmma decodes
 
 
 @dataclass(frozen=True)
@@ -36,15 +45,29 @@ class SparseConfig:
     num_warps: int = 8
     num_stages: int = 2
     prefetch: bool = False  # request the next step's rows into L2 while this step computes
+    wgmma: bool = False     # the Gluon kernel (sparse_wgmma): Hopper, fp8_ds_mla layouts, bf16 queries
+
+    def __post_init__(self) -> None:
+        if self.wgmma and (self.block_h, self.block_n, self.num_warps) != (64, 64, 8):
+            raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = (64, 64, 8), got "
+                             f"{(self.block_h, self.block_n, self.num_warps)}")
 
 
+WGMMA_CONFIG = SparseConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
 INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op
 
 
-def default_config(device: torch.device, heads: int, layout_code: int = 0) -> SparseConfig:
-    """Tiles measured best on an H200 at 128 heads, batch 128, top-k 2048 (NOTES.md, part 2), capped by the heads."""
+def default_config(device: torch.device, heads: int, layout_code: int = 0,
+                   query_dtype: torch.dtype = torch.bfloat16, hopper: bool | None = None) -> SparseConfig:
+    """Tiles measured best on an H200 at 128 heads, batch 128, top-k 2048 (NOTES.md, part 2), capped by the heads;
+    ``hopper``: whether the device runs wgmma (asked of it when None)."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
+    hopper = common.has_wgmma(device) if hopper is None else hopper
+    if hopper and layout_code == LAYOUT_CODES["fp8_ds_mla"] and heads >= 64 and query_dtype == torch.bfloat16:
+        # 64-head blocks (fewer heads would pad them); H200, 128 heads b128 top-k 2048: 0.505 -> 0.334 ms. Power-of-
+        # two scales keep the Triton kernel, as fast there (NOTES.md, part 2, session 12).
+        return WGMMA_CONFIG
     if layout_code in SCALED_CODES:  # one program per token reads each key once; 64-key steps: fewer loop trips
         best = SparseConfig(128, 64, 8, 1)
     elif layout_code == 0:
@@ -151,6 +174,19 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
     tl.store(LSE + t * s_lt + heads * s_lh, lse, mask=h_ok)
 
 
+def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, query_dtype: torch.dtype) -> None:
+    """What the Gluon kernel needs beyond its tile (``SparseConfig`` checks that): UnsupportedConfig otherwise."""
+    if not config.wgmma:
+        return
+    if layout_code not in WGMMA_LAYOUTS:
+        names = {code: name for name, code in LAYOUT_CODES.items()}
+        raise UnsupportedConfig(f"the sparse wgmma kernel reads fp8_ds_mla caches, not {names[layout_code]!r}")
+    if query_dtype != torch.bfloat16:
+        raise UnsupportedConfig(f"the sparse wgmma kernel takes bf16 queries, not {query_dtype}")
+    if not common.has_wgmma(device):
+        raise UnsupportedConfig(f"the sparse wgmma kernel needs a Hopper GPU (compute capability 9), not {device}")
+
+
 def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
                tensor_scale: float = 1.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                config: SparseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +208,14 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
     tokens, heads, _ = q.shape
     out = torch.empty(tokens, heads, NOPE_DIM, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
-    config = config or default_config(q.device, heads, layout_code)
-    if tokens:
+    config = config or default_config(q.device, heads, layout_code, q.dtype)
+    check_wgmma(config, q.device, layout_code, q.dtype)
+    if tokens and config.wgmma:
+        _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), tokens)](
+            q, q.stride(0), q.stride(1), indices, indices.stride(0), rows, rows.shape[0], indices.shape[1],
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), scale * LOG2E, heads,
+            num_warps=config.num_warps)
+    elif tokens:
         grid = (tokens, triton.cdiv(heads, config.block_h))
         _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
                              tensor_scale, scale * LOG2E, q.stride(0), q.stride(1), indices.stride(0),

@@ -1,0 +1,270 @@
+"""Sparse top-k attention over an ``fp8_ds_mla`` cache in Gluon, for Hopper: 64 heads of one token per program.
+
+The Triton kernel (``sparse_kernel``) reads these layouts exactly but spends its step in a serial chain Triton
+does not let it shorten (NOTES.md, part 2): every product waited for, the score tile computed by both warpgroups,
+each FP8 tile passed through float32. Here, per step of 64 indices:
+
+- the rows' bytes are copied with ``cp.async`` (masked: invalid indices become zeros): the 512 e4m3 codes into
+  one buffer, the four float32 scales and the 64 bf16 rope values into two stages; the copies of step ``j + 1``
+  are issued as soon as step ``j``'s codes are decoded, and run behind its products, and its rows were requested
+  into L2 at the start of step ``j`` (the token's index list at the program's start);
+- the codes are decoded once, e4m3 -> float16 (one instruction per two values, exact), into a swizzled buffer
+  both products read;
+- warpgroup ``w`` computes the scores of keys ``[32 w, 32 w + 32)``: the rope product in bf16 and the four
+  128-column code products in float16, each code product scaled by its tile's per-key scale in float32 as it
+  completes (the scale is never rounded into a key);
+- the probabilities of each value tile, ``P * scale_t / u``, go to shared memory in float16, and warpgroup ``w``
+  multiplies them by its 64 of each 128 value columns.
+
+Float16 needs two units (NOTES.md, round 3): each query row is scaled by a power of two into ``[2^13, 2^14)``
+(exact), and the value accumulators are in units of ``u``, the largest tile scale seen so far (it only grows,
+like the running maximum of the scores). Power-of-two scales (``fp8_ds_mla_pow2``) can take the same path (the
+Triton kernel, which dequantizes them exactly into bf16, is as fast there and stays their default).
+
+The grid runs a token's head blocks next to each other, so the second block's copies find the rows in L2.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from impls.triton.decode_wgmma import COPY_LAYOUT, OUT_LAYOUT, SCORE_LAYOUT, SWIZZLED, _async_load, _cta_barrier
+
+HEADS = gl.constexpr(64)       # heads per program
+KEYS = gl.constexpr(64)        # indices per step
+TILE = gl.constexpr(128)       # latent columns per product
+ROPE = gl.constexpr(64)
+ROW_BYTES = gl.constexpr(656)  # fp8_ds_mla: 512 e4m3 | 4 float32 scales | 64 bf16 rope
+SCALES_AT = gl.constexpr(512)
+ROPE_AT = gl.constexpr(528)
+
+# Codes: 16 bytes per thread, a warp covers 4 rows of a 128-column tile. Scales: one per thread, [4 tiles, 64 keys].
+CODE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                            order=[1, 0]))
+SCALE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 8],
+                                             order=[1, 0]))
+# Every warp holds all of a step's scales, so their maximum needs no exchange between warps.
+ALL_SCALES_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                  warps_per_cta=[1, 8], order=[1, 0]))
+# L2 prefetch of a step's rows: 8 byte offsets per row cover every 128-byte line a 656-byte row touches.
+LINES_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
+                                             order=[1, 0]))
+PLAIN = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+
+QUERY_TOP = gl.constexpr(13)  # query rows are scaled into [2^QUERY_TOP, 2^(QUERY_TOP + 1)): float16 holds them exactly
+
+
+@gluon.jit
+def _pow2(biased_exponent):
+    """2^(e - 127) for an int32 biased exponent e in [1, 254], exactly."""
+    return (biased_exponent << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _stage_query(q_tok, stride_qh, head0, num_heads, q_nope, q_rope):
+    """Store the program's query rows to shared memory, the 512 latent columns in float16 scaled per row by a power
+    of two and the rope columns as they are; returns the factor that undoes the scaling, per row of the scores."""
+    heads = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    ok = (heads < num_heads)[:, None]
+    base = (q_tok + heads.to(gl.int64) * stride_qh)[:, None]
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
+    amax = gl.full([HEADS], 2.0 ** -100, gl.float32, gl.SliceLayout(1, COPY_LAYOUT))  # padded rows stay finite
+    for t in gl.static_range(4):
+        x = gl.load(base + t * TILE + cols, mask=ok, other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+    exponent = (amax.to(gl.int32, bitcast=True) >> 23) & 255  # biased: amax in [2^(e-127), 2^(e-126))
+    up = _pow2(127 + QUERY_TOP + 127 - exponent)[:, None]
+    for t in gl.static_range(4):
+        x = gl.load(base + t * TILE + cols, mask=ok, other=0.0).to(gl.float32)
+        q_nope[t].store((x * up).to(gl.float16))
+    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
+    q_rope.store(gl.load(base + 4 * TILE + rope_cols, mask=ok, other=0.0))
+    return gl.convert_layout(_pow2(exponent - QUERY_TOP), gl.SliceLayout(1, SCORE_LAYOUT))
+
+
+@gluon.jit
+def _indices(idx_row, first, topk, LAYOUT: gl.constexpr):
+    """Indices ``first .. first + 64`` of the token's list (-1 past top-k), along the keys of ``LAYOUT``."""
+    offs = first + gl.arange(0, KEYS, layout=LAYOUT)
+    return gl.load(idx_row + offs, mask=offs < topk, other=-1)
+
+
+@gluon.jit
+def _row_bytes(rows, idx, num_rows):
+    """The first byte of each index's row, and whether the index is valid (``0 <= idx < num_rows``); invalid
+    indices point at row 0 and are copied as zeros."""
+    ok = (idx >= 0) & (idx < num_rows)
+    return rows + gl.where(ok, idx, 0).to(gl.int64) * ROW_BYTES, ok
+
+
+@gluon.jit
+def _prefetch_l2(ptrs):
+    """Request the lines holding ``ptrs`` into L2 (a hint: nothing waits for it)."""
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_rows(rows, idx, num_rows):
+    """Request into L2 every line of the rows that ``idx`` (``_indices`` along ``LINES_LAYOUT``'s rows) name."""
+    base, ok = _row_bytes(rows, idx, num_rows)
+    lines = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)) * 128, ROW_BYTES - 1)
+    _prefetch_l2(base[:, None] + lines[None, :])
+
+
+@gluon.jit
+def _copy_step(rows, num_rows, idx_codes, idx_scales, idx_rope, codes, scales, rope, stage):
+    """Issue the copies of a step's rows: codes into ``codes``, scales and rope into stage ``stage``."""
+    base, ok = _row_bytes(rows, idx_codes, num_rows)
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, CODE_LAYOUT))[None, :]
+    for t in gl.static_range(4):
+        _async_load(codes[t], base[:, None] + t * TILE + cols, mask=ok[:, None])
+    base, ok = _row_bytes(rows, idx_scales, num_rows)
+    tiles = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_LAYOUT))[:, None]
+    _async_load(scales.index(stage), (base + SCALES_AT).to(gl.pointer_type(gl.float32))[None, :] + tiles,
+                mask=ok[None, :])
+    base, ok = _row_bytes(rows, idx_rope, num_rows)
+    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
+    _async_load(rope.index(stage), (base + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None] + rope_cols,
+                mask=ok[:, None])
+
+
+@gluon.jit
+def _tiles(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """Four shared buffers of ``shape``: one per 128-column tile."""
+    return (gl.allocate_shared_memory(dtype, shape, layout), gl.allocate_shared_memory(dtype, shape, layout),
+            gl.allocate_shared_memory(dtype, shape, layout), gl.allocate_shared_memory(dtype, shape, layout))
+
+
+@gluon.jit
+def _decode_tile(codes, keys, t: gl.constexpr):
+    """Tile ``t`` of the step's codes, e4m3 -> float16 (exact), into the keys both products read."""
+    c = codes[t].load(CODE_LAYOUT)
+    keys[t].store(c.to(gl.float8e4nv, bitcast=True).to(gl.float16))
+
+
+@gluon.jit
+def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows, topk,
+                         out, stride_ot, stride_oh, lse, stride_lt, stride_lh, qk_scale, num_heads):
+    """Program (token, 64-head block): ``out``/``lse`` of those heads over the token's ``topk`` indices into
+    ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the softmax scale times log2(e)."""
+    # One buffer per 128-column tile, not one buffer of four: Triton orders every two accesses to one buffer with a
+    # barrier, so four tiles in one buffer cost a barrier between each tile's copy, decode and store.
+    q_nope = _tiles(gl.float16, [HEADS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], SWIZZLED)
+    codes = _tiles(gl.uint8, [KEYS, TILE], PLAIN)
+    scales = gl.allocate_shared_memory(gl.float32, [2, 4, KEYS], PLAIN)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [2, KEYS, ROPE], SWIZZLED)
+    keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
+    probs = _tiles(gl.float16, [HEADS, KEYS], SWIZZLED)
+
+    token = gl.program_id(1).to(gl.int64)  # a token's head blocks run side by side: the second reads its rows from L2
+    head0 = gl.program_id(0) * HEADS
+    idx_row = idx + token * stride_it
+    for first in range(0, topk, 32 * 256):  # the token's index list into L2: every later read of it is short
+        at = gl.minimum(first + gl.arange(0, 256, layout=gl.BlockedLayout([1], [32], [8], [0])) * 32, topk - 1)
+        _prefetch_l2(idx_row + at)
+
+    CODE_KEYS: gl.constexpr = gl.SliceLayout(1, CODE_LAYOUT)
+    SCALE_KEYS: gl.constexpr = gl.SliceLayout(0, SCALE_LAYOUT)
+    ROPE_KEYS: gl.constexpr = gl.SliceLayout(1, COPY_LAYOUT)
+    SCORE_KEYS: gl.constexpr = gl.SliceLayout(0, SCORE_LAYOUT)
+    _copy_step(rows, num_rows, _indices(idx_row, 0, topk, CODE_KEYS), _indices(idx_row, 0, topk, SCALE_KEYS),
+               _indices(idx_row, 0, topk, ROPE_KEYS), codes, scales, rope, 0)
+    async_copy.commit_group()
+    q_down = _stage_query(q + token * stride_qt, stride_qh, head0, num_heads, q_nope, q_rope)  # behind the copies
+
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))
+    l_part = gl.zeros([HEADS, KEYS], gl.float32, SCORE_LAYOUT)  # each warpgroup's running sums
+    unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (the smallest normal float32 before any scale)
+    zero = gl.zeros([HEADS, KEYS], gl.float32, SCORE_LAYOUT)
+    acc0 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
+    acc1 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
+    acc2 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
+    acc3 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
+    ahead = _indices(idx_row, KEYS, topk, gl.SliceLayout(1, LINES_LAYOUT))
+    for j in range(gl.cdiv(topk, KEYS)):
+        stage = j % 2
+        first = j * KEYS
+        # The next step's indices are read now; their latency hides behind this step.
+        next_codes = _indices(idx_row, first + KEYS, topk, CODE_KEYS)
+        next_scales = _indices(idx_row, first + KEYS, topk, SCALE_KEYS)
+        next_rope = _indices(idx_row, first + KEYS, topk, ROPE_KEYS)
+        # The rows of the next step into L2 (their copies are issued after this step's decode), through indices
+        # read one step earlier: nothing waits for a load here.
+        _prefetch_rows(rows, ahead, num_rows)
+        ahead = _indices(idx_row, first + 2 * KEYS, topk, gl.SliceLayout(1, LINES_LAYOUT))
+        here = _indices(idx_row, first, topk, SCORE_KEYS)
+        valid = (here >= 0) & (here < num_rows)
+        async_copy.wait_group(0)
+        hopper.fence_async_shared()
+        _cta_barrier()
+        step_scales = scales.index(stage)
+        # Scores: rope in bf16 (issued now: it runs during the decode), then each code tile's product scaled by
+        # its per-key scale as it completes.
+        s_rope = hopper.warpgroup_mma(q_rope, rope.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        for t in gl.static_range(4):  # decode once: e4m3 -> float16 is exact
+            _decode_tile(codes, keys, t)
+        hopper.fence_async_shared()
+        _cta_barrier()  # the codes buffer is free and the decoded keys visible to the products
+        if first + KEYS < topk:
+            _copy_step(rows, num_rows, next_codes, next_scales, next_rope, codes, scales, rope, 1 - stage)
+        async_copy.commit_group()
+        part = hopper.warpgroup_mma(q_nope[0], keys[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_rope = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s_rope])
+        nope = zero
+        for t in gl.static_range(4):
+            if t < 3:
+                following = hopper.warpgroup_mma(q_nope[t + 1], keys[t + 1].permute((1, 0)), zero,
+                                                 use_acc=False, is_async=True)
+                part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[part])
+            else:
+                part = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[part])
+            nope = nope + part * step_scales.slice(t, 1).load(SCORE_LAYOUT)
+            if t < 3:
+                part = following
+        s = (s_rope + nope * q_down[:, None]) * qk_scale
+        s = gl.where(valid[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_part = l_part * alpha[:, None] + p
+        m_i = m_new
+
+        # Values: P * scale_t / u per tile, in float16; u grows to this step's largest scale.
+        new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
+        per_unit = 1.0 / new_unit
+        for t in gl.static_range(4):
+            weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
+            probs[t].store((p * weight).to(gl.float16))
+        hopper.fence_async_shared()
+        _cta_barrier()
+        alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+        unit = new_unit
+        acc0 = hopper.warpgroup_mma(probs[0], keys[0], acc0 * alpha_o, is_async=True)
+        acc1 = hopper.warpgroup_mma(probs[1], keys[1], acc1 * alpha_o, is_async=True)
+        acc2 = hopper.warpgroup_mma(probs[2], keys[2], acc2 * alpha_o, is_async=True)
+        acc3 = hopper.warpgroup_mma(probs[3], keys[3], acc3 * alpha_o, is_async=True)
+        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        _cta_barrier()  # both warpgroups are done with the decoded keys and P
+    async_copy.wait_group(0)
+
+    l_i = gl.sum(l_part, 1)
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    rows_s = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
+    gl.store(lse + token * stride_lt + rows_s * stride_lh, lse2 * 0.6931471805599453, mask=rows_s < num_heads)
+    to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)
+    to_out = gl.convert_layout(to_out, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+    rows_o = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    out_row = (out + token * stride_ot + rows_o.to(gl.int64) * stride_oh)[:, None]
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))[None, :]
+    ok = (rows_o < num_heads)[:, None]
+    gl.store(out_row + 0 * TILE + cols, (acc0 * to_out).to(gl.bfloat16), mask=ok)
+    gl.store(out_row + 1 * TILE + cols, (acc1 * to_out).to(gl.bfloat16), mask=ok)
+    gl.store(out_row + 2 * TILE + cols, (acc2 * to_out).to(gl.bfloat16), mask=ok)
+    gl.store(out_row + 3 * TILE + cols, (acc3 * to_out).to(gl.bfloat16), mask=ok)
