@@ -36,6 +36,7 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
 
 WGMMA_LAYOUTS = (LAYOUT_CODES["fp8_ds_mla"], LAYOUT_CODES["fp8_ds_mla_pow2"])  # what sparse_wgmma decodes
+WGMMA_TILE = (64, 64, 8)  # sparse_wgmma's heads per program, indices per step, warps
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,12 @@ class SparseConfig:
     wgmma: bool = False     # the Gluon kernel (sparse_wgmma): Hopper, fp8_ds_mla layouts, bf16 queries
 
     def __post_init__(self) -> None:
-        if self.wgmma and (self.block_h, self.block_n, self.num_warps) != (64, 64, 8):
-            raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = (64, 64, 8), got "
+        if self.wgmma and (self.block_h, self.block_n, self.num_warps) != WGMMA_TILE:
+            raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = {WGMMA_TILE}, got "
                              f"{(self.block_h, self.block_n, self.num_warps)}")
 
 
-WGMMA_CONFIG = SparseConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, wgmma=True)
+WGMMA_CONFIG = SparseConfig(*WGMMA_TILE, num_stages=2, wgmma=True)
 INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op
 
 

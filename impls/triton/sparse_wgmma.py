@@ -31,12 +31,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from impls.triton.decode_wgmma import COPY_LAYOUT, OUT_LAYOUT, SCORE_LAYOUT, SWIZZLED, _async_load, _cta_barrier
+from impls.triton.decode_kernel import LN2, ROPE, TILE
+from impls.triton.decode_wgmma import (COPY_LAYOUT, OUT_LAYOUT, SCORE_LAYOUT, SWIZZLED, _async_load, _cta_barrier,
+                                       _store_out)
 
 HEADS = gl.constexpr(64)       # heads per program
 KEYS = gl.constexpr(64)        # indices per step
-TILE = gl.constexpr(128)       # latent columns per product
-ROPE = gl.constexpr(64)
 ROW_BYTES = gl.constexpr(656)  # fp8_ds_mla: 512 e4m3 | 4 float32 scales | 64 bf16 rope
 SCALES_AT = gl.constexpr(512)
 ROPE_AT = gl.constexpr(528)
@@ -93,10 +93,16 @@ def _indices(idx_row, first, topk, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
+def _valid(idx, num_rows):
+    """FlashMLA's rule: an index is valid iff ``0 <= idx < num_rows``."""
+    return (idx >= 0) & (idx < num_rows)
+
+
+@gluon.jit
 def _row_bytes(rows, idx, num_rows):
-    """The first byte of each index's row, and whether the index is valid (``0 <= idx < num_rows``); invalid
-    indices point at row 0 and are copied as zeros."""
-    ok = (idx >= 0) & (idx < num_rows)
+    """The first byte of each index's row, and whether the index is valid; invalid indices point at row 0 and are
+    copied as zeros."""
+    ok = _valid(idx, num_rows)
     return rows + gl.where(ok, idx, 0).to(gl.int64) * ROW_BYTES, ok
 
 
@@ -197,8 +203,7 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
         # read one step earlier: nothing waits for a load here.
         _prefetch_rows(rows, ahead, num_rows)
         ahead = _indices(idx_row, first + 2 * KEYS, topk, gl.SliceLayout(1, LINES_LAYOUT))
-        here = _indices(idx_row, first, topk, SCORE_KEYS)
-        valid = (here >= 0) & (here < num_rows)
+        valid = _valid(_indices(idx_row, first, topk, SCORE_KEYS), num_rows)
         async_copy.wait_group(0)
         hopper.fence_async_shared()
         _cta_barrier()
@@ -257,14 +262,9 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
     seen = l_i > 0.0
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     rows_s = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
-    gl.store(lse + token * stride_lt + rows_s * stride_lh, lse2 * 0.6931471805599453, mask=rows_s < num_heads)
+    gl.store(lse + token * stride_lt + rows_s * stride_lh, lse2 * LN2, mask=rows_s < num_heads)
     to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)
-    to_out = gl.convert_layout(to_out, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
     rows_o = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, OUT_LAYOUT))
-    out_row = (out + token * stride_ot + rows_o.to(gl.int64) * stride_oh)[:, None]
-    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))[None, :]
-    ok = (rows_o < num_heads)[:, None]
-    gl.store(out_row + 0 * TILE + cols, (acc0 * to_out).to(gl.bfloat16), mask=ok)
-    gl.store(out_row + 1 * TILE + cols, (acc1 * to_out).to(gl.bfloat16), mask=ok)
-    gl.store(out_row + 2 * TILE + cols, (acc2 * to_out).to(gl.bfloat16), mask=ok)
-    gl.store(out_row + 3 * TILE + cols, (acc3 * to_out).to(gl.bfloat16), mask=ok)
+    _store_out(out + token * stride_ot + rows_o.to(gl.int64) * stride_oh,
+               gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT)), rows_o < num_heads, acc0, acc1, acc2, acc3,
+               gl.convert_layout(to_out, gl.SliceLayout(1, OUT_LAYOUT)))
