@@ -257,7 +257,8 @@ ISSUE_SHAPES = [Shape(16, 1, 8192), Shape(16, 32, 4096), Shape(16, 64, 4096), Sh
                 Shape(128, 64, 16384)]
 QUANT_SHAPES = [Shape(16, 64, 4096, layout=layout) for layout in LAYOUTS[1:]]
 OTHER_SHAPES = [Shape(16, 32, 4096, page_size=1), Shape(128, 32, 4096, page_size=1), Shape(16, 32, 4096, q_len=2),
-                Shape(16, 32, 4096, q_len=4), Shape(128, 32, 4096, layout="fp8_ds_mla"),
+                Shape(16, 32, 4096, q_len=4), Shape(16, 32, 4096, q_len=2, layout="fp8_ds_mla"),
+                Shape(128, 32, 4096, layout="fp8_ds_mla"),
                 Shape(128, 32, 4096, layout="nvfp4")]
 
 SMALL_ROWS = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 8, 3), _cfg(16, 32, 4, 2, 3),

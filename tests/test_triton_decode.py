@@ -200,17 +200,34 @@ def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():
     assert not decode.batch_config(128, [1], [4096], "bf16", 64, torch.device("cpu")).wgmma
 
 
-def test_the_wgmma_kernel_is_refused_where_it_cannot_run():
+def test_32_row_fp8_ds_mla_blocks_take_the_fp8_wgmma_kernel_on_hopper_only():
+    for heads, q_len, layout in ((16, 2, "fp8_ds_mla"), (32, 1, "fp8_ds_mla_pow2"), (20, 1, "fp8_ds_mla")):
+        config = decode.default_config(heads, q_len, layout, 64, hopper=True)
+        assert config.wgmma and config.block_m == 32
+        assert not decode.default_config(heads, q_len, layout, 64, hopper=False).wgmma
+    assert not decode.default_config(16, 1, "fp8_ds_mla", 64, hopper=True).wgmma  # 16 rows: the Triton kernel
+    assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).wgmma
+
+
+def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
     wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, wgmma=True)
+    fp8_wgmma = DecodeConfig(block_m=32, block_n=64, num_warps=8, wgmma=True)
     with pytest.raises(UnsupportedConfig):  # CPU tensors: no Hopper (and, on a GPU machine, no interpreter)
         Configured(wgmma).checked_plan(build_problem(workload("bf16", 64, SINGLE)))
-    bf16, fp8 = (build_problem(workload(layout, 64, SINGLE)).cache for layout in ("bf16", "fp8_e4m3"))
+    with pytest.raises(UnsupportedConfig):
+        Configured(fp8_wgmma).checked_plan(build_problem(workload("fp8_ds_mla", 64, SINGLE)))
+    bf16, fp8, ds_mla = (build_problem(workload(layout, 64, SINGLE)).cache
+                         for layout in ("bf16", "fp8_e4m3", "fp8_ds_mla"))
     with pytest.raises(UnsupportedConfig, match="needs a Hopper GPU"):
-        decode._check_wgmma(bf16, torch.device("cpu"))
-    with pytest.raises(UnsupportedConfig, match="reads bf16 caches, not 'fp8_e4m3'"):
-        decode._check_wgmma(fp8, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"wgmma runs \(block_m, block_n, num_warps\) = \(64, 64, 8\)"):
-        DecodeConfig(block_m=16, block_n=64, num_warps=8, wgmma=True)
+        decode._check_wgmma(bf16, torch.device("cpu"), wgmma)
+    with pytest.raises(UnsupportedConfig, match="needs a Hopper GPU"):
+        decode._check_wgmma(ds_mla, torch.device("cpu"), fp8_wgmma)
+    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) reads bf16 caches, not 'fp8_e4m3'"):
+        decode._check_wgmma(fp8, torch.device("cpu"), wgmma)
+    with pytest.raises(UnsupportedConfig, match="reads fp8_ds_mla and fp8_ds_mla_pow2 caches, not 'bf16'"):
+        decode._check_wgmma(bf16, torch.device("cpu"), fp8_wgmma)
+    with pytest.raises(ValueError, match=r"wgmma runs \(block_m, block_n, num_warps\) in"):
+        DecodeConfig(block_m=16, block_n=32, num_warps=4, wgmma=True)
 
 
 WGMMA_CASES = [  # (page size, mix, heads, forced splits, partials kept in L2)
@@ -235,6 +252,45 @@ def test_the_wgmma_kernel_passes_the_judge_on_hopper(page_size, mix, heads, spli
     assert verdict.status == "passed", verdict.violations or verdict.message
     if heads == 128:
         assert TritonDecode().checked_plan(problem).config.wgmma  # the default there
+
+
+FP8_WGMMA_CASES = [  # (layout, page size, mix, heads, rows, forced splits, partials kept in L2)
+    ("fp8_ds_mla", 64, SINGLE, 16, 32, None, None), ("fp8_ds_mla", 1, UNIFORM, 8, 32, None, None),
+    ("fp8_ds_mla", 48, VARLEN, 16, 16, 3, False), ("fp8_ds_mla_pow2", 16, VARLEN, 20, 16, 2, True),
+    ("fp8_ds_mla", 128, UNIFORM, 16, 32, 5, True), ("fp8_ds_mla", 64, VARLEN, 4, 32, 2, None),
+]
+
+
+def _fp8_wgmma(rows: int, **more) -> DecodeConfig:
+    return DecodeConfig(block_m=rows, block_n=64, num_warps=8, num_stages=1, early_merge=True, wgmma=True, **more)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, page_size, mix, heads, rows, splits, keep", FP8_WGMMA_CASES,
+                         ids=["ps64", "ps1-mtp-h8", "ps48-r16-split3", "pow2-ps16-h20-r16", "ps128-q3-split5",
+                              "ps64-h4-varlen"])
+def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, rows, splits, keep):
+    """As the bf16 kernel's cases, for 16- and 32-row blocks of fp8_ds_mla (rows across tokens, padded heads)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
+    verdict = judge(Configured(_fp8_wgmma(rows, num_splits=splits, keep_partials=keep)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
+                         ids=["beyond-float16-max", "below-float16-min"])
+def test_the_fp8_wgmma_kernel_holds_queries_and_scales_of_any_magnitude(q_factor, kv_factor):
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = magnified(build_problem(workload("fp8_ds_mla", 16, VARLEN, heads=16, seed=13), device), q_factor,
+                        kv_factor)
+    verdict = judge(Configured(_fp8_wgmma(32, num_splits=2)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    assert verdict.kernel.rel_l2 < 4e-3
 
 
 # ---- planted bugs: each must fail the judge --------------------------------------------------------------------
@@ -325,6 +381,21 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
     verdict = judge(WgmmaSkipsTheLastKey(), build_problem(workload("bf16", 64, SINGLE, heads=128, seed=11), device))
     assert verdict.status == "failed", "the wgmma kernel ignored the item's end"
+    assert verdict.violations
+
+
+@pytest.mark.gpu
+def test_a_planted_bug_through_the_fp8_wgmma_kernel_fails_the_judge():
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+
+    class Fp8WgmmaSkipsTheLastKey(SkipsTheLastKey):
+        config = _fp8_wgmma(32)
+
+    problem = build_problem(workload("fp8_ds_mla", 64, SINGLE, heads=16, seed=11), device)
+    verdict = judge(Fp8WgmmaSkipsTheLastKey(), problem)
+    assert verdict.status == "failed", "the fp8 wgmma kernel ignored the item's end"
     assert verdict.violations
 
 

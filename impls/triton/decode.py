@@ -30,6 +30,7 @@ from impls.triton import common
 from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
+from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 from mla_bench.metadata.reference import blocks_needed, cumulative
@@ -59,8 +60,13 @@ MERGE_VALUES = 2048
 # H200 (60 MiB L2): 16 heads, 4 MiB of partials, b32 47.1 -> 45.6 us and b64 83.0 -> 81.1 (NOTES.md, round 9);
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
-# The Gluon split kernel's tile (decode_wgmma): query rows, keys per step, warps.
-WGMMA_TILE = (64, 64, 8)
+# The Gluon split kernels' tiles (query rows, keys per step, warps) and the layouts each reads: decode_wgmma's
+# 64-row bf16 kernel, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla kernel.
+WGMMA_TILES: dict[tuple[int, int, int], tuple[str, ...]] = {
+    (64, 64, 8): ("bf16",),
+    (16, 64, 8): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
+    (32, 64, 8): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
+}
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
@@ -78,8 +84,9 @@ class DecodeConfig:
     bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
     products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
     store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
-    ``wgmma``: the split step runs ``decode_wgmma``'s Gluon kernel, which computes the score product once across its
-    two warpgroups (Hopper only; bf16 caches, 64 rows, 64 keys, 8 warps)."""
+    ``wgmma``: the split step runs a Gluon kernel (Hopper only; ``WGMMA_TILES``): 64 rows of a bf16 cache
+    ``decode_wgmma`` (the score product once across its two warpgroups), 16 or 32 rows of fp8_ds_mla
+    ``decode_wgmma_fp8`` (keys on wgmma's M side)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -104,8 +111,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
-        if self.wgmma and (self.block_m, self.block_n, self.num_warps) != WGMMA_TILE:
-            raise ValueError(f"DecodeConfig.wgmma runs (block_m, block_n, num_warps) = {WGMMA_TILE}, got "
+        if self.wgmma and (self.block_m, self.block_n, self.num_warps) not in WGMMA_TILES:
+            raise ValueError(f"DecodeConfig.wgmma runs (block_m, block_n, num_warps) in {sorted(WGMMA_TILES)}, got "
                              f"{(self.block_m, self.block_n, self.num_warps)}")
 
 
@@ -122,13 +129,15 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper runs the Gluon kernel
     (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6 -> 105.7 us,
     NOTES.md round 11); fp8_ds_mla there decodes its tiles
-    once per product (decoded once, its float16 path spills registers). 16 or 32 rows: memory-bound, the mma.sync
-    path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per
-    multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
-    prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts,
-    and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps
-    the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only
-    the former use it.
+    once per product (decoded once, its float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon
+    kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us; at
+    16 rows it is 8-11% slower than the Triton kernel, NOTES.md session 13). Other 16 or 32 rows: memory-bound, the
+    mma.sync path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one
+    program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table
+    lines are prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other quantized
+    layouts, and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
+    helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
+    only the former use it.
     """
     rows = num_heads * max_q_len
     wide_rows = layout.startswith("fp8_ds_mla") or layout in FP4_LAYOUTS
@@ -139,6 +148,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=hopper and layout == "bf16")
+    if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
+        return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, wgmma=True)
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
     if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, early_merge=True)
@@ -200,7 +211,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                                 f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
                                 f"use block_n >= 32")
     if config.wgmma:
-        _check_wgmma(cache, device)
+        _check_wgmma(cache, device, config)
     sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
@@ -229,7 +240,14 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    if plan.work.shape[0] and cfg.wgmma:
+    if plan.work.shape[0] and cfg.wgmma and cfg.block_m < 64:
+        _decode_split_kernel_fp8[(plan.work.shape[0],)](
+            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
+            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
+            plan.q.shape[1], ROWS=cfg.block_m, PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
+            EARLY_MERGE=early_merge, num_warps=cfg.num_warps)
+    elif plan.work.shape[0] and cfg.wgmma:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
             plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
@@ -431,10 +449,13 @@ def _merge_tile(groups: int, block_m: int, max_splits: int, sms: int) -> tuple[i
     return rows, cols
 
 
-def _check_wgmma(cache: PagedCache, device: torch.device) -> None:
-    """What the Gluon split kernel needs beyond its tile (``DecodeConfig`` checks that): UnsupportedConfig."""
-    if cache.layout.name != "bf16":
-        raise UnsupportedConfig(f"triton_decode: the wgmma kernel reads bf16 caches, not {cache.layout.name!r}")
+def _check_wgmma(cache: PagedCache, device: torch.device, config: DecodeConfig) -> None:
+    """What a Gluon split kernel needs beyond its tile (``DecodeConfig`` checks that): UnsupportedConfig."""
+    tile = (config.block_m, config.block_n, config.num_warps)
+    layouts = WGMMA_TILES[tile]
+    if cache.layout.name not in layouts:
+        raise UnsupportedConfig(f"triton_decode: the wgmma kernel of tile {tile} reads {' and '.join(layouts)} "
+                                f"caches, not {cache.layout.name!r}")
     if not common.has_wgmma(device):
         raise UnsupportedConfig(f"triton_decode: the wgmma kernel needs a Hopper GPU (compute capability 9), "
                                 f"not {device}")

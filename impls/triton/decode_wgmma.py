@@ -74,6 +74,13 @@ def _copy_key_tile(lat_smem, rope_smem, stage, rows, ok):
 
 
 @gluon.jit
+def _item_fields(row):
+    """A work item's row (``decode.ITEM_COLUMNS``) as scalars, one load each (known uniform across the program)."""
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
+            gl.load(row + 6))
+
+
+@gluon.jit
 def _decode_split_kernel_wgmma(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
@@ -89,10 +96,9 @@ def _decode_split_kernel_wgmma(
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
     for i in range(gl.load(item_counts + program)):
-        row = table + i * ITEM_FIELDS
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
-                     gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4),
-                     gl.load(row + 5), gl.load(row + 6),
+                     request, row_block, kv_start, kv_end, slot_out, q_first, q_len,
                      out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                      q_lat, q_rope, k_lat, k_rope, p_smem, PAGE_SIZE, KEEP_PARTIALS)
 

@@ -64,25 +64,25 @@ def _pow2(biased_exponent):
 
 
 @gluon.jit
-def _stage_query(q_tok, stride_qh, head0, num_heads, q_nope, q_rope):
-    """Store the program's query rows to shared memory, the 512 latent columns in float16 scaled per row by a power
-    of two and the rope columns as they are; returns the factor that undoes the scaling, per row of the scores."""
-    heads = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, COPY_LAYOUT))
-    ok = (heads < num_heads)[:, None]
-    base = (q_tok + heads.to(gl.int64) * stride_qh)[:, None]
-    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    amax = gl.full([HEADS], 2.0 ** -100, gl.float32, gl.SliceLayout(1, COPY_LAYOUT))  # padded rows stay finite
+def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr):
+    """Store query rows to shared memory (``base``: each row's first element along ``SliceLayout(1, LAYOUT)``; rows
+    not ``ok`` become zeros), the 512 latent columns in float16 scaled per row by a power of two and the rope
+    columns as they are; returns the factor that undoes the scaling, per row."""
+    rows = base[:, None]
+    mask = ok[:, None]
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+    amax = gl.full([q_rope.shape[0]], 2.0 ** -100, gl.float32, gl.SliceLayout(1, LAYOUT))  # padded rows stay finite
     for t in gl.static_range(4):
-        x = gl.load(base + t * TILE + cols, mask=ok, other=0.0).to(gl.float32)
+        x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
         amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
     exponent = (amax.to(gl.int32, bitcast=True) >> 23) & 255  # biased: amax in [2^(e-127), 2^(e-126))
     up = _pow2(127 + QUERY_TOP + 127 - exponent)[:, None]
     for t in gl.static_range(4):
-        x = gl.load(base + t * TILE + cols, mask=ok, other=0.0).to(gl.float32)
+        x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
         q_nope[t].store((x * up).to(gl.float16))
-    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    q_rope.store(gl.load(base + 4 * TILE + rope_cols, mask=ok, other=0.0))
-    return gl.convert_layout(_pow2(exponent - QUERY_TOP), gl.SliceLayout(1, SCORE_LAYOUT))
+    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+    q_rope.store(gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0))
+    return _pow2(exponent - QUERY_TOP)
 
 
 @gluon.jit
@@ -181,7 +181,10 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
     _copy_step(rows, num_rows, _indices(idx_row, 0, topk, CODE_KEYS), _indices(idx_row, 0, topk, SCALE_KEYS),
                _indices(idx_row, 0, topk, ROPE_KEYS), codes, scales, rope, 0)
     async_copy.commit_group()
-    q_down = _stage_query(q + token * stride_qt, stride_qh, head0, num_heads, q_nope, q_rope)  # behind the copies
+    heads = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    q_down = gl.convert_layout(  # staged behind the copies
+        _stage_query(q + token * stride_qt + heads.to(gl.int64) * stride_qh, heads < num_heads, q_nope, q_rope,
+                     COPY_LAYOUT), gl.SliceLayout(1, SCORE_LAYOUT))
 
     m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))
     l_part = gl.zeros([HEADS, KEYS], gl.float32, SCORE_LAYOUT)  # each warpgroup's running sums

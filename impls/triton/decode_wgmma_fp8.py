@@ -1,0 +1,258 @@
+"""The 16- and 32-row ``fp8_ds_mla`` decode split step in Gluon, for Hopper: keys on wgmma's M side.
+
+With 16 or 32 query rows (16 heads, one or two new tokens; 32 heads) the rows are too few for wgmma's M of 64, so
+this kernel computes the products transposed: ``S^T = K Q^T`` with the step's 64 keys as M and the rows as N, and
+``O^T += V^T P^T``. Per step of 64 keys, in one program of two warpgroups per multiprocessor:
+
+- the step's codes, scales and rope were loaded into registers (as 32-bit words) during the previous step, whose
+  rows had been requested into L2 a step before that;
+- the codes are decoded once, e4m3 -> float16 (exact, two instructions per four codes), into shared memory that
+  both products read, and the next step's loads are issued;
+- warpgroup w takes half of the rows: the rope product in bf16 and the four 128-column code products in float16,
+  each scaled by its per-key float32 scale as it completes, then ``O^T_t += V_t^T (P^T scale_t / u)`` per
+  128-column value tile.
+
+Float16 needs the two units of ``sparse_wgmma``: each query row is scaled by a power of two (``_stage_query``), and
+the accumulators are in units of ``u``, the largest tile scale seen so far. Same arguments, work items, partials
+and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged cache's bytes (656 per slot).
+
+Measured (NOTES.md, session 13): at 32 rows it takes 80.4 us where the Triton kernel takes 135.7 (H200, 16 heads,
+two tokens, b32 ctx4096), and it is the default there; at 16 rows it is 8-11% slower than the Triton kernel (H100
+131.6 against 121.7 us at b64, H200 137.3 against 123.4), which stays the default. Its step is bound by its
+serial phases (decode, products, softmax; one program per multiprocessor at 255 registers), not by the bytes or the
+tensor cores.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+
+from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields
+from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_l2, _stage_query,
+                                       _tiles)
+
+KEYS = gl.constexpr(64)  # keys per step: wgmma's M
+
+# Query rows: 16 per layout tile (8 bf16 per thread).
+QUERY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
+                                             order=[1, 0]))
+# The cache's bytes are loaded as 32-bit words, 16 bytes per thread, 128 bytes a row: carried across a step as 4
+# bytes a register (as bytes, each would take a register of its own).
+WORD_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                            order=[1, 0]))
+WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+HAS_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton 3.6: _reinterpret
+
+
+@gluon.jit
+def _as_words(buffer):
+    """A 16-bit swizzled buffer seen as 32-bit words (same bytes: the swizzle is defined on 16-byte chunks)."""
+    shape: gl.constexpr = [buffer.shape[0], buffer.shape[1] // 2]
+    if HAS_REINTERPRET:
+        return buffer.reinterpret(gl.int32, shape, WORDS_SMEM)
+    else:
+        return buffer._reinterpret(gl.int32, shape, WORDS_SMEM)
+
+
+@gluon.jit
+def _e4m3_words(words):
+    """Four e4m3 codes per word -> two words of two float16 each (exact): codes 0-1 and codes 2-3, interleaved."""
+    low, high = gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+        "=r,=r,r", [words], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    return gl.join(low, high).reshape([words.shape[0], 2 * words.shape[1]])
+
+
+@gluon.jit
+def _slots(pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr):
+    """The byte offset of keys ``[start, start + 64)`` in the cache (through the block table, along ``KEY_LAYOUT``)
+    and which are below ``kv_end``; keys past it point at slot 0 and are not read."""
+    keys = start + gl.arange(0, KEYS, layout=KEY_LAYOUT)
+    ok = keys < kv_end
+    if PAGE_SIZE % KEYS == 0:  # one page per step: one block-table entry
+        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
+    else:
+        page = gl.load(pages + keys // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    return gl.where(ok, page * PAGE_SIZE + keys % PAGE_SIZE, 0) * ROW_BYTES, ok
+
+
+@gluon.jit
+def _load_words(cache, pages, start, kv_end, offset: gl.constexpr, WORDS: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """``WORDS`` 32-bit words from byte ``offset`` of each row of keys ``[start, start + 64)`` (zeros past
+    ``kv_end``)."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, WORD_LAYOUT))
+    ptrs = (cache + at + offset).to(gl.pointer_type(gl.int32))
+    return gl.load(ptrs[:, None] + gl.arange(0, WORDS, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :],
+                   mask=ok[:, None], other=0)
+
+
+@gluon.jit
+def _load_codes(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
+    """The step's e4m3 codes: four tiles of ``[64, 32]`` words."""
+    return (_load_words(cache, pages, start, kv_end, 0, TILE // 4, PAGE_SIZE),
+            _load_words(cache, pages, start, kv_end, TILE, TILE // 4, PAGE_SIZE),
+            _load_words(cache, pages, start, kv_end, 2 * TILE, TILE // 4, PAGE_SIZE),
+            _load_words(cache, pages, start, kv_end, 3 * TILE, TILE // 4, PAGE_SIZE))
+
+
+@gluon.jit
+def _load_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr):
+    """The step's four per-key float32 tile scales along ``KEY_LAYOUT`` (zeros past ``kv_end``)."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, KEY_LAYOUT)
+    ptrs = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
+    return (gl.load(ptrs, mask=ok, other=0.0), gl.load(ptrs + 1, mask=ok, other=0.0),
+            gl.load(ptrs + 2, mask=ok, other=0.0), gl.load(ptrs + 3, mask=ok, other=0.0))
+
+
+@gluon.jit
+def _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
+    """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it)."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, LINES_LAYOUT))
+    lines = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)) * 128, ROW_BYTES - 1)
+    _prefetch_l2(cache + at[:, None] + lines[None, :])
+
+
+@gluon.jit
+def _decode_split_kernel_fp8(
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
+    out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+    ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` (16 or 32) query
+    rows; ``cache`` is the uint8 paged cache, ``ROW_BYTES`` per slot. ``EARLY_MERGE``: let the merge kernel, a
+    programmatic dependent launch, start now (it waits for this grid's results on the device)."""
+    if EARLY_MERGE:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
+    q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
+    keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROPE], SWIZZLED)
+    probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    for i in range(gl.load(item_counts + program)):
+        _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
+                     visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+                     q_nope, q_rope, keys, rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
+                 out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+                 q_nope, q_rope, keys, rope, probs, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 KEEP_PARTIALS: gl.constexpr):
+    """One work item (``_item_fields``): ``ROWS`` query rows of one request over keys ``[kv_start, kv_end)``."""
+    request, row_block, kv_start, kv_end, slot_out, q_first, q_len = item
+    # S^T [64 keys, ROWS] and O^T [128 columns, ROWS]: warpgroup w takes rows [w ROWS / 2, (w + 1) ROWS / 2).
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, ROWS // 2, 16])
+    ACC_KEYS: gl.constexpr = gl.SliceLayout(1, ACC)
+    ACC_ROWS: gl.constexpr = gl.SliceLayout(0, ACC)
+    pages = block_table + request.to(gl.int64) * stride_bt
+    c0, c1, c2, c3 = _load_codes(cache, pages, kv_start, kv_end, PAGE_SIZE)
+    x0, x1, x2, x3 = _load_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, ACC_KEYS)
+    r = _load_words(cache, pages, kv_start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
+    _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
+
+    rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, QUERY_LAYOUT))
+    ok_q = rows_q < q_len * num_heads
+    q_base = q + (q_first + rows_q // num_heads).to(gl.int64) * stride_qt + (rows_q % num_heads) * stride_qh
+    q_down = gl.convert_layout(_stage_query(q_base, ok_q, q_nope, q_rope, QUERY_LAYOUT), ACC_ROWS)
+
+    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
+    ok_s = rows_s < q_len * num_heads
+    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, ACC_ROWS)
+    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)  # running sums per key slot, summed over the keys at the end
+    unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit
+    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+    acc0 = gl.zeros([TILE, ROWS], gl.float32, ACC)  # O^T, one 128-column value tile each
+    acc1 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    acc2 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    acc3 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
+        start = kv_start + j * KEYS
+        _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE)
+        _as_words(rope).store(r)
+        _as_words(keys[0]).store(_e4m3_words(c0))
+        _as_words(keys[1]).store(_e4m3_words(c1))
+        _as_words(keys[2]).store(_e4m3_words(c2))
+        _as_words(keys[3]).store(_e4m3_words(c3))
+        hopper.fence_async_shared()
+        _cta_barrier()
+        # The next step's rows (requested into L2 a step ago), in flight during this step's products.
+        c0, c1, c2, c3 = _load_codes(cache, pages, start + KEYS, kv_end, PAGE_SIZE)
+        r = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
+        n0, n1, n2, n3 = _load_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ACC_KEYS)
+
+        s_rope = hopper.warpgroup_mma(rope, q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
+        p0 = hopper.warpgroup_mma(keys[0], q_nope[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+        p1 = hopper.warpgroup_mma(keys[1], q_nope[1].permute((1, 0)), zero, use_acc=False, is_async=True)
+        p2 = hopper.warpgroup_mma(keys[2], q_nope[2].permute((1, 0)), zero, use_acc=False, is_async=True)
+        p3 = hopper.warpgroup_mma(keys[3], q_nope[3].permute((1, 0)), zero, use_acc=False, is_async=True)
+        s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3, deps=[s_rope, p0])
+        nope = p0 * x0[:, None]
+        p1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=[p1])
+        nope += p1 * x1[:, None]
+        p2 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[p2])
+        nope += p2 * x2[:, None]
+        p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p3])
+        nope += p3 * x3[:, None]
+        s = (s_rope + nope * q_down[None, :]) * qk_scale
+        s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))  # across the four warps (through shared memory)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_part = l_part * alpha[None, :] + p
+        m_i = m_new
+
+        # Values: P^T * scale_t / u per tile, in float16; u grows to this step's largest scale.
+        new_unit = gl.maximum(unit, gl.max(gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3)), 0))
+        per_unit = 1.0 / new_unit
+        probs[0].store((p * (x0 * per_unit)[:, None]).to(gl.float16))
+        probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))
+        probs[2].store((p * (x2 * per_unit)[:, None]).to(gl.float16))
+        probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
+        hopper.fence_async_shared()
+        _cta_barrier()
+        alpha_o = (alpha * (unit * per_unit))[None, :]
+        unit = new_unit
+        acc0 = hopper.warpgroup_mma(keys[0].permute((1, 0)), probs[0], acc0 * alpha_o, is_async=True)
+        acc1 = hopper.warpgroup_mma(keys[1].permute((1, 0)), probs[1], acc1 * alpha_o, is_async=True)
+        acc2 = hopper.warpgroup_mma(keys[2].permute((1, 0)), probs[2], acc2 * alpha_o, is_async=True)
+        acc3 = hopper.warpgroup_mma(keys[3].permute((1, 0)), probs[3], acc3 * alpha_o, is_async=True)
+        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        _cta_barrier()  # every warp is done with the decoded keys and P
+        x0, x1, x2, x3 = n0, n1, n2, n3
+
+    l_i = gl.sum(l_part, 0)
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)[None, :]
+    cols = gl.arange(0, TILE, layout=ACC_KEYS)[:, None]
+    if slot_out < 0:  # the item covers its rows' whole range: the final result
+        out_row = (out + (q_first + rows_s // num_heads).to(gl.int64) * stride_ot + (rows_s % num_heads) * stride_oh)
+        out_at = out_row[None, :] + cols
+        out_mask = ok_s[None, :]
+        gl.store(out_at, (acc0 * to_out).to(gl.bfloat16), mask=out_mask)
+        gl.store(out_at + TILE, (acc1 * to_out).to(gl.bfloat16), mask=out_mask)
+        gl.store(out_at + 2 * TILE, (acc2 * to_out).to(gl.bfloat16), mask=out_mask)
+        gl.store(out_at + 3 * TILE, (acc3 * to_out).to(gl.bfloat16), mask=out_mask)
+        gl.store(lse + (q_first + rows_s // num_heads).to(gl.int64) * stride_lt + rows_s % num_heads,
+                 lse2 * LN2, mask=ok_s)
+    else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
+        part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        part_at = part_out + part_rows[None, :] * NOPE + cols
+        gl.store(part_at, acc0 * to_out, eviction_policy=policy)
+        gl.store(part_at + TILE, acc1 * to_out, eviction_policy=policy)
+        gl.store(part_at + 2 * TILE, acc2 * to_out, eviction_policy=policy)
+        gl.store(part_at + 3 * TILE, acc3 * to_out, eviction_policy=policy)
+        gl.store(part_lse + part_rows, lse2, eviction_policy=policy)
