@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields
-from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_l2, _stage_query,
-                                       _tiles)
+from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
+                                       _stage_query, _tiles)
 
 KEYS = gl.constexpr(64)  # keys per step: wgmma's M
 
@@ -111,8 +111,7 @@ def _load_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOU
 def _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
     """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it)."""
     at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, LINES_LAYOUT))
-    lines = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)) * 128, ROW_BYTES - 1)
-    _prefetch_l2(cache + at[:, None] + lines[None, :])
+    _prefetch_row_lines(cache + at)
 
 
 @gluon.jit

@@ -114,11 +114,17 @@ def _prefetch_l2(ptrs):
 
 
 @gluon.jit
+def _prefetch_row_lines(first_bytes):
+    """Request into L2 every line of the rows starting at ``first_bytes`` (along ``LINES_LAYOUT``'s rows)."""
+    lines = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)) * 128, ROW_BYTES - 1)
+    _prefetch_l2(first_bytes[:, None] + lines[None, :])
+
+
+@gluon.jit
 def _prefetch_rows(rows, idx, num_rows):
     """Request into L2 every line of the rows that ``idx`` (``_indices`` along ``LINES_LAYOUT``'s rows) name."""
     base, ok = _row_bytes(rows, idx, num_rows)
-    lines = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)) * 128, ROW_BYTES - 1)
-    _prefetch_l2(base[:, None] + lines[None, :])
+    _prefetch_row_lines(base)
 
 
 @gluon.jit
