@@ -200,13 +200,17 @@ def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():
     assert not decode.batch_config(128, [1], [4096], "bf16", 64, torch.device("cpu")).wgmma
 
 
-def test_32_row_fp8_ds_mla_blocks_take_the_fp8_wgmma_kernel_on_hopper_only():
+def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only():
     for heads, q_len, layout in ((16, 2, "fp8_ds_mla"), (32, 1, "fp8_ds_mla_pow2"), (20, 1, "fp8_ds_mla")):
         config = decode.default_config(heads, q_len, layout, 64, hopper=True)
-        assert config.wgmma and config.block_m == 32
+        assert config.wgmma and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
         assert not decode.default_config(heads, q_len, layout, 64, hopper=False).wgmma
-    assert not decode.default_config(16, 1, "fp8_ds_mla", 64, hopper=True).wgmma  # 16 rows: the Triton kernel
+    for heads, layout, page_size in ((16, "fp8_ds_mla", 64), (8, "fp8_ds_mla_pow2", 1), (16, "fp8_ds_mla", 48)):
+        config = decode.default_config(heads, 1, layout, page_size, hopper=True)
+        assert config.wgmma and (config.block_m, config.block_n, config.num_warps) == decode.MMA_FP8_TILE
+        assert not decode.default_config(heads, 1, layout, page_size, hopper=False).wgmma
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).wgmma
+    assert not decode.default_config(16, 1, "nvfp4", 64, hopper=True).wgmma
 
 
 def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
@@ -214,8 +218,9 @@ def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
     fp8_wgmma = DecodeConfig(block_m=32, block_n=64, num_warps=8, wgmma=True)
     with pytest.raises(UnsupportedConfig):  # CPU tensors: no Hopper (and, on a GPU machine, no interpreter)
         Configured(wgmma).checked_plan(build_problem(workload("bf16", 64, SINGLE)))
-    with pytest.raises(UnsupportedConfig):
-        Configured(fp8_wgmma).checked_plan(build_problem(workload("fp8_ds_mla", 64, SINGLE)))
+    for config in (fp8_wgmma, _fp8_mma()):
+        with pytest.raises(UnsupportedConfig):
+            Configured(config).checked_plan(build_problem(workload("fp8_ds_mla", 64, SINGLE)))
     bf16, fp8, ds_mla = (build_problem(workload(layout, 64, SINGLE)).cache
                          for layout in ("bf16", "fp8_e4m3", "fp8_ds_mla"))
     with pytest.raises(UnsupportedConfig, match="needs a Hopper GPU"):
@@ -226,6 +231,8 @@ def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
         decode._check_wgmma(fp8, torch.device("cpu"), wgmma)
     with pytest.raises(UnsupportedConfig, match="reads fp8_ds_mla and fp8_ds_mla_pow2 caches, not 'bf16'"):
         decode._check_wgmma(bf16, torch.device("cpu"), fp8_wgmma)
+    with pytest.raises(UnsupportedConfig, match=r"tile \(16, 64, 4\) reads fp8_ds_mla and .* not 'fp8_e4m3'"):
+        decode._check_wgmma(fp8, torch.device("cpu"), _fp8_mma())
     with pytest.raises(ValueError, match=r"wgmma runs \(block_m, block_n, num_warps\) in"):
         DecodeConfig(block_m=16, block_n=32, num_warps=4, wgmma=True)
 
@@ -265,6 +272,12 @@ def _fp8_wgmma(rows: int, **more) -> DecodeConfig:
     return DecodeConfig(block_m=rows, block_n=64, num_warps=8, num_stages=1, early_merge=True, wgmma=True, **more)
 
 
+def _fp8_mma(**more) -> DecodeConfig:
+    """decode_mma_fp8's configuration (16 rows), as default_config makes it on Hopper."""
+    return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
+                        wgmma=True, **more)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, page_size, mix, heads, rows, splits, keep", FP8_WGMMA_CASES,
                          ids=["ps64", "ps1-mtp-h8", "ps48-r16-split3", "pow2-ps16-h20-r16", "ps128-q3-split5",
@@ -280,15 +293,34 @@ def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", [c[:4] + c[5:] for c in FP8_WGMMA_CASES],
+                         ids=["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-split5",
+                              "ps64-h4-varlen"])
+def test_the_fp8_mma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
+    """The same cases through decode_mma_fp8 (16-row blocks: MTP and varlen rows across tokens, padded heads; keys
+    past an item's end re-read its last key, which the judge's poisoned slots would expose if it leaked)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
+    verdict = judge(Configured(_fp8_mma(num_splits=splits, keep_partials=keep)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    if heads == 16 and mix is SINGLE:
+        chosen = TritonDecode().checked_plan(problem).config  # the default there
+        assert chosen.wgmma and (chosen.block_m, chosen.block_n, chosen.num_warps) == decode.MMA_FP8_TILE
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
-def test_the_fp8_wgmma_kernel_holds_queries_and_scales_of_any_magnitude(q_factor, kv_factor):
+@pytest.mark.parametrize("config", [_fp8_wgmma(32, num_splits=2), _fp8_mma(num_splits=2)], ids=["wgmma32", "mma16"])
+def test_the_fp8_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config):
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = magnified(build_problem(workload("fp8_ds_mla", 16, VARLEN, heads=16, seed=13), device), q_factor,
                         kv_factor)
-    verdict = judge(Configured(_fp8_wgmma(32, num_splits=2)), problem)
+    verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
 
@@ -385,17 +417,16 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
 
 @pytest.mark.gpu
-def test_a_planted_bug_through_the_fp8_wgmma_kernel_fails_the_judge():
+@pytest.mark.parametrize("config", [_fp8_wgmma(32), _fp8_mma()], ids=["wgmma32", "mma16"])
+def test_a_planted_bug_through_the_fp8_gluon_kernels_fails_the_judge(config):
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
 
-    class Fp8WgmmaSkipsTheLastKey(SkipsTheLastKey):
-        config = _fp8_wgmma(32)
-
-    problem = build_problem(workload("fp8_ds_mla", 64, SINGLE, heads=16, seed=11), device)
-    verdict = judge(Fp8WgmmaSkipsTheLastKey(), problem)
-    assert verdict.status == "failed", "the fp8 wgmma kernel ignored the item's end"
+    impl = SkipsTheLastKey()
+    impl.config = config
+    verdict = judge(impl, build_problem(workload("fp8_ds_mla", 64, SINGLE, heads=16, seed=11), device))
+    assert verdict.status == "failed", "the fp8 Gluon kernel ignored the item's end"
     assert verdict.violations
 
 

@@ -6,8 +6,10 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
-On Hopper, 64-row blocks of a bf16 cache run the split step in Gluon (``decode_wgmma``: the score product once
-across both warpgroups, where Triton's layout rule computes it in each); the merge and everything else are shared.
+On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score
+product once across both warpgroups, where Triton's layout rule computes it in each), 16 rows of fp8_ds_mla
+(``decode_mma_fp8``: codes decoded straight into mma.sync operands) and 32 (``decode_wgmma_fp8``: keys on wgmma's M
+side); the merge and everything else are shared.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -29,6 +31,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from impls.triton import common
 from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
+from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
 from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
 from mla_bench.errors import UnsupportedConfig
@@ -61,12 +64,14 @@ MERGE_VALUES = 2048
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 # The Gluon split kernels' tiles (query rows, keys per step, warps) and the layouts each reads: decode_wgmma's
-# 64-row bf16 kernel, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla kernel.
+# 64-row bf16 kernel, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla kernel, decode_mma_fp8's 16-row one (4 warps).
 WGMMA_TILES: dict[tuple[int, int, int], tuple[str, ...]] = {
     (64, 64, 8): ("bf16",),
     (16, 64, 8): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
     (32, 64, 8): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
+    (16, 64, 4): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
 }
+MMA_FP8_TILE = (16, 64, 4)  # the tile run_decode sends to decode_mma_fp8
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
@@ -84,9 +89,10 @@ class DecodeConfig:
     bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
     products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
     store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
-    ``wgmma``: the split step runs a Gluon kernel (Hopper only; ``WGMMA_TILES``): 64 rows of a bf16 cache
-    ``decode_wgmma`` (the score product once across its two warpgroups), 16 or 32 rows of fp8_ds_mla
-    ``decode_wgmma_fp8`` (keys on wgmma's M side)."""
+    ``wgmma``: the split step runs one of the Gluon kernels for Hopper (``WGMMA_TILES``), chosen by the tile: 64
+    rows of a bf16 cache ``decode_wgmma`` (the score product once across its two warpgroups), 16 or 32 rows of
+    fp8_ds_mla with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), 16 rows with 4 warps
+    ``decode_mma_fp8`` (mma.sync, no wgmma: codes decoded straight into operand registers)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -130,12 +136,14 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6 -> 105.7 us,
     NOTES.md round 11); fp8_ds_mla there decodes its tiles
     once per product (decoded once, its float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon
-    kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us; at
-    16 rows it is 8-11% slower than the Triton kernel, NOTES.md session 13). Other 16 or 32 rows: memory-bound, the
-    mma.sync path. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one
-    program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table
-    lines are prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other quantized
-    layouts, and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
+    kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us,
+    NOTES.md session 13); 16 rows of fp8_ds_mla on Hopper: the Gluon kernel that decodes codes straight into
+    mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``; H200, 16 heads b64: 122.5 -> 113.2 us,
+    NOTES.md session 14). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of
+    bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per multiprocessor
+    (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are prefetched, NOTES.md
+    round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts, and fp8_e4m3 in page 1,
+    measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
     helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
     only the former use it.
     """
@@ -150,6 +158,9 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=hopper and layout == "bf16")
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, wgmma=True)
+    if block_m == 16 and hopper and layout.startswith("fp8_ds_mla"):
+        return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
+                            wgmma=True)
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
     if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, early_merge=True)
@@ -240,7 +251,14 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    if plan.work.shape[0] and cfg.wgmma and cfg.block_m < 64:
+    if plan.work.shape[0] and cfg.wgmma and (cfg.block_m, cfg.block_n, cfg.num_warps) == MMA_FP8_TILE:
+        _decode_split_kernel_mma_fp8[(plan.work.shape[0],)](
+            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
+            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
+            plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
+            num_warps=cfg.num_warps)
+    elif plan.work.shape[0] and cfg.wgmma and cfg.block_m < 64:
         _decode_split_kernel_fp8[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),

@@ -115,8 +115,10 @@ def _prefetch_l2(ptrs):
 
 @gluon.jit
 def _prefetch_row_lines(first_bytes):
-    """Request into L2 every line of the rows starting at ``first_bytes`` (along ``LINES_LAYOUT``'s rows)."""
-    lines = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, LINES_LAYOUT)) * 128, ROW_BYTES - 1)
+    """Request into L2 every line of the rows starting at ``first_bytes`` (along the rows of a layout like
+    ``LINES_LAYOUT``: the eight lines of a row across its second dimension)."""
+    LINES: gl.constexpr = gl.SliceLayout(0, first_bytes.type.layout.parent)
+    lines = gl.minimum(gl.arange(0, 8, layout=LINES) * 128, ROW_BYTES - 1)
     _prefetch_l2(first_bytes[:, None] + lines[None, :])
 
 
