@@ -131,21 +131,18 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     than fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys per multiprocessor: 128-row blocks, one stage
     of 64 keys, tiles decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still
     faster; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128 heads, or
-    16 heads x 4 tokens):
-    the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper runs the Gluon kernel
-    (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6 -> 105.7 us,
-    NOTES.md round 11); fp8_ds_mla there decodes its tiles
-    once per product (decoded once, its float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon
-    kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us,
+    16 heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper
+    runs the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32:
+    158.6 -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded once, its
+    float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us,
     NOTES.md session 13); 16 rows of fp8_ds_mla on Hopper: the Gluon kernel that decodes codes straight into
     mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``; H200, 16 heads b64: 122.5 -> 113.2 us,
     NOTES.md session 14). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of
     bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per multiprocessor
     (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are prefetched, NOTES.md
     round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts, and fp8_e4m3 in page 1,
-    measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
-    helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
-    only the former use it.
+    measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps the memory-bound row blocks
+    (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the former use it.
     """
     rows = num_heads * max_q_len
     wide_rows = layout.startswith("fp8_ds_mla") or layout in FP4_LAYOUTS
@@ -251,20 +248,16 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    if plan.work.shape[0] and cfg.wgmma and (cfg.block_m, cfg.block_n, cfg.num_warps) == MMA_FP8_TILE:
-        _decode_split_kernel_mma_fp8[(plan.work.shape[0],)](
+    if plan.work.shape[0] and cfg.wgmma and cfg.block_m < 64:  # the fp8_ds_mla Gluon kernels: same arguments
+        mma_fp8 = (cfg.block_m, cfg.block_n, cfg.num_warps) == MMA_FP8_TILE
+        kernel, rows = ((_decode_split_kernel_mma_fp8, {}) if mma_fp8
+                        else (_decode_split_kernel_fp8, {"ROWS": cfg.block_m}))
+        kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
             plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
-            num_warps=cfg.num_warps)
-    elif plan.work.shape[0] and cfg.wgmma and cfg.block_m < 64:
-        _decode_split_kernel_fp8[(plan.work.shape[0],)](
-            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
-            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
-            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
-            plan.q.shape[1], ROWS=cfg.block_m, PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
-            EARLY_MERGE=early_merge, num_warps=cfg.num_warps)
+            num_warps=cfg.num_warps, **rows)
     elif plan.work.shape[0] and cfg.wgmma:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, TILE
-from impls.triton.decode_wgmma import _cta_barrier, _item_fields
+from impls.triton.decode_wgmma import _cta_barrier, _item_fields, _row_at
 from impls.triton.sparse_wgmma import QUERY_TOP, ROPE_AT, ROW_BYTES, SCALES_AT, _pow2, _prefetch_row_lines
 
 ROWS = gl.constexpr(16)          # query rows per item: mma.sync's M
@@ -193,16 +193,16 @@ def _query_operands(q, stride_qt, stride_qh, row_block, q_first, q_len, num_head
     ``[2^13, 2^14)``, and the rope in bf16, both permuted as the keys; and the factor that undoes the scaling."""
     t, r, c = _indices(TILES, ROWS, TILE, QUERY)
     rows = row_block * ROWS + r
-    q_row = q + (q_first + rows // num_heads).to(gl.int64) * stride_qt + (rows % num_heads) * stride_qh
-    x = gl.load(q_row + t * TILE + c, mask=rows < q_len * num_heads, other=0.0).to(gl.float32)
+    x = gl.load(_row_at(q, rows, q_first, num_heads, stride_qt, stride_qh) + t * TILE + c,
+                mask=rows < q_len * num_heads, other=0.0).to(gl.float32)
     amax = gl.maximum(gl.max(gl.max(gl.abs(x), 2), 0), 2.0 ** -100)  # padded rows stay finite
     exponent = (amax.to(gl.int32, bitcast=True) >> 23) & 255  # biased: amax in [2^(e-127), 2^(e-126))
     x = (x * _pow2(127 + QUERY_TOP + 127 - exponent)[None, :, None]).to(gl.float16)
     x = x.reshape([4, 16, 2, 4, 8, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([4, 16, 128])
     t, r, d = _indices(TILES, ROWS, ROPE_PER_WARP, QUERY_ROPE)
     rows = row_block * ROWS + r
-    q_row = q + (q_first + rows // num_heads).to(gl.int64) * stride_qt + (rows % num_heads) * stride_qh
-    xr = gl.load(q_row + NOPE + t * ROPE_PER_WARP + d, mask=rows < q_len * num_heads, other=0.0)
+    xr = gl.load(_row_at(q, rows, q_first, num_heads, stride_qt, stride_qh) + NOPE + t * ROPE_PER_WARP + d,
+                 mask=rows < q_len * num_heads, other=0.0)
     xr = xr.reshape([4, 16, 4, 2, 2]).permute((0, 1, 3, 2, 4)).reshape([4, 16, 16])
     down = gl.convert_layout(_pow2(exponent - QUERY_TOP), ROWS_3D)[None, :, None]
     return gl.convert_layout(x, DOT_A, assert_trivial=True), gl.convert_layout(xr, DOT_A, assert_trivial=True), down
@@ -258,10 +258,9 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     rows_o = row_block * ROWS + r
     cols = t * TILE + c
     if slot_out < 0:  # the item covers its rows' whole range: the final result
-        out_row = out + (q_first + rows_o // num_heads).to(gl.int64) * stride_ot + (rows_o % num_heads) * stride_oh
-        gl.store(out_row + cols, o.to(gl.bfloat16), mask=rows_o < q_len * num_heads)
-        gl.store(lse + (q_first + rows_s // num_heads).to(gl.int64) * stride_lt + rows_s % num_heads,
-                 lse2 * LN2, mask=ok_s)
+        gl.store(_row_at(out, rows_o, q_first, num_heads, stride_ot, stride_oh) + cols, o.to(gl.bfloat16),
+                 mask=rows_o < q_len * num_heads)
+        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
     else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
         policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
         gl.store(part_out + (slot_out.to(gl.int64) * ROWS + r) * NOPE + cols, o, eviction_policy=policy)

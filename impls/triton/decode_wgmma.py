@@ -74,6 +74,13 @@ def _copy_key_tile(lat_smem, rope_smem, stage, rows, ok):
 
 
 @gluon.jit
+def _row_at(base, rows, q_first, num_heads, stride_token, stride_head):
+    """Where query row ``rows`` of an item lives in a ``[token, head, ...]`` tensor: the item's token ``q_first +
+    rows // num_heads``, head ``rows % num_heads`` (rows run over the heads of each new token)."""
+    return base + (q_first + rows // num_heads).to(gl.int64) * stride_token + (rows % num_heads) * stride_head
+
+
+@gluon.jit
 def _item_fields(row):
     """A work item's row (``decode.ITEM_COLUMNS``) as scalars, one load each (known uniform across the program)."""
     return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
@@ -112,7 +119,7 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
     # The query block, in the first copy group with the first key tile.
     rows_c = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
     ok_c = rows_c < q_len * num_heads
-    q_base = q + (q_first + rows_c // num_heads).to(gl.int64) * stride_qt + (rows_c % num_heads) * stride_qh
+    q_base = _row_at(q, rows_c, q_first, num_heads, stride_qt, stride_qh)
     for t in gl.static_range(4):
         _copy_rows(q_lat.index(t), q_base, ok_c, TILE * t, TILE)
     _copy_rows(q_rope, q_base, ok_c, NOPE, ROPE)
@@ -185,10 +192,9 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
     ok_o = rows_o < q_len * num_heads
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))
     if slot_out < 0:  # the item covers its rows' whole range: the final result
-        out_row = out + (q_first + rows_o // num_heads).to(gl.int64) * stride_ot + (rows_o % num_heads) * stride_oh
+        out_row = _row_at(out, rows_o, q_first, num_heads, stride_ot, stride_oh)
         _store_out(out_row, cols, ok_o, acc0, acc1, acc2, acc3, inv_l)
-        gl.store(lse + (q_first + rows_s // num_heads).to(gl.int64) * stride_lt + rows_s % num_heads,
-                 lse2 * LN2, mask=ok_s)
+        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
     else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
         part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""

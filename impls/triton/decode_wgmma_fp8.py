@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _row_at
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
 
@@ -160,7 +160,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
 
     rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, QUERY_LAYOUT))
     ok_q = rows_q < q_len * num_heads
-    q_base = q + (q_first + rows_q // num_heads).to(gl.int64) * stride_qt + (rows_q % num_heads) * stride_qh
+    q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
     q_down = gl.convert_layout(_stage_query(q_base, ok_q, q_nope, q_rope, QUERY_LAYOUT), ACC_ROWS)
 
     rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
@@ -237,15 +237,14 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)[None, :]
     cols = gl.arange(0, TILE, layout=ACC_KEYS)[:, None]
     if slot_out < 0:  # the item covers its rows' whole range: the final result
-        out_row = (out + (q_first + rows_s // num_heads).to(gl.int64) * stride_ot + (rows_s % num_heads) * stride_oh)
+        out_row = _row_at(out, rows_s, q_first, num_heads, stride_ot, stride_oh)
         out_at = out_row[None, :] + cols
         out_mask = ok_s[None, :]
         gl.store(out_at, (acc0 * to_out).to(gl.bfloat16), mask=out_mask)
         gl.store(out_at + TILE, (acc1 * to_out).to(gl.bfloat16), mask=out_mask)
         gl.store(out_at + 2 * TILE, (acc2 * to_out).to(gl.bfloat16), mask=out_mask)
         gl.store(out_at + 3 * TILE, (acc3 * to_out).to(gl.bfloat16), mask=out_mask)
-        gl.store(lse + (q_first + rows_s // num_heads).to(gl.int64) * stride_lt + rows_s % num_heads,
-                 lse2 * LN2, mask=ok_s)
+        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
     else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
         part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
         policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
