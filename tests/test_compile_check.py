@@ -105,7 +105,7 @@ def test_launches_compile_for_sm90_and_rejected_ones_fail_the_check_by_name(tmp_
 
 def test_the_gluon_decode_kernel_is_recorded_as_on_hopper_and_compiles_for_sm90(tmp_path):
     """The interpreter cannot run Gluon: its launch is recorded from a plan made as on a Hopper GPU, and compiled."""
-    launch = _decode_launch(DecodeConfig(block_m=64, block_n=64, num_warps=8, wgmma=True))
+    launch = _decode_launch(DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True))
     assert launch.kernel == "_decode_split_kernel_wgmma" and launch.options == {"num_warps": 8}
     assert launch.signature["cache"] == "*bf16" and launch.constexprs["PAGE_SIZE"] == 64
     path = tmp_path / "launches.json"

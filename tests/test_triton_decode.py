@@ -17,6 +17,8 @@ import torch
 from impls.triton import common, decode
 from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
+from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
+from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
@@ -192,49 +194,71 @@ def test_a_plan_runs_again_with_the_same_result():
 # ---- the Gluon split kernel (Hopper only) ----------------------------------------------------------------------
 
 def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():
-    assert decode.default_config(128, 1, "bf16", 64, hopper=True).wgmma
-    assert decode.default_config(16, 4, "bf16", 1, hopper=True).wgmma  # 16 heads x 4 tokens: 64 rows
-    assert not decode.default_config(128, 1, "bf16", 64, hopper=False).wgmma
-    assert not decode.default_config(128, 1, "fp8_e4m3", 64, hopper=True).wgmma
-    assert not decode.default_config(16, 1, "bf16", 64, hopper=True).wgmma  # 16 rows: the mma.sync path
-    assert not decode.batch_config(128, [1], [4096], "bf16", 64, torch.device("cpu")).wgmma
+    assert decode.default_config(128, 1, "bf16", 64, hopper=True).gluon
+    assert decode.default_config(16, 4, "bf16", 1, hopper=True).gluon  # 16 heads x 4 tokens: 64 rows
+    assert not decode.default_config(128, 1, "bf16", 64, hopper=False).gluon
+    assert not decode.default_config(128, 1, "fp8_e4m3", 64, hopper=True).gluon
+    assert not decode.default_config(16, 1, "bf16", 64, hopper=True).gluon  # 16 rows: the mma.sync path
+    assert not decode.batch_config(128, [1], [4096], "bf16", 64, torch.device("cpu")).gluon
 
 
 def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only():
     for heads, q_len, layout in ((16, 2, "fp8_ds_mla"), (32, 1, "fp8_ds_mla_pow2"), (20, 1, "fp8_ds_mla")):
         config = decode.default_config(heads, q_len, layout, 64, hopper=True)
-        assert config.wgmma and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
-        assert not decode.default_config(heads, q_len, layout, 64, hopper=False).wgmma
+        assert config.gluon and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
+        assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
     for heads, layout, page_size in ((16, "fp8_ds_mla", 64), (8, "fp8_ds_mla_pow2", 1), (16, "fp8_ds_mla", 48)):
         config = decode.default_config(heads, 1, layout, page_size, hopper=True)
-        assert config.wgmma and (config.block_m, config.block_n, config.num_warps) == decode.MMA_FP8_TILE
-        assert not decode.default_config(heads, 1, layout, page_size, hopper=False).wgmma
-    assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).wgmma
-    assert not decode.default_config(16, 1, "nvfp4", 64, hopper=True).wgmma
+        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_mma_fp8
+        assert not decode.default_config(heads, 1, layout, page_size, hopper=False).gluon
+    assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
+    assert not decode.default_config(16, 1, "nvfp4", 64, hopper=True).gluon
+
+
+def test_32_row_bf16_blocks_and_16_in_pages_under_a_step_take_the_narrow_gluon_kernel_on_hopper_only():
+    for heads, q_len, page_size, rows in ((16, 2, 64, 32), (32, 1, 128, 32), (20, 1, 16, 32), (16, 1, 1, 16),
+                                          (16, 1, 16, 16), (8, 1, 48, 16), (5, 3, 1, 16)):
+        config = decode.default_config(heads, q_len, "bf16", page_size, hopper=True)
+        assert config.gluon and config.block_m == rows
+        assert _gluon_kernel(config, "bf16") is _decode_split_kernel_narrow
+        assert not decode.default_config(heads, q_len, "bf16", page_size, hopper=False).gluon
+    for page_size in (64, 128):  # whole 64-key pages: the Triton kernel, faster there (NOTES.md, session 15)
+        assert not decode.default_config(16, 1, "bf16", page_size, hopper=True).gluon
+    assert not decode.default_config(16, 1, "fp8_e4m3", 1, hopper=True).gluon
+
+
+def _gluon_kernel(config: DecodeConfig, layout: str):
+    """The Gluon kernel ``run_decode`` launches for ``config`` on a ``layout`` cache."""
+    return decode.GLUON_SPLITS[(config.block_m, config.block_n, config.num_warps), layout]
 
 
 def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
-    wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, wgmma=True)
-    fp8_wgmma = DecodeConfig(block_m=32, block_n=64, num_warps=8, wgmma=True)
+    wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
+    fp8_wgmma = DecodeConfig(block_m=32, block_n=64, num_warps=8, gluon=True)
     with pytest.raises(UnsupportedConfig):  # CPU tensors: no Hopper (and, on a GPU machine, no interpreter)
         Configured(wgmma).checked_plan(build_problem(workload("bf16", 64, SINGLE)))
     for config in (fp8_wgmma, _fp8_mma()):
         with pytest.raises(UnsupportedConfig):
             Configured(config).checked_plan(build_problem(workload("fp8_ds_mla", 64, SINGLE)))
+    for rows in (16, 32):
+        with pytest.raises(UnsupportedConfig):
+            Configured(_narrow(rows)).checked_plan(build_problem(workload("bf16", 1, SINGLE)))
     bf16, fp8, ds_mla = (build_problem(workload(layout, 64, SINGLE)).cache
                          for layout in ("bf16", "fp8_e4m3", "fp8_ds_mla"))
-    with pytest.raises(UnsupportedConfig, match="needs a Hopper GPU"):
-        decode._check_wgmma(bf16, torch.device("cpu"), wgmma)
-    with pytest.raises(UnsupportedConfig, match="needs a Hopper GPU"):
-        decode._check_wgmma(ds_mla, torch.device("cpu"), fp8_wgmma)
-    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) reads bf16 caches, not 'fp8_e4m3'"):
-        decode._check_wgmma(fp8, torch.device("cpu"), wgmma)
-    with pytest.raises(UnsupportedConfig, match="reads fp8_ds_mla and fp8_ds_mla_pow2 caches, not 'bf16'"):
-        decode._check_wgmma(bf16, torch.device("cpu"), fp8_wgmma)
-    with pytest.raises(UnsupportedConfig, match=r"tile \(16, 64, 4\) reads fp8_ds_mla and .* not 'fp8_e4m3'"):
-        decode._check_wgmma(fp8, torch.device("cpu"), _fp8_mma())
-    with pytest.raises(ValueError, match=r"wgmma runs \(block_m, block_n, num_warps\) in"):
-        DecodeConfig(block_m=16, block_n=32, num_warps=4, wgmma=True)
+    with pytest.raises(UnsupportedConfig, match="need a Hopper GPU"):
+        decode._check_gluon(bf16, torch.device("cpu"), wgmma)
+    with pytest.raises(UnsupportedConfig, match="need a Hopper GPU"):
+        decode._check_gluon(ds_mla, torch.device("cpu"), fp8_wgmma)
+    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) read bf16 caches, not 'fp8_e4m3'"):
+        decode._check_gluon(fp8, torch.device("cpu"), wgmma)
+    with pytest.raises(UnsupportedConfig, match="read fp8_ds_mla, fp8_ds_mla_pow2 caches, not 'bf16'"):
+        decode._check_gluon(bf16, torch.device("cpu"), fp8_wgmma)
+    with pytest.raises(UnsupportedConfig, match=r"tile \(16, 64, 4\) read bf16, fp8_ds_mla, .* not 'fp8_e4m3'"):
+        decode._check_gluon(fp8, torch.device("cpu"), _fp8_mma())
+    with pytest.raises(UnsupportedConfig, match=r"tile \(32, 64, 4\) read bf16 caches, not 'fp8_ds_mla'"):
+        decode._check_gluon(ds_mla, torch.device("cpu"), _narrow(32))
+    with pytest.raises(ValueError, match=r"gluon runs \(block_m, block_n, num_warps\) in"):
+        DecodeConfig(block_m=16, block_n=32, num_warps=4, gluon=True)
 
 
 WGMMA_CASES = [  # (page size, mix, heads, forced splits, partials kept in L2)
@@ -254,11 +278,11 @@ def test_the_wgmma_kernel_passes_the_judge_on_hopper(page_size, mix, heads, spli
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size), device)
-    config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, wgmma=True)
+    config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, gluon=True)
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     if heads == 128:
-        assert TritonDecode().checked_plan(problem).config.wgmma  # the default there
+        assert TritonDecode().checked_plan(problem).config.gluon  # the default there
 
 
 FP8_WGMMA_CASES = [  # (layout, page size, mix, heads, rows, forced splits, partials kept in L2)
@@ -269,13 +293,18 @@ FP8_WGMMA_CASES = [  # (layout, page size, mix, heads, rows, forced splits, part
 
 
 def _fp8_wgmma(rows: int, **more) -> DecodeConfig:
-    return DecodeConfig(block_m=rows, block_n=64, num_warps=8, num_stages=1, early_merge=True, wgmma=True, **more)
+    return DecodeConfig(block_m=rows, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True, **more)
+
+
+def _narrow(rows: int, **more) -> DecodeConfig:
+    """decode_wgmma_narrow's configuration (16 or 32 rows of bf16), as default_config makes it on Hopper."""
+    return DecodeConfig(block_m=rows, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True, **more)
 
 
 def _fp8_mma(**more) -> DecodeConfig:
     """decode_mma_fp8's configuration (16 rows), as default_config makes it on Hopper."""
     return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
-                        wgmma=True, **more)
+                        gluon=True, **more)
 
 
 @pytest.mark.gpu
@@ -307,7 +336,32 @@ def test_the_fp8_mma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, h
     assert verdict.status == "passed", verdict.violations or verdict.message
     if heads == 16 and mix is SINGLE:
         chosen = TritonDecode().checked_plan(problem).config  # the default there
-        assert chosen.wgmma and (chosen.block_m, chosen.block_n, chosen.num_warps) == decode.MMA_FP8_TILE
+        assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_mma_fp8
+
+
+NARROW_CASES = [  # (page size, mix, heads, rows, forced splits, partials kept in L2)
+    (1, SINGLE, 16, 16, None, None), (1, UNIFORM, 8, 32, None, None), (48, VARLEN, 16, 16, 3, False),
+    (16, VARLEN, 20, 32, 2, True), (128, UNIFORM, 16, 32, 5, True), (64, VARLEN, 4, 16, 2, None),
+    (1, VARLEN, 16, 16, 4, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, mix, heads, rows, splits, keep", NARROW_CASES,
+                         ids=["ps1", "ps1-mtp-h8-r32", "ps48-split3", "ps16-h20-r32-kept", "ps128-q3-r32-split5",
+                              "ps64-h4-varlen", "ps1-varlen-split4"])
+def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads, rows, splits, keep):
+    """As the other Gluon kernels' cases, through decode_wgmma_narrow (16- and 32-row blocks of bf16: MTP and varlen
+    rows across tokens, padded heads, empty and one-key requests)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size), device)
+    verdict = judge(Configured(_narrow(rows, num_splits=splits, keep_partials=keep)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    if page_size == 1 and mix is SINGLE:
+        chosen = TritonDecode().checked_plan(problem).config  # the default there
+        assert chosen.gluon and _gluon_kernel(chosen, "bf16") is _decode_split_kernel_narrow
 
 
 @pytest.mark.gpu
@@ -409,7 +463,7 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
         pytest.skip("needs a Hopper GPU (compute capability 9)")
 
     class WgmmaSkipsTheLastKey(SkipsTheLastKey):
-        config = DecodeConfig(block_m=64, block_n=64, num_warps=8, wgmma=True)
+        config = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
 
     verdict = judge(WgmmaSkipsTheLastKey(), build_problem(workload("bf16", 64, SINGLE, heads=128, seed=11), device))
     assert verdict.status == "failed", "the wgmma kernel ignored the item's end"
@@ -417,16 +471,19 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [_fp8_wgmma(32), _fp8_mma()], ids=["wgmma32", "mma16"])
-def test_a_planted_bug_through_the_fp8_gluon_kernels_fails_the_judge(config):
+@pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
+                                                       (_fp8_mma(), "fp8_ds_mla", 64), (_narrow(16), "bf16", 1),
+                                                       (_narrow(32), "bf16", 64)],
+                         ids=["fp8-wgmma32", "fp8-mma16", "narrow16-ps1", "narrow32"])
+def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
 
     impl = SkipsTheLastKey()
     impl.config = config
-    verdict = judge(impl, build_problem(workload("fp8_ds_mla", 64, SINGLE, heads=16, seed=11), device))
-    assert verdict.status == "failed", "the fp8 Gluon kernel ignored the item's end"
+    verdict = judge(impl, build_problem(workload(layout, page_size, SINGLE, heads=16, seed=11), device))
+    assert verdict.status == "failed", "the Gluon kernel ignored the item's end"
     assert verdict.violations
 
 

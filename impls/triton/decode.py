@@ -7,9 +7,10 @@ launches kernels: no allocation, no host synchronization, so it can be captured 
 after the caller updates ``q``, the cache and the block table in place.
 
 On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score
-product once across both warpgroups, where Triton's layout rule computes it in each), 16 rows of fp8_ds_mla
-(``decode_mma_fp8``: codes decoded straight into mma.sync operands) and 32 (``decode_wgmma_fp8``: keys on wgmma's M
-side); the merge and everything else are shared.
+product once across both warpgroups, where Triton's layout rule computes it in each), 16 and 32 (``decode_wgmma_narrow``:
+keys on wgmma's M side, tiles copied straight into its operands), 16 rows of fp8_ds_mla (``decode_mma_fp8``: codes
+decoded straight into mma.sync operands) and 32 (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and
+everything else are shared.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -34,6 +35,7 @@ from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
 from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
+from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 from mla_bench.metadata.reference import blocks_needed, cumulative
@@ -63,15 +65,17 @@ MERGE_VALUES = 2048
 # H200 (60 MiB L2): 16 heads, 4 MiB of partials, b32 47.1 -> 45.6 us and b64 83.0 -> 81.1 (NOTES.md, round 9);
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
-# The Gluon split kernels' tiles (query rows, keys per step, warps) and the layouts each reads: decode_wgmma's
-# 64-row bf16 kernel, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla kernel, decode_mma_fp8's 16-row one (4 warps).
-WGMMA_TILES: dict[tuple[int, int, int], tuple[str, ...]] = {
-    (64, 64, 8): ("bf16",),
-    (16, 64, 8): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
-    (32, 64, 8): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
-    (16, 64, 4): ("fp8_ds_mla", "fp8_ds_mla_pow2"),
+FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
+# The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's
+# 64-row bf16 kernel, decode_wgmma_narrow's 16- and 32-row bf16 one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla
+# one and decode_mma_fp8's 16-row fp8_ds_mla one.
+GLUON_SPLITS = {
+    ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
+    **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
+    **{((rows, 64, 8), layout): _decode_split_kernel_fp8 for rows in (16, 32) for layout in FP8_DS_MLA},
+    **{((16, 64, 4), layout): _decode_split_kernel_mma_fp8 for layout in FP8_DS_MLA},
 }
-MMA_FP8_TILE = (16, 64, 4)  # the tile run_decode sends to decode_mma_fp8
+GLUON_TILES = frozenset(tile for tile, _ in GLUON_SPLITS)
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
@@ -89,10 +93,11 @@ class DecodeConfig:
     bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
     products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
     store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
-    ``wgmma``: the split step runs one of the Gluon kernels for Hopper (``WGMMA_TILES``), chosen by the tile: 64
-    rows of a bf16 cache ``decode_wgmma`` (the score product once across its two warpgroups), 16 or 32 rows of
-    fp8_ds_mla with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), 16 rows with 4 warps
-    ``decode_mma_fp8`` (mma.sync, no wgmma: codes decoded straight into operand registers)."""
+    ``gluon``: the split step runs one of the Gluon kernels for Hopper (``GLUON_SPLITS``), chosen by the tile and
+    the cache layout: bf16 in 64 rows ``decode_wgmma`` (the score product once across its two warpgroups), in 16
+    or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 16 or 32 rows with 8
+    warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
+    codes decoded straight into operand registers)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -106,7 +111,7 @@ class DecodeConfig:
     early_merge: bool = False
     reread_values: bool = False
     keep_partials: bool | None = None
-    wgmma: bool = False
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -117,8 +122,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
-        if self.wgmma and (self.block_m, self.block_n, self.num_warps) not in WGMMA_TILES:
-            raise ValueError(f"DecodeConfig.wgmma runs (block_m, block_n, num_warps) in {sorted(WGMMA_TILES)}, got "
+        if self.gluon and (self.block_m, self.block_n, self.num_warps) not in GLUON_TILES:
+            raise ValueError(f"DecodeConfig.gluon runs (block_m, block_n, num_warps) in {sorted(GLUON_TILES)}, got "
                              f"{(self.block_m, self.block_n, self.num_warps)}")
 
 
@@ -137,11 +142,13 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us,
     NOTES.md session 13); 16 rows of fp8_ds_mla on Hopper: the Gluon kernel that decodes codes straight into
     mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``; H200, 16 heads b64: 122.5 -> 113.2 us,
-    NOTES.md session 14). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of
-    bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1: 64-key steps, one program per multiprocessor
-    (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are prefetched, NOTES.md
-    round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts, and fp8_e4m3 in page 1,
-    measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps the memory-bound row blocks
+    NOTES.md session 14). bf16 on Hopper in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon
+    kernel with keys on wgmma's M side (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.3 -> 51.5 us, 16
+    heads page 1 b128 159.6 -> 153.6, NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of
+    the Triton kernel. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key
+    steps, one program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its
+    block-table lines are prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other
+    quantized layouts, and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps the memory-bound row blocks
     (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the former use it.
     """
     rows = num_heads * max_q_len
@@ -152,12 +159,14 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     if block_m == 64:
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
-        return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, wgmma=hopper and layout == "bf16")
+        return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
-        return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, wgmma=True)
+        return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
-                            wgmma=True)
+                            gluon=True)
+    if hopper and layout == "bf16" and (block_m == 32 or page_size % 64):
+        return DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
     if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, early_merge=True)
@@ -218,8 +227,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
                                 f"Triton 3.6 miscompiles its 16-key FP4 decode on Hopper (wrong results on an H200); "
                                 f"use block_n >= 32")
-    if config.wgmma:
-        _check_wgmma(cache, device, config)
+    if config.gluon:
+        _check_gluon(cache, device, config)
     sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
@@ -248,17 +257,16 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    if plan.work.shape[0] and cfg.wgmma and cfg.block_m < 64:  # the fp8_ds_mla Gluon kernels: same arguments
-        mma_fp8 = (cfg.block_m, cfg.block_n, cfg.num_warps) == MMA_FP8_TILE
-        kernel, rows = ((_decode_split_kernel_mma_fp8, {}) if mma_fp8
-                        else (_decode_split_kernel_fp8, {"ROWS": cfg.block_m}))
+    if plan.work.shape[0] and cfg.gluon and cfg.block_m < 64:  # the 16- and 32-row Gluon kernels: same arguments
+        kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name]
+        rows = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}  # its rows are fixed: 16
         kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
             plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
             num_warps=cfg.num_warps, **rows)
-    elif plan.work.shape[0] and cfg.wgmma:
+    elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
             plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
@@ -460,15 +468,15 @@ def _merge_tile(groups: int, block_m: int, max_splits: int, sms: int) -> tuple[i
     return rows, cols
 
 
-def _check_wgmma(cache: PagedCache, device: torch.device, config: DecodeConfig) -> None:
+def _check_gluon(cache: PagedCache, device: torch.device, config: DecodeConfig) -> None:
     """What a Gluon split kernel needs beyond its tile (``DecodeConfig`` checks that): UnsupportedConfig."""
     tile = (config.block_m, config.block_n, config.num_warps)
-    layouts = WGMMA_TILES[tile]
+    layouts = [layout for (tile_of, layout) in GLUON_SPLITS if tile_of == tile]
     if cache.layout.name not in layouts:
-        raise UnsupportedConfig(f"triton_decode: the wgmma kernel of tile {tile} reads {' and '.join(layouts)} "
+        raise UnsupportedConfig(f"triton_decode: the Gluon kernels of tile {tile} read {', '.join(layouts)} "
                                 f"caches, not {cache.layout.name!r}")
     if not common.has_wgmma(device):
-        raise UnsupportedConfig(f"triton_decode: the wgmma kernel needs a Hopper GPU (compute capability 9), "
+        raise UnsupportedConfig(f"triton_decode: the Gluon kernels need a Hopper GPU (compute capability 9), "
                                 f"not {device}")
 
 

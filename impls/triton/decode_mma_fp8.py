@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, TILE
-from impls.triton.decode_wgmma import _cta_barrier, _item_fields, _row_at
+from impls.triton.decode_wgmma import _cta_barrier, _item_fields, _launch_dependents, _row_at
 from impls.triton.sparse_wgmma import QUERY_TOP, ROPE_AT, ROW_BYTES, SCALES_AT, _pow2, _prefetch_row_lines
 
 ROWS = gl.constexpr(16)          # query rows per item: mma.sync's M
@@ -176,8 +176,7 @@ def _decode_split_kernel_mma_fp8(
     is the uint8 paged cache, ``ROW_BYTES`` per slot. ``EARLY_MERGE``: let the merge kernel, a programmatic
     dependent launch, start now (it waits for this grid's results on the device)."""
     if EARLY_MERGE:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        _launch_dependents()
     exchange = gl.allocate_shared_memory(gl.float32, [2, TILES, ROWS, KEYS], EXCHANGE_SMEM)  # two steps' partials
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride

@@ -46,17 +46,17 @@ SWIZZLED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bit
 
 @gluon.jit
 def _copy_rows(smem, rows_base, ok, first_col: gl.constexpr, COLS: gl.constexpr):
-    """cp.async of ``COLS`` bf16 columns from ``first_col`` of 64 rows (``rows_base``: each row's first element)
-    into ``smem``; rows not ``ok`` become zeros."""
-    cols = first_col + gl.arange(0, COLS, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    """cp.async of ``COLS`` bf16 columns from ``first_col`` of rows ``rows_base`` (each row's first element, along
+    the rows of a layout like ``COPY_LAYOUT``) into ``smem``; rows not ``ok`` become zeros."""
+    cols = first_col + gl.arange(0, COLS, layout=gl.SliceLayout(0, rows_base.type.layout.parent))
     _async_load(smem, rows_base[:, None] + cols[None, :], mask=ok[:, None])
 
 
 @gluon.jit
-def _key_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
-    """The cache rows of keys ``[start, start + 64)`` through the block table, and which are below ``kv_end``
-    (none past the range: nothing is read then)."""
-    keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+def _key_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """The cache rows of keys ``[start, start + 64)`` through the block table, along the rows of ``LAYOUT`` (a copy
+    layout), and which are below ``kv_end`` (none past the range: nothing is read then)."""
+    keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, LAYOUT))
     ok = keys < kv_end
     if PAGE_SIZE % KEYS == 0:  # one page per tile: one block-table entry
         page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
@@ -71,6 +71,37 @@ def _copy_key_tile(lat_smem, rope_smem, stage, rows, ok):
     for t in gl.static_range(4):
         _copy_rows(lat_smem.index(stage * 4 + t), rows, ok, TILE * t, TILE)
     _copy_rows(rope_smem.index(stage), rows, ok, NOPE, ROPE)
+
+
+@gluon.jit
+def _start_copies(q, stride_qt, stride_qh, cache, block_table, stride_bt, request, row_block, kv_start, kv_end,
+                  q_first, q_len, num_heads, q_lat, q_rope, k_lat, k_rope, ROWS: gl.constexpr,
+                  PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """Issue an item's first copies along the copy layout ``LAYOUT``: its ``ROWS`` query rows, in the first copy
+    group with the first key tile, then one group per stage (empty past the range); returns the request's
+    block-table row and the item's key tiles."""
+    rows_c = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    ok_c = rows_c < q_len * num_heads
+    q_base = _row_at(q, rows_c, q_first, num_heads, stride_qt, stride_qh)
+    for t in gl.static_range(4):
+        _copy_rows(q_lat.index(t), q_base, ok_c, TILE * t, TILE)
+    _copy_rows(q_rope, q_base, ok_c, NOPE, ROPE)
+    pages = block_table + request.to(gl.int64) * stride_bt
+    tiles = gl.cdiv(kv_end - kv_start, KEYS)
+    for first in gl.static_range(STAGES):
+        if first < tiles:
+            rows, ok = _key_rows(cache, pages, kv_start + first * KEYS, kv_end, PAGE_SIZE, LAYOUT)
+            _copy_key_tile(k_lat, k_rope, first, rows, ok)
+        async_copy.commit_group()
+    return pages, tiles
+
+
+@gluon.jit
+def _launch_dependents():
+    """Let this grid's programmatic dependent launch (the merge kernel) start now: it waits on the device for this
+    grid's results."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -116,21 +147,9 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
                  out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                  q_lat, q_rope, k_lat, k_rope, p_smem, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
     """One work item: 64 query rows of one request over keys ``[kv_start, kv_end)``."""
-    # The query block, in the first copy group with the first key tile.
-    rows_c = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
-    ok_c = rows_c < q_len * num_heads
-    q_base = _row_at(q, rows_c, q_first, num_heads, stride_qt, stride_qh)
-    for t in gl.static_range(4):
-        _copy_rows(q_lat.index(t), q_base, ok_c, TILE * t, TILE)
-    _copy_rows(q_rope, q_base, ok_c, NOPE, ROPE)
-
-    pages = block_table + request.to(gl.int64) * stride_bt
-    tiles = gl.cdiv(kv_end - kv_start, KEYS)
-    for first in gl.static_range(STAGES):  # one copy group per stage, empty past the range
-        if first < tiles:
-            rows, ok = _key_rows(cache, pages, kv_start + first * KEYS, kv_end, PAGE_SIZE)
-            _copy_key_tile(k_lat, k_rope, first, rows, ok)
-        async_copy.commit_group()
+    pages, tiles = _start_copies(q, stride_qt, stride_qh, cache, block_table, stride_bt, request, row_block,
+                                 kv_start, kv_end, q_first, q_len, num_heads, q_lat, q_rope, k_lat, k_rope, ROWS,
+                                 PAGE_SIZE, COPY_LAYOUT)
 
     # Rows in the score layout: the causal frontier of each row, clipped to the item's range.
     rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
@@ -149,7 +168,7 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
         start = kv_start + j * KEYS
         # The block-table entries of the tile copied after this one's products are read now: their latency
         # (a DRAM round trip per tile in pages smaller than it) hides behind the products.
-        next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE)
+        next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE, COPY_LAYOUT)
         async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j (and the query block) have landed
         hopper.fence_async_shared()
         _cta_barrier()            # ... and every thread's

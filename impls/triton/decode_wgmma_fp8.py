@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _row_at
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
 
@@ -124,8 +124,7 @@ def _decode_split_kernel_fp8(
     rows; ``cache`` is the uint8 paged cache, ``ROW_BYTES`` per slot. ``EARLY_MERGE``: let the merge kernel, a
     programmatic dependent launch, start now (it waits for this grid's results on the device)."""
     if EARLY_MERGE:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        _launch_dependents()
     PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
     q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)

@@ -1,0 +1,165 @@
+"""The 16- and 32-row bf16 decode split step in Gluon, for Hopper: keys on wgmma's M side, tiles copied straight in.
+
+With 16 or 32 query rows (16 heads of one or two new tokens, 32 heads) the rows are too few for wgmma's M of 64,
+so the products run transposed, as in ``decode_wgmma_fp8``: ``S^T = K Q^T`` with the step's 64 keys as M and the
+rows as N, and ``O^T += V^T P^T``. A bf16 cache needs no decode: each key tile is copied with ``cp.async`` into the
+swizzled buffers the products read (two stages, ``decode_wgmma``'s copies), so one warpgroup per multiprocessor
+only waits, multiplies and runs the softmax. A step's copies go key by key through the block table, so page 1
+costs what page 64 does, less the table's reads.
+
+Against the Triton kernel (``decode_kernel``, mma.sync from shared memory, three stages) on an H200, 16 heads
+ctx4096 (NOTES.md, session 15): 32 rows (two tokens) b32 67.3 -> 51.5 us, b64 118.5 -> 86.7; 16 rows in pages
+smaller than a step, page 1 b32 51.8 -> 50.8, b128 159.6 -> 153.6, page 16 b64 89.8 -> 84.1; whole 64-key pages
+stay with the Triton kernel, 1-3% faster there (its third stage fits beside its query, held in registers).
+
+Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
+cache's bytes (bf16 rows of ``WIDTH`` values).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, _copy_key_tile, _cta_barrier, _item_fields, _key_rows,
+                                       _launch_dependents, _row_at, _start_copies)
+
+# Copies: 16 bytes per thread, a warp covers 4 rows of 64 columns (decode_wgmma's, for one warpgroup).
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0]))
+# Outputs [128 columns, rows] stored 4 contiguous columns a thread.
+STORE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[32, 1], warps_per_cta=[1, 4],
+                                             order=[0, 1]))
+
+
+@gluon.jit
+def _decode_split_kernel_narrow(
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
+    out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+    ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` (16 or 32) query
+    rows. ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now (it waits for this
+    grid's results on the device)."""
+    if EARLY_MERGE:
+        _launch_dependents()
+    PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
+    k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+    probs = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROWS], PROBS_SMEM)  # P^T
+    cache = cache.to(gl.pointer_type(gl.bfloat16))
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    for i in range(gl.load(item_counts + program)):
+        _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
+                     visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+                     q_lat, q_rope, k_lat, k_rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
+                 out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+                 q_lat, q_rope, k_lat, k_rope, probs, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 KEEP_PARTIALS: gl.constexpr):
+    """One work item (``_item_fields``): ``ROWS`` query rows of one request over keys ``[kv_start, kv_end)``."""
+    request, row_block, kv_start, kv_end, slot_out, q_first, q_len = item
+    # S^T [64 keys, ROWS] and O^T [128 columns, ROWS] per value tile.
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
+    ACC_KEYS: gl.constexpr = gl.SliceLayout(1, ACC)
+    ACC_ROWS: gl.constexpr = gl.SliceLayout(0, ACC)
+    pages, tiles = _start_copies(q, stride_qt, stride_qh, cache, block_table, stride_bt, request, row_block,
+                                 kv_start, kv_end, q_first, q_len, num_heads, q_lat, q_rope, k_lat, k_rope, ROWS,
+                                 PAGE_SIZE, COPY_LAYOUT)
+    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
+    ok_s = rows_s < q_len * num_heads
+    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, ACC_ROWS)
+    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)  # running sums per key slot, summed over the keys at the end
+    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+    acc0 = gl.zeros([TILE, ROWS], gl.float32, ACC)  # O^T, one 128-column value tile each
+    acc1 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    acc2 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    acc3 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    for j in range(tiles):
+        stage = j % STAGES
+        start = kv_start + j * KEYS
+        # The block-table entries of the tile copied after this one's products, read now (see decode_wgmma).
+        next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE, COPY_LAYOUT)
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j (and the query block) have landed
+        hopper.fence_async_shared()
+        _cta_barrier()            # ... and every thread's
+
+        s = hopper.warpgroup_mma(k_rope.index(stage), q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
+        for t in gl.static_range(4):
+            s = hopper.warpgroup_mma(k_lat.index(stage * 4 + t), q_lat.index(t).permute((1, 0)), s, is_async=True)
+        s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = gl.where((start + key_ids)[:, None] < limit[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))  # across the four warps (through shared memory)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_part = l_part * alpha[None, :] + p
+        m_i = m_new
+        probs.store(p.to(gl.bfloat16))
+        hopper.fence_async_shared()
+        _cta_barrier()
+
+        alpha_o = alpha[None, :]
+        acc0 = hopper.warpgroup_mma(k_lat.index(stage * 4 + 0).permute((1, 0)), probs, acc0 * alpha_o, is_async=True)
+        acc1 = hopper.warpgroup_mma(k_lat.index(stage * 4 + 1).permute((1, 0)), probs, acc1 * alpha_o, is_async=True)
+        acc2 = hopper.warpgroup_mma(k_lat.index(stage * 4 + 2).permute((1, 0)), probs, acc2 * alpha_o, is_async=True)
+        acc3 = hopper.warpgroup_mma(k_lat.index(stage * 4 + 3).permute((1, 0)), probs, acc3 * alpha_o, is_async=True)
+        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        _cta_barrier()  # every warp is done with this stage and with P
+        if j + STAGES < tiles:
+            _copy_key_tile(k_lat, k_rope, stage, next_rows, next_ok)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+    _cta_barrier()  # the next item's copies reuse the buffers
+
+    l_i = gl.sum(l_part, 0)
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    _store_item(acc0, acc1, acc2, acc3, gl.convert_layout(inv_l, gl.SliceLayout(0, STORE_LAYOUT)), out, stride_ot,
+                stride_oh, part_out, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS)
+    if slot_out < 0:
+        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
+    else:
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        gl.store(part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS), lse2,
+                 eviction_policy=policy)
+
+
+@gluon.jit
+def _store_item(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first,
+                q_len, num_heads, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
+    """The item's normalized output ``O^T_t / l``, columns contiguous: the final bf16 rows where the item covers
+    its rows' whole range (``slot_out < 0``), else a float32 partial for ``_merge_splits_kernel``."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, STORE_LAYOUT))
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(1, STORE_LAYOUT))[:, None]
+    o0 = gl.convert_layout(acc0, STORE_LAYOUT) * inv_l[None, :]
+    o1 = gl.convert_layout(acc1, STORE_LAYOUT) * inv_l[None, :]
+    o2 = gl.convert_layout(acc2, STORE_LAYOUT) * inv_l[None, :]
+    o3 = gl.convert_layout(acc3, STORE_LAYOUT) * inv_l[None, :]
+    if slot_out < 0:
+        rows = row_block * ROWS + rows
+        out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[None, :] + cols
+        mask = (rows < q_len * num_heads)[None, :]
+        gl.store(out_at, o0.to(gl.bfloat16), mask=mask)
+        gl.store(out_at + TILE, o1.to(gl.bfloat16), mask=mask)
+        gl.store(out_at + 2 * TILE, o2.to(gl.bfloat16), mask=mask)
+        gl.store(out_at + 3 * TILE, o3.to(gl.bfloat16), mask=mask)
+    else:
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        part_at = part_out + (slot_out.to(gl.int64) * ROWS + rows)[None, :] * NOPE + cols
+        gl.store(part_at, o0, eviction_policy=policy)
+        gl.store(part_at + TILE, o1, eviction_policy=policy)
+        gl.store(part_at + 2 * TILE, o2, eviction_policy=policy)
+        gl.store(part_at + 3 * TILE, o3, eviction_policy=policy)
