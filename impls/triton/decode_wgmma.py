@@ -78,21 +78,26 @@ def _start_copies(q, stride_qt, stride_qh, cache, block_table, stride_bt, reques
                   q_first, q_len, num_heads, q_lat, q_rope, k_lat, k_rope, ROWS: gl.constexpr,
                   PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
     """Issue an item's first copies along the copy layout ``LAYOUT``: its ``ROWS`` query rows, in the first copy
-    group with the first key tile, then one group per stage (empty past the range); returns the request's
-    block-table row and the item's key tiles."""
+    group with the first key tile, then the second tile's group (empty past the range); returns the request's
+    block-table row and the item's key tiles. Both tiles' block-table entries are read before any copy waits for
+    them: one round trip, not two, before an item's first product (pages under a tile read one entry per key)."""
+    gl.static_assert(STAGES == 2, "the start copies two tiles")
+    pages = block_table + request.to(gl.int64) * stride_bt
+    tiles = gl.cdiv(kv_end - kv_start, KEYS)
+    rows0, ok0 = _key_rows(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
+    rows1, ok1 = _key_rows(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, LAYOUT)
     rows_c = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
     ok_c = rows_c < q_len * num_heads
     q_base = _row_at(q, rows_c, q_first, num_heads, stride_qt, stride_qh)
     for t in gl.static_range(4):
         _copy_rows(q_lat.index(t), q_base, ok_c, TILE * t, TILE)
     _copy_rows(q_rope, q_base, ok_c, NOPE, ROPE)
-    pages = block_table + request.to(gl.int64) * stride_bt
-    tiles = gl.cdiv(kv_end - kv_start, KEYS)
-    for first in gl.static_range(STAGES):
-        if first < tiles:
-            rows, ok = _key_rows(cache, pages, kv_start + first * KEYS, kv_end, PAGE_SIZE, LAYOUT)
-            _copy_key_tile(k_lat, k_rope, first, rows, ok)
-        async_copy.commit_group()
+    if tiles > 0:
+        _copy_key_tile(k_lat, k_rope, 0, rows0, ok0)
+    async_copy.commit_group()
+    if tiles > 1:
+        _copy_key_tile(k_lat, k_rope, 1, rows1, ok1)
+    async_copy.commit_group()
     return pages, tiles
 
 

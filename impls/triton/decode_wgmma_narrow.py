@@ -8,9 +8,9 @@ only waits, multiplies and runs the softmax. A step's copies go key by key throu
 costs what page 64 does, less the table's reads.
 
 Against the Triton kernel (``decode_kernel``, mma.sync from shared memory, three stages) on an H200, 16 heads
-ctx4096 (NOTES.md, session 15): 32 rows (two tokens) b32 67.3 -> 51.5 us, b64 118.5 -> 86.7; 16 rows in pages
-smaller than a step, page 1 b32 51.8 -> 50.8, b128 159.6 -> 153.6, page 16 b64 89.8 -> 84.1; whole 64-key pages
-stay with the Triton kernel, 1-3% faster there (its third stage fits beside its query, held in registers).
+ctx4096 (NOTES.md, session 15): 32 rows (two tokens) b32 67.1 -> 50.2 us, b128 215.7 -> 146.2; 16 rows in pages
+smaller than a step, page 1 b32 51.8 -> 49.2, b128 158.1 -> 149.2, page 16 b64 89.5 -> 81.8. In whole 64-key pages
+the two tie (within 0.7% at b32-b128), and the Triton kernel, which the CPU tests run too, stays the default there.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
 cache's bytes (bf16 rows of ``WIDTH`` values).
