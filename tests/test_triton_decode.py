@@ -222,7 +222,7 @@ def test_32_row_bf16_blocks_and_16_in_pages_under_a_step_take_the_narrow_gluon_k
         assert config.gluon and config.block_m == rows
         assert _gluon_kernel(config, "bf16") is _decode_split_kernel_narrow
         assert not decode.default_config(heads, q_len, "bf16", page_size, hopper=False).gluon
-    for page_size in (64, 128):  # whole 64-key pages: the Triton kernel, faster there (NOTES.md, session 15)
+    for page_size in (64, 128):  # whole 64-key pages: the Triton kernel (the two tie there: NOTES.md, session 15)
         assert not decode.default_config(16, 1, "bf16", page_size, hopper=True).gluon
     assert not decode.default_config(16, 1, "fp8_e4m3", 1, hopper=True).gluon
 

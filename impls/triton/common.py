@@ -22,8 +22,8 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 def has_wgmma(device: torch.device) -> bool:
     """Hopper's warpgroup MMA, which the Gluon kernels (``decode_wgmma``, ``decode_wgmma_narrow``,
-    ``decode_wgmma_fp8``, ``sparse_wgmma``) issue (``decode_mma_fp8``, mma.sync, is tested on Hopper only): CUDA devices of compute capability 9
-    (Blackwell's tensor cores take other instructions)."""
+    ``decode_wgmma_fp8``, ``sparse_wgmma``) issue (``decode_mma_fp8``, mma.sync, is tested on Hopper only): CUDA
+    devices of compute capability 9 (Blackwell's tensor cores take other instructions)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 

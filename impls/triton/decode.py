@@ -6,8 +6,8 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
-On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score
-product once across both warpgroups, where Triton's layout rule computes it in each), 16 and 32 (``decode_wgmma_narrow``:
+On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score product
+once across both warpgroups, where Triton's layout rule computes it in each), 16 and 32 (``decode_wgmma_narrow``:
 keys on wgmma's M side, tiles copied straight into its operands), 16 rows of fp8_ds_mla (``decode_mma_fp8``: codes
 decoded straight into mma.sync operands) and 32 (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and
 everything else are shared.
@@ -132,24 +132,26 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     """Parameters for a workload, chosen from the H100/H200 sweeps in NOTES.md; ``keys_per_sm`` is the batch's keys
     over the GPU's multiprocessors; ``hopper``: the device runs wgmma (compute capability 9).
 
-    Query rows per request (heads x new tokens) set the row block. 128 rows or more of a quantized layout other
-    than fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys per multiprocessor: 128-row blocks, one stage
-    of 64 keys, tiles decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still
-    faster; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128 heads, or
-    16 heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper
-    runs the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32:
-    158.6 -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded once, its
-    float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us,
-    NOTES.md session 13); 16 rows of fp8_ds_mla on Hopper: the Gluon kernel that decodes codes straight into
-    mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``; H200, 16 heads b64: 122.5 -> 113.2 us,
-    NOTES.md session 14). bf16 on Hopper in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon
-    kernel with keys on wgmma's M side (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.3 -> 51.5 us, 16
-    heads page 1 b128 159.6 -> 153.6, NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of
-    the Triton kernel. 16 rows of bf16 or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key
-    steps, one program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its
-    block-table lines are prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other
-    quantized layouts, and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps the memory-bound row blocks
-    (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the former use it.
+    Query rows per request (heads x new tokens) set the row block. 128 rows or more of a quantized layout other than
+    fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys per multiprocessor: 128-row blocks, one stage of 64
+    keys, tiles decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still
+    faster; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128 heads, or 16
+    heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper runs
+    the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6
+    -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded once, its float16
+    path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side
+    (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
+    fp8_ds_mla on Hopper: the Gluon kernel that decodes codes straight into mma.sync operands, two programs per
+    multiprocessor (``decode_mma_fp8``; H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14). bf16 on Hopper
+    in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
+    (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
+    NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
+    or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one program per
+    multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
+    prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts,
+    and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps the
+    memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the
+    former use it.
     """
     rows = num_heads * max_q_len
     wide_rows = layout.startswith("fp8_ds_mla") or layout in FP4_LAYOUTS

@@ -102,6 +102,24 @@ def _start_copies(q, stride_qt, stride_qh, cache, block_table, stride_bt, reques
 
 
 @gluon.jit
+def _wait_tile():
+    """Wait for the oldest key tile in flight (an item's first also brings its query block): this thread's copies,
+    then made visible to wgmma's asynchronous reads, then every thread's (one copy group per tile, empty or not)."""
+    async_copy.wait_group(STAGES - 1)
+    hopper.fence_async_shared()
+    _cta_barrier()
+
+
+@gluon.jit
+def _refill_stage(k_lat, k_rope, stage, rows, ok, refill):
+    """Once every warp is done with stage ``stage``: copy the key tile of ``rows`` into it where ``refill`` (the
+    item has that tile), and close its copy group either way (``_wait_tile`` counts groups)."""
+    if refill:
+        _copy_key_tile(k_lat, k_rope, stage, rows, ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _launch_dependents():
     """Let this grid's programmatic dependent launch (the merge kernel) start now: it waits on the device for this
     grid's results."""
@@ -174,9 +192,7 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
         # The block-table entries of the tile copied after this one's products are read now: their latency
         # (a DRAM round trip per tile in pages smaller than it) hides behind the products.
         next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE, COPY_LAYOUT)
-        async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j (and the query block) have landed
-        hopper.fence_async_shared()
-        _cta_barrier()            # ... and every thread's
+        _wait_tile()
 
         s = gl.zeros([ROWS, KEYS], gl.float32, SCORE_LAYOUT)
         for t in gl.static_range(4):
@@ -202,9 +218,7 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
         acc3 = hopper.warpgroup_mma(p_smem, k_lat.index(stage * 4 + 3), acc3 * alpha_o, is_async=True)
         acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # both warpgroups are done with this stage and with P
-        if j + STAGES < tiles:
-            _copy_key_tile(k_lat, k_rope, stage, next_rows, next_ok)
-        async_copy.commit_group()
+        _refill_stage(k_lat, k_rope, stage, next_rows, next_ok, j + STAGES < tiles)
     async_copy.wait_group(0)
     _cta_barrier()  # the next item's copies reuse the buffers
 

@@ -24,8 +24,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, _copy_key_tile, _cta_barrier, _item_fields, _key_rows,
-                                       _launch_dependents, _row_at, _start_copies)
+from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, _cta_barrier, _item_fields, _key_rows,
+                                       _launch_dependents, _refill_stage, _row_at, _start_copies, _wait_tile)
 
 # Copies: 16 bytes per thread, a warp covers 4 rows of 64 columns (decode_wgmma's, for one warpgroup).
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -91,9 +91,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         start = kv_start + j * KEYS
         # The block-table entries of the tile copied after this one's products, read now (see decode_wgmma).
         next_rows, next_ok = _key_rows(cache, pages, start + STAGES * KEYS, kv_end, PAGE_SIZE, COPY_LAYOUT)
-        async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j (and the query block) have landed
-        hopper.fence_async_shared()
-        _cta_barrier()            # ... and every thread's
+        _wait_tile()
 
         s = hopper.warpgroup_mma(k_rope.index(stage), q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
         for t in gl.static_range(4):
@@ -117,9 +115,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         acc3 = hopper.warpgroup_mma(k_lat.index(stage * 4 + 3).permute((1, 0)), probs, acc3 * alpha_o, is_async=True)
         acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # every warp is done with this stage and with P
-        if j + STAGES < tiles:
-            _copy_key_tile(k_lat, k_rope, stage, next_rows, next_ok)
-        async_copy.commit_group()
+        _refill_stage(k_lat, k_rope, stage, next_rows, next_ok, j + STAGES < tiles)
     async_copy.wait_group(0)
     _cta_barrier()  # the next item's copies reuse the buffers
 
