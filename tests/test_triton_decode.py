@@ -19,6 +19,7 @@ from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
+from impls.triton.decode_ws_fp8 import _decode_split_kernel_ws_fp8
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
@@ -208,9 +209,13 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
         assert config.gluon and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
         assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
     for heads, layout, page_size in ((16, "fp8_ds_mla", 64), (8, "fp8_ds_mla_pow2", 1), (16, "fp8_ds_mla", 48)):
-        config = decode.default_config(heads, 1, layout, page_size, hopper=True)
+        few, many = decode.WS_MIN_KEYS_PER_SM - 1, decode.WS_MIN_KEYS_PER_SM  # keys per multiprocessor
+        config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=few, hopper=True)
         assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_mma_fp8
-        assert not decode.default_config(heads, 1, layout, page_size, hopper=False).gluon
+        config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=True)
+        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws_fp8
+        assert config.programs_per_sm == 1  # 12 warps at 168 registers fill a multiprocessor
+        assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=False).gluon
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
     assert not decode.default_config(16, 1, "nvfp4", 64, hopper=True).gluon
 
@@ -307,6 +312,11 @@ def _fp8_mma(**more) -> DecodeConfig:
                         gluon=True, **more)
 
 
+def _fp8_ws(**more) -> DecodeConfig:
+    """decode_ws_fp8's configuration (16 rows), as default_config makes it on Hopper for large batches."""
+    return DecodeConfig(block_m=16, block_n=64, num_warps=12, num_stages=1, early_merge=True, gluon=True, **more)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, page_size, mix, heads, rows, splits, keep", FP8_WGMMA_CASES,
                          ids=["ps64", "ps1-mtp-h8", "ps48-r16-split3", "pow2-ps16-h20-r16", "ps128-q3-split5",
@@ -335,8 +345,23 @@ def test_the_fp8_mma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, h
     verdict = judge(Configured(_fp8_mma(num_splits=splits, keep_partials=keep)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     if heads == 16 and mix is SINGLE:
-        chosen = TritonDecode().checked_plan(problem).config  # the default there
+        chosen = TritonDecode().checked_plan(problem).config  # the default there (a few keys per multiprocessor)
         assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_mma_fp8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", [c[:4] + c[5:] for c in FP8_WGMMA_CASES],
+                         ids=["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-split5",
+                              "ps64-h4-varlen"])
+def test_the_fp8_ws_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
+    """The same cases through decode_ws_fp8 (two partitions walking the same items and steps: an item with no keys,
+    items of one key, several items per program and splits must keep the decoder and the products in step)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
+    verdict = judge(Configured(_fp8_ws(num_splits=splits, keep_partials=keep)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 NARROW_CASES = [  # (page size, mix, heads, rows, forced splits, partials kept in L2)
@@ -367,7 +392,8 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
-@pytest.mark.parametrize("config", [_fp8_wgmma(32, num_splits=2), _fp8_mma(num_splits=2)], ids=["wgmma32", "mma16"])
+@pytest.mark.parametrize("config", [_fp8_wgmma(32, num_splits=2), _fp8_mma(num_splits=2), _fp8_ws(num_splits=2)],
+                         ids=["wgmma32", "mma16", "ws16"])
 def test_the_fp8_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config):
     device = torch.device("cuda")
     if not common.has_wgmma(device):
@@ -472,9 +498,9 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
-                                                       (_fp8_mma(), "fp8_ds_mla", 64), (_narrow(16), "bf16", 1),
-                                                       (_narrow(32), "bf16", 64)],
-                         ids=["fp8-wgmma32", "fp8-mma16", "narrow16-ps1", "narrow32"])
+                                                       (_fp8_mma(), "fp8_ds_mla", 64), (_fp8_ws(), "fp8_ds_mla", 1),
+                                                       (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
+                         ids=["fp8-wgmma32", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1", "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):

@@ -189,44 +189,9 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         r = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
         n0, n1, n2, n3 = _load_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ACC_KEYS)
 
-        s_rope = hopper.warpgroup_mma(rope, q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
-        p0 = hopper.warpgroup_mma(keys[0], q_nope[0].permute((1, 0)), zero, use_acc=False, is_async=True)
-        p1 = hopper.warpgroup_mma(keys[1], q_nope[1].permute((1, 0)), zero, use_acc=False, is_async=True)
-        p2 = hopper.warpgroup_mma(keys[2], q_nope[2].permute((1, 0)), zero, use_acc=False, is_async=True)
-        p3 = hopper.warpgroup_mma(keys[3], q_nope[3].permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3, deps=[s_rope, p0])
-        nope = p0 * x0[:, None]
-        p1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=[p1])
-        nope += p1 * x1[:, None]
-        p2 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[p2])
-        nope += p2 * x2[:, None]
-        p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p3])
-        nope += p3 * x3[:, None]
-        s = (s_rope + nope * q_down[None, :]) * qk_scale
-        s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))  # across the four warps (through shared memory)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_part = l_part * alpha[None, :] + p
-        m_i = m_new
-
-        # Values: P^T * scale_t / u per tile, in float16; u grows to this step's largest scale.
-        new_unit = gl.maximum(unit, gl.max(gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3)), 0))
-        per_unit = 1.0 / new_unit
-        probs[0].store((p * (x0 * per_unit)[:, None]).to(gl.float16))
-        probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))
-        probs[2].store((p * (x2 * per_unit)[:, None]).to(gl.float16))
-        probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
-        hopper.fence_async_shared()
-        _cta_barrier()
-        alpha_o = (alpha * (unit * per_unit))[None, :]
-        unit = new_unit
-        acc0 = hopper.warpgroup_mma(keys[0].permute((1, 0)), probs[0], acc0 * alpha_o, is_async=True)
-        acc1 = hopper.warpgroup_mma(keys[1].permute((1, 0)), probs[1], acc1 * alpha_o, is_async=True)
-        acc2 = hopper.warpgroup_mma(keys[2].permute((1, 0)), probs[2], acc2 * alpha_o, is_async=True)
-        acc3 = hopper.warpgroup_mma(keys[3].permute((1, 0)), probs[3], acc3 * alpha_o, is_async=True)
-        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+        m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
+            rope, keys[0], keys[1], keys[2], keys[3], q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
+            (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
         _cta_barrier()  # every warp is done with the decoded keys and P
         x0, x1, x2, x3 = n0, n1, n2, n3
 
@@ -253,3 +218,49 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         gl.store(part_at + 2 * TILE, acc2 * to_out, eviction_policy=policy)
         gl.store(part_at + 3 * TILE, acc3 * to_out, eviction_policy=policy)
         gl.store(part_lse + part_rows, lse2, eviction_policy=policy)
+
+
+@gluon.jit
+def _step_products(rope, k0, k1, k2, k3, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale, visible_keys,
+                   zero, m_i, l_part, unit, acc0, acc1, acc2, acc3):
+    """One 64-key step from its decoded tiles (``rope``, ``k0``-``k3``; per-key tile scales ``x0``-``x3`` along the
+    keys of the accumulators' layout): ``S^T`` (rope in bf16, the four code tiles in float16, each scaled as it
+    completes), the online softmax over the ``visible_keys``, ``P^T * scale_t / u`` into ``probs`` and ``O^T_t +=
+    V_t^T P_t^T``. Returns the running maximum, sums, unit and accumulators."""
+    s_rope = hopper.warpgroup_mma(rope, q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
+    p0 = hopper.warpgroup_mma(k0, q_nope[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p1 = hopper.warpgroup_mma(k1, q_nope[1].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p2 = hopper.warpgroup_mma(k2, q_nope[2].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p3 = hopper.warpgroup_mma(k3, q_nope[3].permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3, deps=[s_rope, p0])
+    nope = p0 * x0[:, None]
+    p1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=[p1])
+    nope += p1 * x1[:, None]
+    p2 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[p2])
+    nope += p2 * x2[:, None]
+    p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p3])
+    nope += p3 * x3[:, None]
+    s = (s_rope + nope * q_down[None, :]) * qk_scale
+    s = gl.where(visible_keys, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0))  # across the four warps (through shared memory)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[None, :])
+    l_part = l_part * alpha[None, :] + p
+
+    # Values: P^T * scale_t / u per tile, in float16; u grows to this step's largest scale.
+    new_unit = gl.maximum(unit, gl.max(gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3)), 0))
+    per_unit = 1.0 / new_unit
+    probs[0].store((p * (x0 * per_unit)[:, None]).to(gl.float16))
+    probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))
+    probs[2].store((p * (x2 * per_unit)[:, None]).to(gl.float16))
+    probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
+    hopper.fence_async_shared()
+    _cta_barrier()
+    alpha_o = (alpha * (unit * per_unit))[None, :]
+    acc0 = hopper.warpgroup_mma(k0.permute((1, 0)), probs[0], acc0 * alpha_o, is_async=True)
+    acc1 = hopper.warpgroup_mma(k1.permute((1, 0)), probs[1], acc1 * alpha_o, is_async=True)
+    acc2 = hopper.warpgroup_mma(k2.permute((1, 0)), probs[2], acc2 * alpha_o, is_async=True)
+    acc3 = hopper.warpgroup_mma(k3.permute((1, 0)), probs[3], acc3 * alpha_o, is_async=True)
+    acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+    return m_new, l_part, new_unit, acc0, acc1, acc2, acc3

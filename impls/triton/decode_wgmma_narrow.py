@@ -125,12 +125,8 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     _store_item(acc0, acc1, acc2, acc3, gl.convert_layout(inv_l, gl.SliceLayout(0, STORE_LAYOUT)), out, stride_ot,
                 stride_oh, part_out, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS)
-    if slot_out < 0:
-        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
-    else:
-        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
-        gl.store(part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS), lse2,
-                 eviction_policy=policy)
+    _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+               KEEP_PARTIALS)
 
 
 @gluon.jit
@@ -159,3 +155,15 @@ def _store_item(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, part_o
         gl.store(part_at + TILE, o1, eviction_policy=policy)
         gl.store(part_at + 2 * TILE, o2, eviction_policy=policy)
         gl.store(part_at + 3 * TILE, o3, eviction_policy=policy)
+
+
+@gluon.jit
+def _store_lse(lse2, rows, ok, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads,
+               ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
+    """The item's base-2 log-sum-exp of query rows ``rows`` (absolute, ``ok`` where real): natural-log into ``lse``
+    where the item covers its rows' whole range, else into its partial's slot."""
+    if slot_out < 0:
+        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok)
+    else:
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        gl.store(part_lse + slot_out.to(gl.int64) * ROWS + (rows - row_block * ROWS), lse2, eviction_policy=policy)

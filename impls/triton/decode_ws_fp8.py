@@ -1,0 +1,192 @@
+"""The 16-row ``fp8_ds_mla`` decode split step in Gluon, for Hopper, warp-specialized: decoding beside the products.
+
+``decode_wgmma_fp8`` and ``decode_mma_fp8`` run every phase of a 64-key step in the same warps, one after the
+other (wait for the codes, decode, products, softmax, products), and measured bound by that chain, not by the bytes
+or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two partitions (``gl.warp_specialize``):
+
+- the decoder, 8 warps: loads a step's e4m3 codes, rope and per-key tile scales into registers one step ahead
+  (the step after is requested into L2), decodes the codes to float16 (exact) and stores the step into one of two
+  shared-memory stages, then signals the stage ``ready``;
+- the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
+  K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
+  signals the stage ``free``.
+
+Measured against ``decode_mma_fp8`` (the default before) on an H200, 16 heads ctx4096 (NOTES.md, session 16): b32
+65.7 -> 62.7 us, b64 112.5 -> 102.3, b128 209.1 -> 179.0, b64 ctx16384 404.3 -> 339.6, page 48 b64 125.1 -> 106.1;
+it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below that, one program per multiprocessor
+loses to ``decode_mma_fp8``'s two at some shapes). Alone, the decoder takes 77 us at b64 and the products 58:
+the decoder's loads in flight (one step, 41 KB, in registers: shared memory holds the two decoded stages) bound it.
+32 rows pass the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens
+b32), which stays their kernel.
+
+Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
+cache's bytes (656 per slot). Launch with ``LAUNCH_OPTIONS`` (the default partition's warps, and the register cap
+that lets 12 warps fit one multiprocessor).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from impls.triton.decode_kernel import ITEM_FIELDS, ROPE, TILE
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at
+from impls.triton.decode_wgmma_fp8 import (KEYS, WORD_LAYOUT, _as_words, _e4m3_words, _load_codes, _load_scales,
+                                           _load_words, _prefetch_step, _step_products)
+from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse
+from impls.triton.sparse_wgmma import ROPE_AT, _stage_query, _tiles
+
+STAGES = gl.constexpr(2)          # decoded steps in shared memory: 2 x (64 KB codes + 8 KB rope + 1 KB scales)
+DECODER_WARPS = gl.constexpr(8)   # decode_wgmma_fp8's load layouts are for 8 warps
+DECODER_REGS = gl.constexpr(128)  # per decoding thread; the products' warpgroup gets the rest (248)
+WARPS = 12                        # DecodeConfig.num_warps of this kernel: 4 multiplying and 8 decoding
+# 12 warps x 32 threads x 168 registers fit the 64K of a multiprocessor; a lower cap spills (H200 b64: 160 -> 116
+# us, 152 -> 124, against 102).
+LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
+SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+STEP_ROWS = gl.constexpr(gl.SliceLayout(1, WORD_LAYOUT))  # the decoder's keys
+
+
+@gluon.jit
+def _decode_split_kernel_ws_fp8(
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
+    out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+    ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` query rows; both
+    partitions walk the same items and steps, the ``g``-th step of the program in stage ``g % STAGES``.
+    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now."""
+    if EARLY_MERGE:
+        _launch_dependents()
+    PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
+    q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
+    keys = gl.allocate_shared_memory(gl.float16, [STAGES * 4, KEYS, TILE], SWIZZLED)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+    scales = gl.allocate_shared_memory(gl.float32, [STAGES * 4, KEYS], SCALES_SMEM)
+    probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=1)
+    gl.warp_specialize([
+        (_multiply, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
+                     lse, stride_lt, part_out, part_lse, qk_scale, num_heads, q_nope, q_rope, keys, rope, scales,
+                     probs, ready, free, ROWS, KEEP_PARTIALS)),
+        (_decode, (cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
+                   PAGE_SIZE)),
+    ], [DECODER_WARPS], [DECODER_REGS])
+
+
+@gluon.jit
+def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
+            PAGE_SIZE: gl.constexpr):
+    """The decoder partition: every step of the program's items into the stages, each once ``free``."""
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    g = 0
+    for i in range(gl.load(item_counts + program)):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
+        pages = block_table + request.to(gl.int64) * stride_bt
+        c0, c1, c2, c3 = _load_codes(cache, pages, kv_start, kv_end, PAGE_SIZE)
+        r = _load_words(cache, pages, kv_start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
+        x0, x1, x2, x3 = _load_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, STEP_ROWS)
+        _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
+        for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
+            start = kv_start + j * KEYS
+            # The next step's rows (requested into L2 a step ago) are in flight while this one is stored.
+            _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE)
+            n0, n1, n2, n3 = _load_codes(cache, pages, start + KEYS, kv_end, PAGE_SIZE)
+            nr = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
+            y0, y1, y2, y3 = _load_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, STEP_ROWS)
+            stage = g % STAGES
+            mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
+            _as_words(keys.index(stage * 4 + 0)).store(_e4m3_words(c0))
+            _as_words(keys.index(stage * 4 + 1)).store(_e4m3_words(c1))
+            _as_words(keys.index(stage * 4 + 2)).store(_e4m3_words(c2))
+            _as_words(keys.index(stage * 4 + 3)).store(_e4m3_words(c3))
+            _as_words(rope.index(stage)).store(r)
+            scales.index(stage * 4 + 0).store(x0)
+            scales.index(stage * 4 + 1).store(x1)
+            scales.index(stage * 4 + 2).store(x2)
+            scales.index(stage * 4 + 3).store(x3)
+            hopper.fence_async_shared()  # the products read the stage through the async proxy
+            mbarrier.arrive(ready.index(stage), count=1)
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            r = nr
+            x0, x1, x2, x3 = y0, y1, y2, y3
+            g += 1
+
+
+@gluon.jit
+def _multiply(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
+              lse, stride_lt, part_out, part_lse, qk_scale, num_heads, q_nope, q_rope, keys, rope, scales, probs,
+              ready, free, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
+    """The default partition: each of the program's items from the decoded stages."""
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    g = 0
+    for i in range(gl.load(item_counts + program)):
+        g = _attend_item(_item_fields(table + i * ITEM_FIELDS), g, q, stride_qt, stride_qh, visible, out,
+                         stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, q_nope,
+                         q_rope, keys, rope, scales, probs, ready, free, ROWS, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stride_oh, lse, stride_lt, part_out,
+                 part_lse, qk_scale, num_heads, q_nope, q_rope, keys, rope, scales, probs, ready, free,
+                 ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
+    """One work item (``_item_fields``) from the program's step ``g`` on; returns the step after its last."""
+    request, row_block, kv_start, kv_end, slot_out, q_first, q_len = item
+    # S^T [64 keys, ROWS] and O^T [128 columns, ROWS] per value tile.
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
+    ACC_KEYS: gl.constexpr = gl.SliceLayout(1, ACC)
+    ACC_ROWS: gl.constexpr = gl.SliceLayout(0, ACC)
+    rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    _cta_barrier()  # the previous item's products are done with the query
+    q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
+    q_down = gl.convert_layout(_stage_query(q_base, rows_q < q_len * num_heads, q_nope, q_rope, COPY_LAYOUT),
+                               ACC_ROWS)
+    hopper.fence_async_shared()
+    _cta_barrier()
+
+    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
+    ok_s = rows_s < q_len * num_heads
+    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, ACC_ROWS)
+    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)  # running sums per key slot, summed over the keys at the end
+    unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (decode_wgmma_fp8)
+    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+    acc0 = gl.zeros([TILE, ROWS], gl.float32, ACC)  # O^T, one 128-column value tile each
+    acc1 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    acc2 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    acc3 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
+        start = kv_start + j * KEYS
+        stage = g % STAGES
+        mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
+        x0 = scales.index(stage * 4 + 0).load(ACC_KEYS)
+        x1 = scales.index(stage * 4 + 1).load(ACC_KEYS)
+        x2 = scales.index(stage * 4 + 2).load(ACC_KEYS)
+        x3 = scales.index(stage * 4 + 3).load(ACC_KEYS)
+        m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
+            rope.index(stage), keys.index(stage * 4 + 0), keys.index(stage * 4 + 1), keys.index(stage * 4 + 2),
+            keys.index(stage * 4 + 3), q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
+            (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
+        _cta_barrier()  # every warp is done with this stage and with P
+        mbarrier.arrive(free.index(stage), count=1)
+        g += 1
+
+    l_i = gl.sum(l_part, 0)
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)
+    _store_item(acc0, acc1, acc2, acc3, gl.convert_layout(to_out, gl.SliceLayout(0, STORE_LAYOUT)), out, stride_ot,
+                stride_oh, part_out, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS)
+    _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+               KEEP_PARTIALS)
+    return g
