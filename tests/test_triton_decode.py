@@ -9,6 +9,7 @@ is refused by ``plan``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -117,13 +118,13 @@ def test_quantized_tiles_read_twice_pass_too(layout):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
-@pytest.mark.parametrize("layout", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "fp8_ds_mla", "nvfp4"])
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
 @pytest.mark.parametrize("heads_as_n", [False, True], ids=["rows-as-m", "heads-as-n"])
-def test_fp8_float16_products_hold_queries_and_scales_of_any_magnitude(layout, q_factor, kv_factor, heads_as_n):
-    """fp8 layouts multiply in float16: queries (up to 2^22 here) and tile scales (above 65504 here) beyond its
-    range, or far below it, must not overflow or lose precision."""
+def test_float16_products_hold_queries_and_scales_of_any_magnitude(layout, q_factor, kv_factor, heads_as_n):
+    """fp8 layouts and nvfp4 multiply in float16: queries (up to 2^22 here) and tile or layer scales (above 65504
+    here) beyond its range, or far below it, must not overflow or lose precision."""
     problem = magnified(build_problem(workload(layout, 16, VARLEN, heads=16, seed=13)), q_factor, kv_factor)
     config = DecodeConfig(block_m=16, block_n=32, heads_as_n=heads_as_n, num_splits=2)
     verdict = judge(Configured(config), problem)
@@ -139,6 +140,17 @@ def test_128_row_blocks_of_quantized_layouts_pass_the_judge(layout):
     verdict = judge(Configured(DecodeConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
+
+
+@pytest.mark.parametrize("layout", ["fp4_mx16", "nvfp4"])
+def test_32_row_blocks_of_fp4_layouts_pass_the_judge(layout):
+    """FP4 layouts' default for 32 rows (two programs per multiprocessor, 32-key steps): 16 heads x 2 tokens, causal
+    between them, cut in two splits."""
+    problem = build_problem(workload(layout, 16, ((2, 2), (90, 33)), heads=16, seed=23))
+    config = decode.default_config(16, 2, layout, 16)
+    assert config.block_m == 32
+    verdict = judge(Configured(dataclasses.replace(config, num_splits=2)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 def test_fp8_ds_mla_tile_scales_are_applied_after_exact_products_in_both_orientations():
@@ -332,36 +344,24 @@ def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [_fp8_mma, _fp8_ws], ids=["mma", "ws"])
 @pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", [c[:4] + c[5:] for c in FP8_WGMMA_CASES],
                          ids=["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-split5",
                               "ps64-h4-varlen"])
-def test_the_fp8_mma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
-    """The same cases through decode_mma_fp8 (16-row blocks: MTP and varlen rows across tokens, padded heads; keys
-    past an item's end re-read its last key, which the judge's poisoned slots would expose if it leaked)."""
+def test_the_16_row_fp8_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits, keep):
+    """The same cases through decode_mma_fp8 and decode_ws_fp8 (16-row blocks: MTP and varlen rows across tokens,
+    padded heads). decode_mma_fp8 re-reads an item's last key past its end, which the judge's poisoned slots would
+    expose if it leaked; decode_ws_fp8's two partitions walk the same items and steps, which an item with no keys,
+    items of one key, several items per program and splits must keep in step."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
-    verdict = judge(Configured(_fp8_mma(num_splits=splits, keep_partials=keep)), problem)
+    verdict = judge(Configured(kernel(num_splits=splits, keep_partials=keep)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
-    if heads == 16 and mix is SINGLE:
+    if kernel is _fp8_mma and heads == 16 and mix is SINGLE:
         chosen = TritonDecode().checked_plan(problem).config  # the default there (a few keys per multiprocessor)
         assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_mma_fp8
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", [c[:4] + c[5:] for c in FP8_WGMMA_CASES],
-                         ids=["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-split5",
-                              "ps64-h4-varlen"])
-def test_the_fp8_ws_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
-    """The same cases through decode_ws_fp8 (two partitions walking the same items and steps: an item with no keys,
-    items of one key, several items per program and splits must keep the decoder and the products in step)."""
-    device = torch.device("cuda")
-    if not common.has_wgmma(device):
-        pytest.skip("needs a Hopper GPU (compute capability 9)")
-    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
-    verdict = judge(Configured(_fp8_ws(num_splits=splits, keep_partials=keep)), problem)
-    assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 NARROW_CASES = [  # (page size, mix, heads, rows, forced splits, partials kept in L2)
@@ -369,6 +369,33 @@ NARROW_CASES = [  # (page size, mix, heads, rows, forced splits, partials kept i
     (16, VARLEN, 20, 32, 2, True), (128, UNIFORM, 16, 32, 5, True), (64, VARLEN, 4, 16, 2, None),
     (1, VARLEN, 16, 16, 4, True),
 ]
+
+
+FP4_GPU_CASES = [  # (layout, page size, mix, heads, forced splits, query and cache magnified by)
+    ("nvfp4", 16, VARLEN, 16, None, None), ("mxfp4_nsa", 7, UNIFORM, 16, 2, None),
+    ("fp4_mx16", 64, SINGLE, 20, None, None), ("nvfp4", 48, ((2, 2), (90, 33)), 16, 3, None),
+    ("mxfp4_nsa", 64, ((2, 1, 2), (90, 33, 17)), 64, None, None), ("nvfp4", 16, VARLEN, 16, 2, (2.0 ** 20, 2.0 ** 23)),
+    ("nvfp4", 1, UNIFORM, 16, None, (2.0 ** -30, 2.0 ** -20)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, page_size, mix, heads, splits, factors", FP4_GPU_CASES,
+                         ids=["nvfp4-ps16", "mxfp4-ps7-mtp-split2", "mx16-ps64-h20", "nvfp4-ps48-r32-split3",
+                              "mxfp4-h64-r64", "nvfp4-beyond-float16-max", "nvfp4-below-float16-min"])
+def test_fp4_layouts_decoded_in_inline_ptx_pass_the_judge_on_the_gpu(layout, page_size, mix, heads, splits, factors):
+    """On the GPU the FP4 decode runs inline PTX on packed words (the interpreter runs its Triton arithmetic
+    instead): the defaults for 16, 32 and 128-row blocks, nvfp4's float16 products at magnitudes beyond float16's
+    range, empty and one-key requests, MTP, splits merged by LSE."""
+    device = torch.device("cuda")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
+    if factors:
+        problem = magnified(problem, *factors)
+    config = TritonDecode().checked_plan(problem).config
+    verdict = judge(Configured(dataclasses.replace(config, num_splits=splits)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
 
 
 @pytest.mark.gpu
@@ -472,11 +499,24 @@ MANY_SMALL = ((1,) * 12, (20, 3, 40, 0, 17, 33, 9, 1, 50, 25, 8, 30))  # more re
 
 @pytest.mark.parametrize("bug, layout, mix", [
     (SkipsTheLastKey, "bf16", SINGLE), (SeesOneKeyTooMany, "bf16", UNIFORM), (DropsTheOtherSplits, "bf16", VARLEN),
-    (IgnoresTheLayerScale, "fp8_e4m3", SINGLE), (SkipsAProgramsLastItem, "bf16", MANY_SMALL),
-], ids=["skips-last-key", "causal-off-by-one", "drops-splits", "ignores-layer-scale", "skips-an-item"])
+    (IgnoresTheLayerScale, "fp8_e4m3", SINGLE), (IgnoresTheLayerScale, "nvfp4", UNIFORM),
+    (SkipsAProgramsLastItem, "bf16", MANY_SMALL),
+], ids=["skips-last-key", "causal-off-by-one", "drops-splits", "ignores-layer-scale", "nvfp4-ignores-layer-scale",
+        "skips-an-item"])
 def test_planted_bugs_fail_the_judge(bug, layout, mix):
     verdict = judge(bug(), build_problem(workload(layout, 16, mix, heads=16, seed=11)))
     assert verdict.status == "failed", f"{bug.__name__} passed the judge"
+    assert verdict.violations
+
+
+@pytest.mark.gpu
+def test_a_planted_bug_through_the_fp4_ptx_decode_fails_the_judge():
+    """nvfp4's layer scale left out of the values, through the GPU's inline-PTX decode and float16 products."""
+    device = torch.device("cuda")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    verdict = judge(IgnoresTheLayerScale(), build_problem(workload("nvfp4", 16, VARLEN, heads=16, seed=11), device))
+    assert verdict.status == "failed", "the nvfp4 decode ignored its layer scale and passed"
     assert verdict.violations
 
 

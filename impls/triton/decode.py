@@ -161,10 +161,13 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
     or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one program per
     multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
-    prefetched, NOTES.md round 7); other 16-row blocks two programs of 32-key steps (the other quantized layouts,
-    and fp8_e4m3 in page 1, measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge helps the
-    memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only the
-    former use it.
+    prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the instructions it did (NOTES.md
+    session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4: 105.8 -> 92.8 us); FP4 and
+    fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2 tokens b32: nvfp4 119.8 -> 78.6, fp8_e4m3
+    114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two programs of
+    32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
+    helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
+    only the former use it.
     """
     rows = num_heads * max_q_len
     wide_rows = layout.startswith("fp8_ds_mla") or layout in FP4_LAYOUTS
@@ -188,8 +191,12 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
     if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, early_merge=True)
+    if block_m == 16 and layout in FP4_LAYOUTS:
+        return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, programs_per_sm=2, early_merge=True)
     if block_m == 16:
         return DecodeConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, early_merge=True)
+    if layout == "fp8_e4m3" or layout in FP4_LAYOUTS:
+        return DecodeConfig(block_m=32, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, early_merge=True)
     if layout == "bf16":
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=3, early_merge=True)
     return DecodeConfig(block_m=32, block_n=32, num_warps=8, num_stages=4, early_merge=True)

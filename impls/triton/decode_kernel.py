@@ -158,36 +158,100 @@ def _scale_blocks(values, scales, BLOCK: tl.constexpr):
     return blocks.reshape([n, d])
 
 
+# e2m1 codes to e4m3 bytes (``_e2m1_over_64``) on a word of four packed bytes: the low nibbles' codes (lo) and the
+# high nibbles' (hi), each pair of codes converted by the hardware (e4m3x2 -> f16x2), then scaled: the float16 pairs
+# times a float16 scale, or widened to float32, times a float32 scale, rounded to a bfloat16 pair. $4 holds the
+# packed word, $5 the first of the scale's registers (one scale covers the word's eight values). Outputs: $0-$1 the
+# low nibbles' values, $2-$3 the high nibbles'.
+_E2M1_CODES = """
+    .reg .b32 t0, t1, lo, hi;
+    .reg .b16 h<4>;
+    shl.b32 t0, $4, 4;
+    shl.b32 t1, $4, 2;
+    and.b32 t1, t1, 0x1C1C1C1C;
+    and.b32 t0, t0, 0x80808080;
+    or.b32 lo, t0, t1;
+    shr.b32 t0, $4, 2;
+    and.b32 t0, t0, 0x1C1C1C1C;
+    and.b32 t1, $4, 0x80808080;
+    or.b32 hi, t0, t1;
+    mov.b32 {h0, h1}, lo;
+    mov.b32 {h2, h3}, hi;
+"""
+_E2M1_TIMES_F16 = tl.constexpr("{" + _E2M1_CODES + "".join(f"""
+    cvt.rn.f16x2.e4m3x2 ${i}, h{i};
+    mul.rn.f16x2 ${i}, ${i}, $5;""" for i in range(4)) + "\n}")
+_E2M1_TIMES_F32 = tl.constexpr("{" + _E2M1_CODES + """
+    .reg .b32 pair;
+    .reg .b16 a, b;
+    .reg .f32 fa, fb;""" + "".join(f"""
+    cvt.rn.f16x2.e4m3x2 pair, h{i};
+    mov.b32 {{a, b}}, pair;
+    cvt.f32.f16 fa, a;
+    cvt.f32.f16 fb, b;
+    mul.rn.f32 fa, fa, $5;
+    mul.rn.f32 fb, fb, $5;
+    cvt.rn.bf16x2.f32 ${i}, fb, fa;""" for i in range(4)) + "\n}")
+
+
+@triton.jit
+def _e2m1_scaled(packed, scales, AS_FLOAT16: tl.constexpr):
+    """Packed FP4 bytes ``[N, W]`` times one scale per byte ``[N, W]`` (float16 or float32, the 64 of
+    ``_e2m1_over_64`` folded in, equal over each 4-byte word) -> ``[N, 2W]`` float16 or bfloat16 values, on the GPU
+    (inline PTX on 32-bit words: Triton's byte arithmetic took twice the instructions per key, NOTES.md session 17)."""
+    if AS_FLOAT16:  # outputs: 2 registers each; inputs: the packed word and a scale in 2 (float16) or 4 registers
+        low, high = tl.inline_asm_elementwise(_E2M1_TIMES_F16, "=r,=r,=r,=r,r,r,r", [packed, scales],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        low, high = tl.inline_asm_elementwise(_E2M1_TIMES_F32, "=r,=r,=r,=r,r,r,r,r,r", [packed, scales],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.join(low, high).reshape([packed.shape[0], 2 * packed.shape[1]])
+
+
 @triton.jit
 def _fp4_tile(row, packed_at: tl.constexpr, scales_at: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-              SCALE: tl.constexpr, n_ok, EVICT: tl.constexpr):
+              SCALE: tl.constexpr, n_ok, EVICT: tl.constexpr, AS_FLOAT16: tl.constexpr, INTERPRET: tl.constexpr):
     """``WIDTH`` e2m1 values from packed bytes at ``packed_at``, scaled per ``BLOCK`` values by the bytes at
-    ``scales_at`` (``SCALE`` "ue8m0": exponent-only; "e4m3": an fp8 factor), as bf16 (exact)."""
+    ``scales_at`` (``SCALE`` "ue8m0": exponent-only; "e4m3": an fp8 factor). As bfloat16 (exact), or with
+    ``AS_FLOAT16`` (e4m3 scales only) as float16: an e2m1 value times an e4m3 scale has at most 6 significant
+    bits and lies within [2^-16, 2688], which float16 holds exactly."""
+    tl.static_assert(SCALE == "e4m3" or not AS_FLOAT16, "float16 cannot hold every power-of-two scale")
+    codes = _scale_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok, EVICT)
     if SCALE == "ue8m0":
-        scales = _ue8m0_times_64(_scale_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok, EVICT))
+        scales = _ue8m0_times_64(codes)
     else:
-        scales = _e4m3(_scale_bytes_at(row, scales_at, WIDTH // BLOCK, n_ok, EVICT)) * 64.0
-    values = _e2m1_over_64(_bytes_at(row, packed_at, WIDTH // 2, n_ok, EVICT))
-    return _scale_blocks(values, scales, BLOCK).to(tl.bfloat16)
+        scales = _e4m3(codes) * 64.0
+    if AS_FLOAT16:
+        scales = scales.to(tl.float16)
+    packed = _bytes_at(row, packed_at, WIDTH // 2, n_ok, EVICT)
+    if INTERPRET:
+        tile = _scale_blocks(_e2m1_over_64(packed), scales.to(tl.float32), BLOCK)
+        tile = tile.to(tl.float16) if AS_FLOAT16 else tile.to(tl.bfloat16)
+    else:
+        per_byte = tl.broadcast_to(scales[:, :, None], [scales.shape[0], scales.shape[1], BLOCK // 2])
+        tile = _e2m1_scaled(packed, per_byte.reshape([scales.shape[0], WIDTH // 2]), AS_FLOAT16)
+    return tile
 
 
 @triton.jit
-def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.constexpr, ONCE: tl.constexpr):
+def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.constexpr, ONCE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """Latent values ``[128 t, 128 t + 128)`` of each token ``[BLOCK_N, 128]``, exactly as stored: without
     fp8_ds_mla's tile scale (``_tile_scale``) or a per-layer scale (folded into the scores and output). ``ONCE``:
     decoded once for both products (``_decoded_here``), fp8 as float16, which holds e4m3 exactly and takes one
-    conversion per two values; otherwise decoded by each product, as bf16 (three conversions per value).
+    conversion per two values, and nvfp4 as float16 (``_fp4_tile``); otherwise decoded by each product, as bf16
+    (three conversions per value).
     ``EVICT``: the load's L2 eviction policy."""
     if LAYOUT == "bf16":          # [512 bf16 | 64 bf16]
         tile = _bf16_at(row, 2 * TILE * t, TILE, n_ok, EVICT)
     elif LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # 512 e4m3 first
         tile = _e4m3_16bit(_bytes_at(row, TILE * t, TILE, n_ok, EVICT), ONCE)
     elif LAYOUT == "fp4_mx16":    # [288 packed e2m1, all 576 | 36 ue8m0 per 16]
-        tile = _fp4_tile(row, TILE // 2 * t, 288 + TILE // 16 * t, TILE, 16, "ue8m0", n_ok, EVICT)
+        tile = _fp4_tile(row, TILE // 2 * t, 288 + TILE // 16 * t, TILE, 16, "ue8m0", n_ok, EVICT, False, INTERPRET)
     elif LAYOUT == "mxfp4_nsa":   # [256 packed e2m1 | 16 ue8m0 per 32 | 64 bf16 rope]
-        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 32 * t, TILE, 32, "ue8m0", n_ok, EVICT)
+        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 32 * t, TILE, 32, "ue8m0", n_ok, EVICT, False, INTERPRET)
     elif LAYOUT == "nvfp4":       # [256 packed e2m1 | 32 e4m3 per 16 | 64 bf16 rope] (x the layer's scale)
-        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 16 * t, TILE, 16, "e4m3", n_ok, EVICT)
+        tile = _fp4_tile(row, TILE // 2 * t, 256 + TILE // 16 * t, TILE, 16, "e4m3", n_ok, EVICT, ONCE, INTERPRET)
     else:
         tl.static_assert(False, "unknown cache layout")
     if LAYOUT != "bf16" and ONCE:
@@ -196,7 +260,7 @@ def _latent_tile(row, t: tl.constexpr, n_ok, LAYOUT: tl.constexpr, EVICT: tl.con
 
 
 @triton.jit
-def _rope_tile(row, n_ok, LAYOUT: tl.constexpr, ONCE: tl.constexpr):
+def _rope_tile(row, n_ok, LAYOUT: tl.constexpr, ONCE: tl.constexpr, INTERPRET: tl.constexpr):
     """The 64 rope values of each token ``[BLOCK_N, 64]`` (``ONCE``: as in ``_latent_tile``)."""
     if LAYOUT == "bf16":
         tile = _bf16_at(row, 2 * NOPE, ROPE, n_ok, "")
@@ -205,7 +269,7 @@ def _rope_tile(row, n_ok, LAYOUT: tl.constexpr, ONCE: tl.constexpr):
     elif LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":  # [512 e4m3 | 4 fp32 | 64 bf16]
         tile = _bf16_at(row, NOPE + 16, ROPE, n_ok, "")
     elif LAYOUT == "fp4_mx16":
-        tile = _fp4_tile(row, NOPE // 2, 288 + NOPE // 16, ROPE, 16, "ue8m0", n_ok, "")
+        tile = _fp4_tile(row, NOPE // 2, 288 + NOPE // 16, ROPE, 16, "ue8m0", n_ok, "", False, INTERPRET)
     elif LAYOUT == "mxfp4_nsa":
         tile = _bf16_at(row, NOPE // 2 + NOPE // 32, ROPE, n_ok, "")
     elif LAYOUT == "nvfp4":
@@ -394,10 +458,11 @@ def _attend_item(
     q2 = tl.load(q_row + 2 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
     q3 = tl.load(q_row + 3 * TILE + tl.arange(0, TILE)[None, :], mask=row_ok[:, None], other=0.0)
     q_rope = tl.load(q_row + NOPE + tl.arange(0, ROPE)[None, :], mask=row_ok[:, None], other=0.0)
-    # fp8 layouts decoded once: float16 products (see _latent_tile), the query scaled by a power of two per row
-    # into float16's range (_pow2_scales), the scores scaled back with the softmax scale.
+    # fp8 layouts and nvfp4 decoded once: float16 products (see _latent_tile), the query scaled by a power of two
+    # per row into float16's range (_pow2_scales), the scores scaled back with the softmax scale.
     ONCE: tl.constexpr = not REREAD
-    F16: tl.constexpr = (LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2") and ONCE
+    F16: tl.constexpr = (LAYOUT == "fp8_e4m3" or LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2"
+                         or LAYOUT == "nvfp4") and ONCE
     if F16:
         up, down = _pow2_scales(q0, q1, q2, q3, q_rope)
         row_scale = qk_scale * down
@@ -407,7 +472,7 @@ def _attend_item(
         q3 = (q3 * up[:, None]).to(tl.float16)
         if LAYOUT == "fp8_e4m3":
             q_rope = (q_rope * up[:, None]).to(tl.float16)
-        else:  # fp8_ds_mla keeps a bf16 rope: scaled by a power of two, exactly
+        else:  # fp8_ds_mla and nvfp4 keep a bf16 rope: scaled by a power of two, exactly
             q_rope = _to_bf16(q_rope * up[:, None], INTERPRET)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the log2-scaled scores
@@ -434,11 +499,11 @@ def _attend_item(
         base = _token_base(cache, pages, start, offs_n, n_ok, kv_end, PAGE_SIZE, BLOCK_N, BYTES_PER_TOKEN, INTERPRET)
         row = base[:, None]
         keep: tl.constexpr = "evict_last" if REREAD else ""
-        k0 = _latent_tile(row, 0, n_ok, LAYOUT, keep, ONCE)
-        k1 = _latent_tile(row, 1, n_ok, LAYOUT, keep, ONCE)
-        k2 = _latent_tile(row, 2, n_ok, LAYOUT, keep, ONCE)
-        k3 = _latent_tile(row, 3, n_ok, LAYOUT, keep, ONCE)
-        k_rope = _rope_tile(row, n_ok, LAYOUT, ONCE)
+        k0 = _latent_tile(row, 0, n_ok, LAYOUT, keep, ONCE, INTERPRET)
+        k1 = _latent_tile(row, 1, n_ok, LAYOUT, keep, ONCE, INTERPRET)
+        k2 = _latent_tile(row, 2, n_ok, LAYOUT, keep, ONCE, INTERPRET)
+        k3 = _latent_tile(row, 3, n_ok, LAYOUT, keep, ONCE, INTERPRET)
+        k_rope = _rope_tile(row, n_ok, LAYOUT, ONCE, INTERPRET)
 
         if TILE_SCALES:  # fp8_ds_mla: exact fp8 products, then each tile's fp32 scale per key
             c0 = _tile_scale(base, 0, n_ok)
@@ -472,10 +537,10 @@ def _attend_item(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         if REREAD:
-            k0 = _latent_tile(row, 0, n_ok, LAYOUT, "evict_first", ONCE)
-            k1 = _latent_tile(row, 1, n_ok, LAYOUT, "evict_first", ONCE)
-            k2 = _latent_tile(row, 2, n_ok, LAYOUT, "evict_first", ONCE)
-            k3 = _latent_tile(row, 3, n_ok, LAYOUT, "evict_first", ONCE)
+            k0 = _latent_tile(row, 0, n_ok, LAYOUT, "evict_first", ONCE, INTERPRET)
+            k1 = _latent_tile(row, 1, n_ok, LAYOUT, "evict_first", ONCE, INTERPRET)
+            k2 = _latent_tile(row, 2, n_ok, LAYOUT, "evict_first", ONCE, INTERPRET)
+            k3 = _latent_tile(row, 3, n_ok, LAYOUT, "evict_first", ONCE, INTERPRET)
         if TILE_SCALES and F16:
             # float16 cannot hold every P * c (a scale may exceed its range): the accumulators are kept in units of
             # the largest scale seen so far, which only grows (like the running max of the scores), and P * c is
