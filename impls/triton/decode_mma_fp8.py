@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, TILE
-from impls.triton.decode_wgmma import _cta_barrier, _item_fields, _launch_dependents, _row_at
+from impls.triton.decode_wgmma import _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
 from impls.triton.sparse_wgmma import QUERY_TOP, ROPE_AT, ROW_BYTES, SCALES_AT, _pow2, _prefetch_row_lines
 
 ROWS = gl.constexpr(16)          # query rows per item: mma.sync's M
@@ -218,9 +218,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     _prefetch(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
     q_nope, q_rope, q_down = _query_operands(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads)
 
-    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_SLICE)
-    ok_s = rows_s < q_len * num_heads
-    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ROW_SLICE)
     key_ids = gl.arange(0, KEYS, layout=gl.SliceLayout(0, SCORES))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_SLICE)
     l_i = gl.zeros([ROWS], gl.float32, ROW_SLICE)

@@ -135,6 +135,16 @@ def _row_at(base, rows, q_first, num_heads, stride_token, stride_head):
 
 
 @gluon.jit
+def _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS: gl.constexpr, LAYOUT: gl.constexpr):
+    """An item's ``ROWS`` query rows along the 1-D ``LAYOUT``: their ids, which exist, and each row's causal frontier
+    clipped to the item's range (the row sees the keys below ``limit``)."""
+    rows = row_block * ROWS + gl.arange(0, ROWS, layout=LAYOUT)
+    ok = rows < q_len * num_heads
+    limit = gl.minimum(gl.load(visible + q_first + rows // num_heads, mask=ok, other=0), kv_end)
+    return rows, ok, limit
+
+
+@gluon.jit
 def _item_fields(row):
     """A work item's row (``decode.ITEM_COLUMNS``) as scalars, one load each (known uniform across the program)."""
     return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
@@ -175,9 +185,8 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
                                  PAGE_SIZE, COPY_LAYOUT)
 
     # Rows in the score layout: the causal frontier of each row, clipped to the item's range.
-    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
-    ok_s = rows_s < q_len * num_heads
-    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS,
+                                      gl.SliceLayout(1, SCORE_LAYOUT))
     key_cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, SCORE_LAYOUT))
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))

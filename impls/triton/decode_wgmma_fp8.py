@@ -30,7 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
+from impls.triton.decode_wgmma_narrow import _transposed_state
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
 
@@ -162,18 +163,10 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
     q_down = gl.convert_layout(_stage_query(q_base, ok_q, q_nope, q_rope, QUERY_LAYOUT), ACC_ROWS)
 
-    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
-    ok_s = rows_s < q_len * num_heads
-    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
     key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, ACC_ROWS)
-    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)  # running sums per key slot, summed over the keys at the end
+    m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
     unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit
-    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
-    acc0 = gl.zeros([TILE, ROWS], gl.float32, ACC)  # O^T, one 128-column value tile each
-    acc1 = gl.zeros([TILE, ROWS], gl.float32, ACC)
-    acc2 = gl.zeros([TILE, ROWS], gl.float32, ACC)
-    acc3 = gl.zeros([TILE, ROWS], gl.float32, ACC)
     for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
         start = kv_start + j * KEYS
         _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE)

@@ -25,7 +25,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, _cta_barrier, _item_fields, _key_rows,
-                                       _launch_dependents, _refill_stage, _row_at, _start_copies, _wait_tile)
+                                       _launch_dependents, _refill_stage, _row_at, _row_limits, _start_copies,
+                                       _wait_tile)
 
 # Copies: 16 bytes per thread, a warp covers 4 rows of 64 columns (decode_wgmma's, for one warpgroup).
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -62,6 +63,17 @@ def _decode_split_kernel_narrow(
 
 
 @gluon.jit
+def _transposed_state(ROWS: gl.constexpr, ACC: gl.constexpr):
+    """A transposed item's fresh state in the products' layout ``ACC``: the running max per row, running sums per
+    key slot (summed over the keys at the end), a zero ``S^T`` tile and the four ``O^T`` tiles (128 columns each)."""
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, ACC))
+    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+    acc = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    return m_i, l_part, zero, acc, acc, acc, acc
+
+
+@gluon.jit
 def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
                  out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                  q_lat, q_rope, k_lat, k_rope, probs, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -75,17 +87,9 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     pages, tiles = _start_copies(q, stride_qt, stride_qh, cache, block_table, stride_bt, request, row_block,
                                  kv_start, kv_end, q_first, q_len, num_heads, q_lat, q_rope, k_lat, k_rope, ROWS,
                                  PAGE_SIZE, COPY_LAYOUT)
-    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
-    ok_s = rows_s < q_len * num_heads
-    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
     key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, ACC_ROWS)
-    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)  # running sums per key slot, summed over the keys at the end
-    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
-    acc0 = gl.zeros([TILE, ROWS], gl.float32, ACC)  # O^T, one 128-column value tile each
-    acc1 = gl.zeros([TILE, ROWS], gl.float32, ACC)
-    acc2 = gl.zeros([TILE, ROWS], gl.float32, ACC)
-    acc3 = gl.zeros([TILE, ROWS], gl.float32, ACC)
+    m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
     for j in range(tiles):
         stage = j % STAGES
         start = kv_start + j * KEYS

@@ -32,10 +32,10 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from impls.triton.decode_kernel import ITEM_FIELDS, ROPE, TILE
-from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
 from impls.triton.decode_wgmma_fp8 import (KEYS, WORD_LAYOUT, _as_words, _e4m3_words, _load_codes, _load_scales,
                                            _load_words, _prefetch_step, _step_products)
-from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse
+from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import ROPE_AT, _stage_query, _tiles
 
 STAGES = gl.constexpr(2)          # decoded steps in shared memory: 2 x (64 KB codes + 8 KB rope + 1 KB scales)
@@ -153,18 +153,10 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
     hopper.fence_async_shared()
     _cta_barrier()
 
-    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
-    ok_s = rows_s < q_len * num_heads
-    limit = gl.minimum(gl.load(visible + q_first + rows_s // num_heads, mask=ok_s, other=0), kv_end)
+    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
     key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, ACC_ROWS)
-    l_part = gl.zeros([KEYS, ROWS], gl.float32, ACC)  # running sums per key slot, summed over the keys at the end
+    m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
     unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (decode_wgmma_fp8)
-    zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
-    acc0 = gl.zeros([TILE, ROWS], gl.float32, ACC)  # O^T, one 128-column value tile each
-    acc1 = gl.zeros([TILE, ROWS], gl.float32, ACC)
-    acc2 = gl.zeros([TILE, ROWS], gl.float32, ACC)
-    acc3 = gl.zeros([TILE, ROWS], gl.float32, ACC)
     for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
         start = kv_start + j * KEYS
         stage = g % STAGES
