@@ -23,7 +23,9 @@ the 64-row side of Hopper's wgmma, so 16 or 32 query rows need no padding.
 ``INTERPRET`` is set when the kernels run in Triton's interpreter, whose ``tl.dot`` multiplies bfloat16 bit
 patterns (triton-lang/triton#11584) and whose float32 -> bfloat16 casts truncate. There the products take
 float32 operands holding the same bfloat16 values, and roundings to bfloat16 are done in integer arithmetic
-(to nearest even, as the GPU does), so the interpreter checks the GPU's arithmetic.
+(to nearest even, as the GPU does), so the interpreter checks the GPU's arithmetic. The FP4 decode is the
+exception: on the GPU it runs inline PTX on packed words (``_e2m1_scaled``), in the interpreter Triton arithmetic
+that computes the same values; the GPU tests judge the PTX.
 
 Row ``r`` of a request sees its first ``visible[r]`` keys (the causal frontier; a DCP shard's local
 prefix). Rows that see nothing give out 0 and lse -inf.
@@ -221,13 +223,13 @@ def _fp4_tile(row, packed_at: tl.constexpr, scales_at: tl.constexpr, WIDTH: tl.c
         scales = _ue8m0_times_64(codes)
     else:
         scales = _e4m3(codes) * 64.0
-    if AS_FLOAT16:
-        scales = scales.to(tl.float16)
     packed = _bytes_at(row, packed_at, WIDTH // 2, n_ok, EVICT)
     if INTERPRET:
-        tile = _scale_blocks(_e2m1_over_64(packed), scales.to(tl.float32), BLOCK)
+        tile = _scale_blocks(_e2m1_over_64(packed), scales, BLOCK)
         tile = tile.to(tl.float16) if AS_FLOAT16 else tile.to(tl.bfloat16)
-    else:
+    else:  # the PTX multiplies in the values' precision: float16 scales for float16 values
+        if AS_FLOAT16:
+            scales = scales.to(tl.float16)
         per_byte = tl.broadcast_to(scales[:, :, None], [scales.shape[0], scales.shape[1], BLOCK // 2])
         tile = _e2m1_scaled(packed, per_byte.reshape([scales.shape[0], WIDTH // 2]), AS_FLOAT16)
     return tile
