@@ -20,7 +20,7 @@ from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
-from impls.triton.decode_ws_fp8 import _decode_split_kernel_ws_fp8
+from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
@@ -221,15 +221,27 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
         assert config.gluon and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
         assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
     for heads, layout, page_size in ((16, "fp8_ds_mla", 64), (8, "fp8_ds_mla_pow2", 1), (16, "fp8_ds_mla", 48)):
-        few, many = decode.WS_MIN_KEYS_PER_SM - 1, decode.WS_MIN_KEYS_PER_SM  # keys per multiprocessor
+        many = decode.WS_MIN_KEYS_PER_SM[layout]  # keys per multiprocessor
+        few = many - 1
         config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=few, hopper=True)
         assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_mma_fp8
         config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=True)
-        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws_fp8
+        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws
         assert config.programs_per_sm == 1  # 12 warps at 168 registers fill a multiprocessor
         assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=False).gluon
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
-    assert not decode.default_config(16, 1, "nvfp4", 64, hopper=True).gluon
+
+
+def test_16_row_nvfp4_blocks_of_large_batches_take_the_warp_specialized_kernel_on_hopper_only():
+    many = decode.WS_MIN_KEYS_PER_SM["nvfp4"]  # keys per multiprocessor
+    few = many - 1
+    for heads, page_size in ((16, 64), (8, 1), (16, 48)):
+        config = decode.default_config(heads, 1, "nvfp4", page_size, keys_per_sm=many, hopper=True)
+        assert config.gluon and _gluon_kernel(config, "nvfp4") is _decode_split_kernel_ws
+        assert not decode.default_config(heads, 1, "nvfp4", page_size, keys_per_sm=few, hopper=True).gluon
+        assert not decode.default_config(heads, 1, "nvfp4", page_size, keys_per_sm=many, hopper=False).gluon
+    for layout in ("mxfp4_nsa", "fp4_mx16"):  # bfloat16 values: not this kernel's float16 stages
+        assert not decode.default_config(16, 1, layout, 64, keys_per_sm=many, hopper=True).gluon
 
 
 def test_32_row_bf16_blocks_and_16_in_pages_under_a_step_take_the_narrow_gluon_kernel_on_hopper_only():
@@ -325,7 +337,7 @@ def _fp8_mma(**more) -> DecodeConfig:
 
 
 def _fp8_ws(**more) -> DecodeConfig:
-    """decode_ws_fp8's configuration (16 rows), as default_config makes it on Hopper for large batches."""
+    """decode_ws's configuration (16 rows), as default_config makes it on Hopper for large batches."""
     return DecodeConfig(block_m=16, block_n=64, num_warps=12, num_stages=1, early_merge=True, gluon=True, **more)
 
 
@@ -343,16 +355,21 @@ def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix,
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
+CASES_16_ROWS = [c[:4] + c[5:] for c in FP8_WGMMA_CASES]
+IDS_16_ROWS = ["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-split5", "ps64-h4-varlen"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [_fp8_mma, _fp8_ws], ids=["mma", "ws"])
-@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", [c[:4] + c[5:] for c in FP8_WGMMA_CASES],
-                         ids=["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-split5",
-                              "ps64-h4-varlen"])
+@pytest.mark.parametrize("kernel, layout, page_size, mix, heads, splits, keep",
+                         [(kernel, *case) for kernel in (_fp8_mma, _fp8_ws) for case in CASES_16_ROWS]
+                         + [(_fp8_ws, "nvfp4", *case[1:]) for case in CASES_16_ROWS],
+                         ids=[f"{kernel}-{case}" for kernel in ("mma", "ws", "ws-nvfp4") for case in IDS_16_ROWS])
 def test_the_16_row_fp8_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits, keep):
-    """The same cases through decode_mma_fp8 and decode_ws_fp8 (16-row blocks: MTP and varlen rows across tokens,
-    padded heads). decode_mma_fp8 re-reads an item's last key past its end, which the judge's poisoned slots would
-    expose if it leaked; decode_ws_fp8's two partitions walk the same items and steps, which an item with no keys,
-    items of one key, several items per program and splits must keep in step."""
+    """The same cases through decode_mma_fp8 and decode_ws (16-row blocks: MTP and varlen rows across tokens,
+    padded heads), and nvfp4 through decode_ws (its decoder's PTX on packed words, its layer scales).
+    decode_mma_fp8 re-reads an item's last key past its end, which the judge's poisoned slots would expose if it
+    leaked; decode_ws's two partitions walk the same items and steps, which an item with no keys, items of one
+    key, several items per program and splits must keep in step."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
@@ -419,13 +436,16 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
-@pytest.mark.parametrize("config", [_fp8_wgmma(32, num_splits=2), _fp8_mma(num_splits=2), _fp8_ws(num_splits=2)],
-                         ids=["wgmma32", "mma16", "ws16"])
-def test_the_fp8_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config):
+@pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
+                                            (_fp8_mma(num_splits=2), "fp8_ds_mla"),
+                                            (_fp8_ws(num_splits=2), "fp8_ds_mla"), (_fp8_ws(num_splits=2), "nvfp4")],
+                         ids=["wgmma32", "mma16", "ws16", "ws16-nvfp4"])
+def test_the_fp8_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
+    """Tile scales (fp8_ds_mla) or layer scales (nvfp4) and queries beyond float16's range and far below it."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    problem = magnified(build_problem(workload("fp8_ds_mla", 16, VARLEN, heads=16, seed=13), device), q_factor,
+    problem = magnified(build_problem(workload(layout, 16, VARLEN, heads=16, seed=13), device), q_factor,
                         kv_factor)
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -510,12 +530,16 @@ def test_planted_bugs_fail_the_judge(bug, layout, mix):
 
 
 @pytest.mark.gpu
-def test_a_planted_bug_through_the_fp4_ptx_decode_fails_the_judge():
-    """nvfp4's layer scale left out of the values, through the GPU's inline-PTX decode and float16 products."""
+@pytest.mark.parametrize("config", [None, _fp8_ws(num_splits=2)], ids=["triton", "ws16"])
+def test_a_planted_bug_through_the_fp4_ptx_decode_fails_the_judge(config):
+    """nvfp4's layer scale left out of the values, through the GPU's inline-PTX decode and float16 products: the
+    Triton kernel's (the default for this small batch) and decode_ws's."""
     device = torch.device("cuda")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    verdict = judge(IgnoresTheLayerScale(), build_problem(workload("nvfp4", 16, VARLEN, heads=16, seed=11), device))
+    if not torch.cuda.is_available() or (config and not common.has_wgmma(device)):
+        pytest.skip("needs a CUDA GPU (for decode_ws a Hopper one)")
+    bug = IgnoresTheLayerScale()
+    bug.config = config
+    verdict = judge(bug, build_problem(workload("nvfp4", 16, VARLEN, heads=16, seed=11), device))
     assert verdict.status == "failed", "the nvfp4 decode ignored its layer scale and passed"
     assert verdict.violations
 

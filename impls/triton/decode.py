@@ -36,8 +36,8 @@ from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
 from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
-from impls.triton import decode_ws_fp8
-from impls.triton.decode_ws_fp8 import _decode_split_kernel_ws_fp8
+from impls.triton import decode_ws
+from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 from mla_bench.metadata.reference import blocks_needed, cumulative
@@ -56,11 +56,12 @@ FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 # ctx4096, b16 ctx8192) they cut fp8_ds_mla and FP4 decode by 2-12%, at 3972 (b128) by 9-20%; at 496 (b8 ctx8192)
 # -1% to +3%; at 62 (b1 ctx8192) +36-45% (NOTES.md, round 7).
 WIDE_ROWS_MIN_KEYS_PER_SM = 512
-# Keys of a batch per multiprocessor from which 16-row fp8_ds_mla blocks on Hopper run the warp-specialized kernel
-# (one program per multiprocessor) instead of decode_mma_fp8 (two). H200, 16 heads: at 993 (b32 ctx4096) 65.7 ->
-# 62.7 us, at 1986 (b64) 112.5 -> 102.3; at 496 (b16 ctx4096, b8 ctx8192) +2% to +5%; below, within their noise
-# either way (NOTES.md, session 16).
-WS_MIN_KEYS_PER_SM = 768
+# Keys of a batch per multiprocessor from which 16-row blocks on Hopper run the warp-specialized kernel (one program
+# per multiprocessor), by layout. fp8_ds_mla, against decode_mma_fp8 (two), H200, 16 heads: at 993 (b32 ctx4096)
+# 65.7 -> 62.7 us, at 1986 (b64) 112.5 -> 102.3; at 496 (b16 ctx4096, b8 ctx8192) +2% to +5%; below, within their
+# noise either way (NOTES.md, session 16). nvfp4, against the Triton kernel: at 248 (b8 ctx4096) 24.2 -> 21.7, at
+# 372 (b12) 28.2 -> 27.3; at 124 (b4 ctx4096) 17.9 -> 18.4, at 62 (b1 ctx8192) 16.4 -> 17.5 (session 18).
+WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 768, "fp8_ds_mla_pow2": 768, "nvfp4": 192}
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
 # workspace slot (-1: writes the final output), and the request's first token and token count.
@@ -75,16 +76,16 @@ PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's
 # 64-row bf16 kernel, decode_wgmma_narrow's 16- and 32-row bf16 one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla
-# one, decode_mma_fp8's and decode_ws_fp8's (12 warps in two partitions) 16-row fp8_ds_mla ones.
+# one, decode_mma_fp8's and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla ones.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
     **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
     **{((rows, 64, 8), layout): _decode_split_kernel_fp8 for rows in (16, 32) for layout in FP8_DS_MLA},
     **{((16, 64, 4), layout): _decode_split_kernel_mma_fp8 for layout in FP8_DS_MLA},
-    **{((16, 64, decode_ws_fp8.WARPS), layout): _decode_split_kernel_ws_fp8 for layout in FP8_DS_MLA},
+    **{((16, 64, decode_ws.WARPS), layout): _decode_split_kernel_ws for layout in decode_ws.LAYOUTS},
 }
 # Launch options of the Gluon kernels whose warps are not DecodeConfig.num_warps (warp-specialized ones).
-GLUON_LAUNCH_OPTIONS = {_decode_split_kernel_ws_fp8: decode_ws_fp8.LAUNCH_OPTIONS}
+GLUON_LAUNCH_OPTIONS = {_decode_split_kernel_ws: decode_ws.LAUNCH_OPTIONS}
 GLUON_TILES = frozenset(tile for tile, _ in GLUON_SPLITS)
 # The kernels run in Triton's interpreter (CPU tensors) when TRITON_INTERPRET was set before they were defined.
 INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
@@ -107,7 +108,7 @@ class DecodeConfig:
     the cache layout: bf16 in 64 rows ``decode_wgmma`` (the score product once across its two warpgroups), in 16
     or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 16 or 32 rows with 8
     warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
-    codes decoded straight into operand registers), in 16 rows with 12 warps ``decode_ws_fp8`` (warp-specialized:
+    codes decoded straight into operand registers), in 16 rows with 12 warps ``decode_ws`` (warp-specialized:
     8 decoding warps beside a warpgroup of products)."""
 
     block_m: int = 16
@@ -153,9 +154,11 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
     fp8_ds_mla on Hopper: from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor the warp-specialized Gluon kernel
-    (``decode_ws_fp8``; H200, 16 heads b64: 112.5 -> 102.3 us, b128 209.1 -> 179.0, NOTES.md session 16), below it
+    (``decode_ws``; H200, 16 heads b64: 112.5 -> 102.3 us, b128 209.1 -> 179.0, NOTES.md session 16), below it
     the one that decodes codes straight into mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``;
-    H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14). bf16 on Hopper
+    H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14); 16 rows of nvfp4 on Hopper from
+    ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
+    86.5 us, b128 170.8 -> 151.4, NOTES.md session 18). bf16 on Hopper
     in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
@@ -180,8 +183,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
-    if block_m == 16 and hopper and layout.startswith("fp8_ds_mla") and keys_per_sm >= WS_MIN_KEYS_PER_SM:
-        return DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws_fp8.WARPS, num_stages=1, early_merge=True,
+    if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
+        return DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True,
                             gluon=True)
     if block_m == 16 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
@@ -285,6 +288,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     if plan.work.shape[0] and cfg.gluon and cfg.block_m < 64:  # the 16- and 32-row Gluon kernels: same arguments
         kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name]
         rows = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}  # its rows are fixed: 16
+        if kernel is _decode_split_kernel_ws:  # it decodes more than one layout, nvfp4's with layer scales
+            rows.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
         options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
         kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),

@@ -160,23 +160,30 @@ def _scale_blocks(values, scales, BLOCK: tl.constexpr):
     return blocks.reshape([n, d])
 
 
-# e2m1 codes to e4m3 bytes (``_e2m1_over_64``) on a word of four packed bytes: the low nibbles' codes (lo) and the
-# high nibbles' (hi), each pair of codes converted by the hardware (e4m3x2 -> f16x2), then scaled: the float16 pairs
-# times a float16 scale, or widened to float32, times a float32 scale, rounded to a bfloat16 pair. $4 holds the
-# packed word, $5 the first of the scale's registers (one scale covers the word's eight values). Outputs: $0-$1 the
-# low nibbles' values, $2-$3 the high nibbles'.
-_E2M1_CODES = """
-    .reg .b32 t0, t1, lo, hi;
-    .reg .b16 h<4>;
-    shl.b32 t0, $4, 4;
-    shl.b32 t1, $4, 2;
+def e2m1_as_e4m3_ptx(word: str) -> str:
+    """PTX: ``_e2m1_over_64``'s bit move on the 32-bit register ``word`` of four packed bytes, into ``lo`` (the low
+    nibbles' e4m3 codes) and ``hi`` (the high nibbles'), through ``t0`` and ``t1`` (b32 registers the caller
+    declares), for 8 values at once; shared with ``decode_ws``'s nvfp4 decoder."""
+    return f"""
+    shl.b32 t0, {word}, 4;
+    shl.b32 t1, {word}, 2;
     and.b32 t1, t1, 0x1C1C1C1C;
     and.b32 t0, t0, 0x80808080;
     or.b32 lo, t0, t1;
-    shr.b32 t0, $4, 2;
+    shr.b32 t0, {word}, 2;
     and.b32 t0, t0, 0x1C1C1C1C;
-    and.b32 t1, $4, 0x80808080;
-    or.b32 hi, t0, t1;
+    and.b32 t1, {word}, 0x80808080;
+    or.b32 hi, t0, t1;"""
+
+
+# e2m1 codes to e4m3 bytes on a word of four packed bytes: the low nibbles' codes (lo) and the high nibbles' (hi),
+# each pair of codes converted by the hardware (e4m3x2 -> f16x2), then scaled: the float16 pairs times a float16
+# scale, or widened to float32, times a float32 scale, rounded to a bfloat16 pair. $4 holds the packed word, $5 the
+# first of the scale's registers (one scale covers the word's eight values). Outputs: $0-$1 the low nibbles'
+# values, $2-$3 the high nibbles'.
+_E2M1_CODES = """
+    .reg .b32 t0, t1, lo, hi;
+    .reg .b16 h<4>;""" + e2m1_as_e4m3_ptx("$4") + """
     mov.b32 {h0, h1}, lo;
     mov.b32 {h2, h3}, hi;
 """

@@ -155,7 +155,7 @@ def _prefetch(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
     """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it)."""
     if start < kv_end:
         _prefetch_row_lines(_rows(cache, pages, start, gl.arange(0, KEYS, layout=gl.SliceLayout(1, LINES)), kv_end,
-                                  PAGE_SIZE))
+                                  PAGE_SIZE), ROW_BYTES)
 
 
 @gluon.jit

@@ -68,9 +68,9 @@ def _e4m3_words(words):
 
 
 @gluon.jit
-def _slots(pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr):
-    """The byte offset of keys ``[start, start + 64)`` in the cache (through the block table, along ``KEY_LAYOUT``)
-    and which are below ``kv_end``; keys past it point at slot 0 and are not read."""
+def _slots(pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """The byte offset of keys ``[start, start + 64)`` in a cache of ``ROW_BYTES`` per slot (through the block
+    table, along ``KEY_LAYOUT``) and which are below ``kv_end``; keys past it point at slot 0 and are not read."""
     keys = start + gl.arange(0, KEYS, layout=KEY_LAYOUT)
     ok = keys < kv_end
     if PAGE_SIZE % KEYS == 0:  # one page per step: one block-table entry
@@ -81,10 +81,11 @@ def _slots(pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constex
 
 
 @gluon.jit
-def _load_words(cache, pages, start, kv_end, offset: gl.constexpr, WORDS: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """``WORDS`` 32-bit words from byte ``offset`` of each row of keys ``[start, start + 64)`` (zeros past
-    ``kv_end``)."""
-    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, WORD_LAYOUT))
+def _load_words(cache, pages, start, kv_end, offset: gl.constexpr, WORDS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                ROW_BYTES: gl.constexpr):
+    """``WORDS`` 32-bit words from byte ``offset`` of each ``ROW_BYTES``-byte row of keys ``[start, start + 64)``
+    (zeros past ``kv_end``)."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, WORD_LAYOUT), ROW_BYTES)
     ptrs = (cache + at + offset).to(gl.pointer_type(gl.int32))
     return gl.load(ptrs[:, None] + gl.arange(0, WORDS, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :],
                    mask=ok[:, None], other=0)
@@ -93,26 +94,26 @@ def _load_words(cache, pages, start, kv_end, offset: gl.constexpr, WORDS: gl.con
 @gluon.jit
 def _load_codes(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
     """The step's e4m3 codes: four tiles of ``[64, 32]`` words."""
-    return (_load_words(cache, pages, start, kv_end, 0, TILE // 4, PAGE_SIZE),
-            _load_words(cache, pages, start, kv_end, TILE, TILE // 4, PAGE_SIZE),
-            _load_words(cache, pages, start, kv_end, 2 * TILE, TILE // 4, PAGE_SIZE),
-            _load_words(cache, pages, start, kv_end, 3 * TILE, TILE // 4, PAGE_SIZE))
+    return (_load_words(cache, pages, start, kv_end, 0, TILE // 4, PAGE_SIZE, ROW_BYTES),
+            _load_words(cache, pages, start, kv_end, TILE, TILE // 4, PAGE_SIZE, ROW_BYTES),
+            _load_words(cache, pages, start, kv_end, 2 * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES),
+            _load_words(cache, pages, start, kv_end, 3 * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES))
 
 
 @gluon.jit
 def _load_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr):
     """The step's four per-key float32 tile scales along ``KEY_LAYOUT`` (zeros past ``kv_end``)."""
-    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, KEY_LAYOUT)
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, KEY_LAYOUT, ROW_BYTES)
     ptrs = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
     return (gl.load(ptrs, mask=ok, other=0.0), gl.load(ptrs + 1, mask=ok, other=0.0),
             gl.load(ptrs + 2, mask=ok, other=0.0), gl.load(ptrs + 3, mask=ok, other=0.0))
 
 
 @gluon.jit
-def _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
-    """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it)."""
-    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, LINES_LAYOUT))
-    _prefetch_row_lines(cache + at)
+def _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """Request the ``ROW_BYTES``-byte rows of keys ``[start, start + 64)`` into L2 (nothing waits for it)."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, LINES_LAYOUT), ROW_BYTES)
+    _prefetch_row_lines(cache + at, ROW_BYTES)
 
 
 @gluon.jit
@@ -155,8 +156,8 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     pages = block_table + request.to(gl.int64) * stride_bt
     c0, c1, c2, c3 = _load_codes(cache, pages, kv_start, kv_end, PAGE_SIZE)
     x0, x1, x2, x3 = _load_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, ACC_KEYS)
-    r = _load_words(cache, pages, kv_start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
-    _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE)
+    r = _load_words(cache, pages, kv_start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
+    _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW_BYTES)
 
     rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, QUERY_LAYOUT))
     ok_q = rows_q < q_len * num_heads
@@ -169,7 +170,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit
     for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
         start = kv_start + j * KEYS
-        _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE)
+        _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE, ROW_BYTES)
         _as_words(rope).store(r)
         _as_words(keys[0]).store(_e4m3_words(c0))
         _as_words(keys[1]).store(_e4m3_words(c1))
@@ -179,7 +180,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         _cta_barrier()
         # The next step's rows (requested into L2 a step ago), in flight during this step's products.
         c0, c1, c2, c3 = _load_codes(cache, pages, start + KEYS, kv_end, PAGE_SIZE)
-        r = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE)
+        r = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
         n0, n1, n2, n3 = _load_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ACC_KEYS)
 
         m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(

@@ -114,9 +114,9 @@ def _prefetch_l2(ptrs):
 
 
 @gluon.jit
-def _prefetch_row_lines(first_bytes):
-    """Request into L2 every line of the rows starting at ``first_bytes`` (along the rows of a layout like
-    ``LINES_LAYOUT``: the eight lines of a row across its second dimension)."""
+def _prefetch_row_lines(first_bytes, ROW_BYTES: gl.constexpr):
+    """Request into L2 every line of the ``ROW_BYTES``-byte rows starting at ``first_bytes`` (along the rows of a
+    layout like ``LINES_LAYOUT``: up to eight lines of a row across its second dimension)."""
     LINES: gl.constexpr = gl.SliceLayout(0, first_bytes.type.layout.parent)
     lines = gl.minimum(gl.arange(0, 8, layout=LINES) * 128, ROW_BYTES - 1)
     _prefetch_l2(first_bytes[:, None] + lines[None, :])
@@ -126,7 +126,7 @@ def _prefetch_row_lines(first_bytes):
 def _prefetch_rows(rows, idx, num_rows):
     """Request into L2 every line of the rows that ``idx`` (``_indices`` along ``LINES_LAYOUT``'s rows) name."""
     base, ok = _row_bytes(rows, idx, num_rows)
-    _prefetch_row_lines(base)
+    _prefetch_row_lines(base, ROW_BYTES)
 
 
 @gluon.jit

@@ -1,0 +1,297 @@
+"""The 16-row quantized decode split step in Gluon, for Hopper, warp-specialized: decoding beside the products.
+
+``decode_wgmma_fp8`` and ``decode_mma_fp8`` run every phase of a 64-key step in the same warps, one after the
+other (wait for the codes, decode, products, softmax, products), and measured bound by that chain, not by the bytes
+or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two partitions (``gl.warp_specialize``):
+
+- the decoder, 8 warps: loads a step's codes, rope and scales into registers one step ahead (the step after is
+  requested into L2), decodes the codes to float16 (exact) and stores the step into one of two shared-memory
+  stages, then signals the stage ``ready``. ``fp8_ds_mla``: e4m3 -> float16, the per-key tile scales stored
+  beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times its block's e4m3 scale (float16 holds the
+  product exactly, as in ``decode_kernel._fp4_tile``);
+- the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
+  K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
+  signals the stage ``free``. nvfp4's layer scale multiplies the query's unit and the final output.
+
+Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16 and 18). fp8_ds_mla against ``decode_mma_fp8`` (the
+default before): b32 65.7 -> 62.7 us, b64 112.5 -> 102.3, b128 209.1 -> 179.0, b64 ctx16384 404.3 -> 339.6, page
+48 b64 125.1 -> 106.1; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below that, one
+program per multiprocessor loses to ``decode_mma_fp8``'s two at some shapes). Alone, the decoder takes 77 us at b64
+and the products 58. nvfp4 against the Triton kernel: b64 91.9 -> 86.5, b128 170.8 -> 151.4, b64 ctx16384 322.9
+-> 287.6, page 1 b32 62.1 -> 54.0, b8 24.2 -> 21.7 (at b4 and b1 slower: 17.9 -> 18.4, 16.4 -> 17.5); alone its
+decoder takes 66 us at b64 (the same with two steps in registers instead of one) and the products 61. 32 rows pass
+the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32), which
+stays their kernel.
+
+Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
+cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4). Launch with ``LAUNCH_OPTIONS`` (the default
+partition's warps, and the register cap that lets 12 warps fit one multiprocessor).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from impls.triton.decode_kernel import ITEM_FIELDS, ROPE, TILE, e2m1_as_e4m3_ptx
+from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
+from impls.triton.decode_wgmma_fp8 import (KEYS, WORD_LAYOUT, _as_words, _e4m3_words, _load_codes, _load_scales,
+                                           _load_words, _prefetch_step, _slots, _step_products)
+from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse, _transposed_state
+from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, _stage_query, _tiles
+
+STAGES = gl.constexpr(2)          # decoded steps in shared memory: 2 x (64 KB codes + 8 KB rope + 1 KB scales)
+DECODER_WARPS = gl.constexpr(8)   # decode_wgmma_fp8's load layouts are for 8 warps
+DECODER_REGS = gl.constexpr(128)  # per decoding thread; the products' warpgroup gets the rest (248)
+WARPS = 12                        # DecodeConfig.num_warps of this kernel: 4 multiplying and 8 decoding
+# 12 warps x 32 threads x 168 registers fit the 64K of a multiprocessor; a lower cap spills (H200 b64: 160 -> 116
+# us, 152 -> 124, against 102).
+LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
+SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+STEP_ROWS = gl.constexpr(gl.SliceLayout(1, WORD_LAYOUT))  # the decoder's keys
+LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4")  # the cache layouts this kernel decodes
+# nvfp4: [256 packed e2m1 | 32 e4m3 block scales, one per 16 values | 64 bf16 rope], times the layer's scale.
+NVFP4_ROW_BYTES = gl.constexpr(416)
+NVFP4_SCALES_AT = gl.constexpr(256)
+NVFP4_ROPE_AT = gl.constexpr(288)
+# An nvfp4 code tile [64 keys, 16 words] as [64, 4, 4]: a thread's four words (16 bytes, 32 values) lie under two
+# block scales, the byte pair the thread loads beside them.
+FP4_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
+                                          warps_per_cta=[8, 1, 1], order=[2, 1, 0]))
+FP4_KEYS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, FP4_WORDS)))
+
+
+def _e2m1_word_ptx(k: int, scale: str) -> str:
+    """PTX for packed word ``k`` of four (in ``$16 + k``): its eight e2m1 values as e4m3 bytes, interleaved back
+    into value order (even values are low nibbles), converted pairwise to float16 and multiplied by the float16
+    pair ``scale``; value pairs 0-1, 2-3, 4-5, 6-7 go to outputs ``$k``, ``$4 + k``, ``$8 + k``, ``$12 + k``."""
+    products = "".join(f"""
+    cvt.rn.f16x2.e4m3x2 ${4 * i + k}, h{i};
+    mul.rn.f16x2 ${4 * i + k}, ${4 * i + k}, {scale};""" for i in range(4))
+    return ("{\n    .reg .b32 t0, t1, lo, hi, a, b;\n    .reg .b16 h<4>;" + e2m1_as_e4m3_ptx(f"${16 + k}") + """
+    prmt.b32 a, lo, hi, 0x5140;
+    prmt.b32 b, lo, hi, 0x7362;
+    mov.b32 {h0, h1}, a;
+    mov.b32 {h2, h3}, b;""" + products + "\n}")
+
+
+# Four packed words of one thread (``$16``-``$19``) under two block scales, whose e4m3 bytes are the low 16 bits of
+# ``$20``: the first scale covers words 0-1, the second words 2-3; each is converted to float16 and multiplied by
+# 64 (the e2m1 -> e4m3 bit move divides by 64; both exact).
+_E2M1_WORDS_TIMES_SCALES = gl.constexpr("""{
+    .reg .b16 s0, s1, f0, f1;
+    .reg .b32 both, times64, first, second;
+    mov.b32 {s0, s1}, $20;
+    cvt.rn.f16x2.e4m3x2 both, s0;
+    mov.b32 times64, 0x54005400;
+    mul.rn.f16x2 both, both, times64;
+    mov.b32 {f0, f1}, both;
+    mov.b32 first, {f0, f0};
+    mov.b32 second, {f1, f1};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4))
+    + "\n}")
+
+
+@gluon.jit
+def _decode_split_kernel_ws(
+    q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
+    out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale,
+    ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    LAYOUT: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` query rows of a
+    ``LAYOUT`` cache (one of ``LAYOUTS``); both partitions walk the same items and steps, the ``g``-th step of the
+    program in stage ``g % STAGES``. ``nope_scale`` and ``out_scale``: the layer scale of the latent keys and of
+    the values (nvfp4's; 1 for fp8_ds_mla). ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch,
+    start now."""
+    if EARLY_MERGE:
+        _launch_dependents()
+    PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
+    q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
+    keys = gl.allocate_shared_memory(gl.float16, [STAGES * 4, KEYS, TILE], SWIZZLED)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+    scales = gl.allocate_shared_memory(gl.float32, [STAGES * 4, KEYS], SCALES_SMEM)
+    probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=1)
+    gl.warp_specialize([
+        (_multiply, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
+                     lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale, q_nope, q_rope,
+                     keys, rope, scales, probs, ready, free, ROWS, KEEP_PARTIALS, LAYOUT)),
+        (_decode, (cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
+                   PAGE_SIZE, LAYOUT)),
+    ], [DECODER_WARPS], [DECODER_REGS])
+
+
+@gluon.jit
+def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
+            PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """The decoder partition: every step of the program's items into the stages, each once ``free``."""
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    ROW: gl.constexpr = NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else ROW_BYTES
+    g = 0
+    for i in range(gl.load(item_counts + program)):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
+        pages = block_table + request.to(gl.int64) * stride_bt
+        c0, c1, c2, c3, r, x0, x1, x2, x3 = _load_step(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
+        _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW)
+        for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
+            start = kv_start + j * KEYS
+            # The next step's rows (requested into L2 a step ago) are in flight while this one is stored.
+            _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE, ROW)
+            n0, n1, n2, n3, nr, y0, y1, y2, y3 = _load_step(cache, pages, start + KEYS, kv_end, PAGE_SIZE, LAYOUT)
+            stage = g % STAGES
+            mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
+            _store_step(keys, rope, scales, stage, c0, c1, c2, c3, r, x0, x1, x2, x3, LAYOUT)
+            hopper.fence_async_shared()  # the products read the stage through the async proxy
+            mbarrier.arrive(ready.index(stage), count=1)
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            r = nr
+            x0, x1, x2, x3 = y0, y1, y2, y3
+            g += 1
+
+
+@gluon.jit
+def _load_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """Keys ``[start, start + 64)``'s bytes into registers: four code tiles, the rope, and four scale tensors
+    (fp8_ds_mla: each tile's per-key float32 scale; nvfp4: each tile's per-block e4m3 scales, two per thread)."""
+    if LAYOUT == "nvfp4":
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
+        c0, x0 = _load_fp4_tile(cache, at, ok, 0)
+        c1, x1 = _load_fp4_tile(cache, at, ok, 1)
+        c2, x2 = _load_fp4_tile(cache, at, ok, 2)
+        c3, x3 = _load_fp4_tile(cache, at, ok, 3)
+        r = _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES)
+    else:
+        c0, c1, c2, c3 = _load_codes(cache, pages, start, kv_end, PAGE_SIZE)
+        r = _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
+        x0, x1, x2, x3 = _load_scales(cache, pages, start, kv_end, PAGE_SIZE, STEP_ROWS)
+    return c0, c1, c2, c3, r, x0, x1, x2, x3
+
+
+@gluon.jit
+def _load_fp4_tile(cache, at, ok, t: gl.constexpr):
+    """nvfp4 latent tile ``t`` of the keys at byte offsets ``at`` (``ok``: real): its packed codes as ``[64, 4, 4]``
+    words (a thread's four words are 32 values) and its e4m3 block scales as ``[64, 4]`` byte pairs (the two
+    blocks of those 32 values); zeros where not ``ok``."""
+    WORDS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, FP4_WORDS))
+    PAIRS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, FP4_WORDS))
+    words = (cache + at + TILE // 2 * t).to(gl.pointer_type(gl.int32))
+    chunk = gl.arange(0, 4, layout=PAIRS)
+    codes = gl.load(words[:, None, None] + 4 * chunk[None, :, None] + gl.arange(0, 4, layout=WORDS)[None, None, :],
+                    mask=ok[:, None, None], other=0)
+    pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
+    return codes, gl.load(pairs[:, None] + chunk[None, :], mask=ok[:, None], other=0)
+
+
+@gluon.jit
+def _store_step(keys, rope, scales, stage, c0, c1, c2, c3, r, x0, x1, x2, x3, LAYOUT: gl.constexpr):
+    """A loaded step (``_load_step``) decoded into ``stage``: float16 code tiles (exact), the bf16 rope and, for
+    fp8_ds_mla, the tile scales the products apply."""
+    if LAYOUT == "nvfp4":
+        _as_words(keys.index(stage * 4 + 0)).store(_e2m1_words(c0, x0))
+        _as_words(keys.index(stage * 4 + 1)).store(_e2m1_words(c1, x1))
+        _as_words(keys.index(stage * 4 + 2)).store(_e2m1_words(c2, x2))
+        _as_words(keys.index(stage * 4 + 3)).store(_e2m1_words(c3, x3))
+    else:
+        _as_words(keys.index(stage * 4 + 0)).store(_e4m3_words(c0))
+        _as_words(keys.index(stage * 4 + 1)).store(_e4m3_words(c1))
+        _as_words(keys.index(stage * 4 + 2)).store(_e4m3_words(c2))
+        _as_words(keys.index(stage * 4 + 3)).store(_e4m3_words(c3))
+        scales.index(stage * 4 + 0).store(x0)
+        scales.index(stage * 4 + 1).store(x1)
+        scales.index(stage * 4 + 2).store(x2)
+        scales.index(stage * 4 + 3).store(x3)
+    _as_words(rope.index(stage)).store(r)
+
+
+@gluon.jit
+def _e2m1_words(codes, pairs):
+    """nvfp4 codes ``[64, 4, 4]`` words and their scale byte pairs ``[64, 4]`` -> ``[64, 64]`` words of two float16
+    values each, in value order: each e2m1 value times its block's e4m3 scale, exact in float16 (at most 6
+    significant bits, within [2^-10, 2688])."""
+    v01, v23, v45, v67 = gl.inline_asm_elementwise(
+        _E2M1_WORDS_TIMES_SCALES, "=r," * 16 + "r,r,r,r,r,r", [codes, pairs[:, :, None]],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=4)
+    return gl.join(gl.join(v01, v45), gl.join(v23, v67)).reshape([codes.shape[0], 16 * codes.shape[1]])
+
+
+@gluon.jit
+def _multiply(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
+              lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale, q_nope, q_rope, keys,
+              rope, scales, probs, ready, free, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+              LAYOUT: gl.constexpr):
+    """The default partition: each of the program's items from the decoded stages."""
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    g = 0
+    for i in range(gl.load(item_counts + program)):
+        g = _attend_item(_item_fields(table + i * ITEM_FIELDS), g, q, stride_qt, stride_qh, visible, out,
+                         stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale,
+                         out_scale, q_nope, q_rope, keys, rope, scales, probs, ready, free, ROWS, KEEP_PARTIALS,
+                         LAYOUT)
+
+
+@gluon.jit
+def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stride_oh, lse, stride_lt, part_out,
+                 part_lse, qk_scale, num_heads, nope_scale, out_scale, q_nope, q_rope, keys, rope, scales, probs, ready,
+                 free, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
+    """One work item (``_item_fields``) from the program's step ``g`` on; returns the step after its last. The
+    layer scale of the latent keys multiplies the query's unit (``q_down``); that of the values, the final output
+    (the merge applies it to split partials)."""
+    request, row_block, kv_start, kv_end, slot_out, q_first, q_len = item
+    # S^T [64 keys, ROWS] and O^T [128 columns, ROWS] per value tile.
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16])
+    ACC_KEYS: gl.constexpr = gl.SliceLayout(1, ACC)
+    ACC_ROWS: gl.constexpr = gl.SliceLayout(0, ACC)
+    rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    _cta_barrier()  # the previous item's products are done with the query
+    q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
+    q_down = gl.convert_layout(_stage_query(q_base, rows_q < q_len * num_heads, q_nope, q_rope, COPY_LAYOUT),
+                               ACC_ROWS) * nope_scale
+    hopper.fence_async_shared()
+    _cta_barrier()
+
+    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
+    key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
+    m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
+    unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (decode_wgmma_fp8)
+    for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
+        start = kv_start + j * KEYS
+        stage = g % STAGES
+        mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
+        if LAYOUT == "nvfp4":  # its block scales are in the decoded values
+            x0 = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
+            x1 = x0
+            x2 = x0
+            x3 = x0
+        else:
+            x0 = scales.index(stage * 4 + 0).load(ACC_KEYS)
+            x1 = scales.index(stage * 4 + 1).load(ACC_KEYS)
+            x2 = scales.index(stage * 4 + 2).load(ACC_KEYS)
+            x3 = scales.index(stage * 4 + 3).load(ACC_KEYS)
+        m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
+            rope.index(stage), keys.index(stage * 4 + 0), keys.index(stage * 4 + 1), keys.index(stage * 4 + 2),
+            keys.index(stage * 4 + 3), q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
+            (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
+        _cta_barrier()  # every warp is done with this stage and with P
+        mbarrier.arrive(free.index(stage), count=1)
+        g += 1
+
+    l_i = gl.sum(l_part, 0)
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)
+    if slot_out < 0:
+        to_out = to_out * out_scale
+    _store_item(acc0, acc1, acc2, acc3, gl.convert_layout(to_out, gl.SliceLayout(0, STORE_LAYOUT)), out, stride_ot,
+                stride_oh, part_out, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS)
+    _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+               KEEP_PARTIALS)
+    return g
