@@ -336,7 +336,7 @@ def _fp8_mma(**more) -> DecodeConfig:
                         gluon=True, **more)
 
 
-def _fp8_ws(**more) -> DecodeConfig:
+def _ws(**more) -> DecodeConfig:
     """decode_ws's configuration (16 rows), as default_config makes it on Hopper for large batches."""
     return DecodeConfig(block_m=16, block_n=64, num_warps=12, num_stages=1, early_merge=True, gluon=True, **more)
 
@@ -361,10 +361,10 @@ IDS_16_ROWS = ["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel, layout, page_size, mix, heads, splits, keep",
-                         [(kernel, *case) for kernel in (_fp8_mma, _fp8_ws) for case in CASES_16_ROWS]
-                         + [(_fp8_ws, "nvfp4", *case[1:]) for case in CASES_16_ROWS],
+                         [(kernel, *case) for kernel in (_fp8_mma, _ws) for case in CASES_16_ROWS]
+                         + [(_ws, "nvfp4", *case[1:]) for case in CASES_16_ROWS],
                          ids=[f"{kernel}-{case}" for kernel in ("mma", "ws", "ws-nvfp4") for case in IDS_16_ROWS])
-def test_the_16_row_fp8_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits, keep):
+def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits, keep):
     """The same cases through decode_mma_fp8 and decode_ws (16-row blocks: MTP and varlen rows across tokens,
     padded heads), and nvfp4 through decode_ws (its decoder's PTX on packed words, its layer scales).
     decode_mma_fp8 re-reads an item's last key past its end, which the judge's poisoned slots would expose if it
@@ -438,9 +438,9 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
                          ids=["beyond-float16-max", "below-float16-min"])
 @pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
                                             (_fp8_mma(num_splits=2), "fp8_ds_mla"),
-                                            (_fp8_ws(num_splits=2), "fp8_ds_mla"), (_fp8_ws(num_splits=2), "nvfp4")],
+                                            (_ws(num_splits=2), "fp8_ds_mla"), (_ws(num_splits=2), "nvfp4")],
                          ids=["wgmma32", "mma16", "ws16", "ws16-nvfp4"])
-def test_the_fp8_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
+def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
     """Tile scales (fp8_ds_mla) or layer scales (nvfp4) and queries beyond float16's range and far below it."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
@@ -530,7 +530,7 @@ def test_planted_bugs_fail_the_judge(bug, layout, mix):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, _fp8_ws(num_splits=2)], ids=["triton", "ws16"])
+@pytest.mark.parametrize("config", [None, _ws(num_splits=2)], ids=["triton", "ws16"])
 def test_a_planted_bug_through_the_fp4_ptx_decode_fails_the_judge(config):
     """nvfp4's layer scale left out of the values, through the GPU's inline-PTX decode and float16 products: the
     Triton kernel's (the default for this small batch) and decode_ws's."""
@@ -562,7 +562,7 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
-                                                       (_fp8_mma(), "fp8_ds_mla", 64), (_fp8_ws(), "fp8_ds_mla", 1),
+                                                       (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
                          ids=["fp8-wgmma32", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1", "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):

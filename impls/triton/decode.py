@@ -76,7 +76,8 @@ PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's
 # 64-row bf16 kernel, decode_wgmma_narrow's 16- and 32-row bf16 one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla
-# one, decode_mma_fp8's and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla ones.
+# one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla and
+# nvfp4 one.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
     **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
@@ -109,7 +110,7 @@ class DecodeConfig:
     or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 16 or 32 rows with 8
     warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
     codes decoded straight into operand registers), in 16 rows with 12 warps ``decode_ws`` (warp-specialized:
-    8 decoding warps beside a warpgroup of products)."""
+    8 decoding warps beside a warpgroup of products), which also runs nvfp4 in 16 rows."""
 
     block_m: int = 16
     block_n: int = 32
