@@ -288,16 +288,18 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     early_merge = plan.early_merge
     if plan.work.shape[0] and cfg.gluon and cfg.block_m < 64:  # the 16- and 32-row Gluon kernels: same arguments
         kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name]
-        rows = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}  # its rows are fixed: 16
-        if kernel is _decode_split_kernel_ws:  # it decodes more than one layout, nvfp4's with layer scales
-            rows.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
+        # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws decodes more than one
+        # layout, nvfp4's with layer scales.
+        specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
+        if kernel is _decode_split_kernel_ws:
+            specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
         options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
         kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
             plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
-            **rows, **options)
+            **specific, **options)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,

@@ -29,9 +29,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
-from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
-from impls.triton.decode_wgmma_narrow import _transposed_state
+from impls.triton.decode_wgmma_narrow import _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
 
@@ -202,7 +202,6 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         gl.store(out_at + TILE, (acc1 * to_out).to(gl.bfloat16), mask=out_mask)
         gl.store(out_at + 2 * TILE, (acc2 * to_out).to(gl.bfloat16), mask=out_mask)
         gl.store(out_at + 3 * TILE, (acc3 * to_out).to(gl.bfloat16), mask=out_mask)
-        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
     else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
         part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ACC_ROWS)
         policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
@@ -211,7 +210,8 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         gl.store(part_at + TILE, acc1 * to_out, eviction_policy=policy)
         gl.store(part_at + 2 * TILE, acc2 * to_out, eviction_policy=policy)
         gl.store(part_at + 3 * TILE, acc3 * to_out, eviction_policy=policy)
-        gl.store(part_lse + part_rows, lse2, eviction_policy=policy)
+    _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+               KEEP_PARTIALS)
 
 
 @gluon.jit
