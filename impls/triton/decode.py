@@ -57,11 +57,11 @@ FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 # -1% to +3%; at 62 (b1 ctx8192) +36-45% (NOTES.md, round 7).
 WIDE_ROWS_MIN_KEYS_PER_SM = 512
 # Keys of a batch per multiprocessor from which 16-row blocks on Hopper run the warp-specialized kernel (one program
-# per multiprocessor), by layout. fp8_ds_mla, against decode_mma_fp8 (two), H200, 16 heads: at 993 (b32 ctx4096)
-# 65.7 -> 62.7 us, at 1986 (b64) 112.5 -> 102.3; at 496 (b16 ctx4096, b8 ctx8192) +2% to +5%; below, within their
-# noise either way (NOTES.md, session 16). nvfp4, against the Triton kernel: at 248 (b8 ctx4096) 24.2 -> 21.7, at
-# 372 (b12) 28.2 -> 27.3; at 124 (b4 ctx4096) 17.9 -> 18.4, at 62 (b1 ctx8192) 16.4 -> 17.5 (session 18).
-WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 768, "fp8_ds_mla_pow2": 768, "nvfp4": 192}
+# per multiprocessor), by layout; H200, 16 heads, session 19 (NOTES.md). fp8_ds_mla, against decode_mma_fp8 (two):
+# at 496 (b16 ctx4096, b8 ctx8192) 41.2 -> 39.8 and 42.1 -> 39.9 us, at 248 (b8 ctx4096) 28.2 -> 23.8; at 124 (b4)
+# 21.7 -> 21.9, at 62 (b1 ctx8192) 19.2 -> 20.7. nvfp4, against the Triton kernel: at 124 (b4) 20.3 -> 19.8; at 62
+# (b2 ctx4096) 19.1 -> 19.2.
+WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "nvfp4": 96}
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
 # workspace slot (-1: writes the final output), and the request's first token and token count.
@@ -155,11 +155,11 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
     fp8_ds_mla on Hopper: from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor the warp-specialized Gluon kernel
-    (``decode_ws``; H200, 16 heads b64: 112.5 -> 102.3 us, b128 209.1 -> 179.0, NOTES.md session 16), below it
+    (``decode_ws``; H200, 16 heads b64: 112.5 -> 91.8 us, b128 209.1 -> 158.6, NOTES.md sessions 16 and 19), below it
     the one that decodes codes straight into mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``;
     H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14); 16 rows of nvfp4 on Hopper from
     ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
-    86.5 us, b128 170.8 -> 151.4, NOTES.md session 18). bf16 on Hopper
+    80.5 us, b128 170.8 -> 141.4, NOTES.md sessions 18 and 19). bf16 on Hopper
     in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16

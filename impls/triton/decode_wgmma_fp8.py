@@ -44,6 +44,11 @@ QUERY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per
 # bytes a register (as bytes, each would take a register of its own).
 WORD_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
                                             order=[1, 0]))
+# e4m3 codes [64 keys, 32 words] a tile: 8 bytes a thread, so that each 16-byte float16 chunk a thread stores
+# lies in another bank group than its quarter-warp's other seven (16 bytes a thread put two threads' chunks, 128
+# bytes apart, in each bank group).
+CODE_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
+                                           order=[1, 0]))
 WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 HAS_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton 3.6: _reinterpret
 
@@ -82,22 +87,22 @@ def _slots(pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constex
 
 @gluon.jit
 def _load_words(cache, pages, start, kv_end, offset: gl.constexpr, WORDS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                ROW_BYTES: gl.constexpr):
+                ROW_BYTES: gl.constexpr, LAYOUT: gl.constexpr = WORD_LAYOUT):
     """``WORDS`` 32-bit words from byte ``offset`` of each ``ROW_BYTES``-byte row of keys ``[start, start + 64)``
-    (zeros past ``kv_end``)."""
-    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, WORD_LAYOUT), ROW_BYTES)
+    along ``LAYOUT`` (zeros past ``kv_end``)."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, LAYOUT), ROW_BYTES)
     ptrs = (cache + at + offset).to(gl.pointer_type(gl.int32))
-    return gl.load(ptrs[:, None] + gl.arange(0, WORDS, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :],
+    return gl.load(ptrs[:, None] + gl.arange(0, WORDS, layout=gl.SliceLayout(0, LAYOUT))[None, :],
                    mask=ok[:, None], other=0)
 
 
 @gluon.jit
 def _load_codes(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
     """The step's e4m3 codes: four tiles of ``[64, 32]`` words."""
-    return (_load_words(cache, pages, start, kv_end, 0, TILE // 4, PAGE_SIZE, ROW_BYTES),
-            _load_words(cache, pages, start, kv_end, TILE, TILE // 4, PAGE_SIZE, ROW_BYTES),
-            _load_words(cache, pages, start, kv_end, 2 * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES),
-            _load_words(cache, pages, start, kv_end, 3 * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES))
+    return (_load_words(cache, pages, start, kv_end, 0, TILE // 4, PAGE_SIZE, ROW_BYTES, CODE_WORDS),
+            _load_words(cache, pages, start, kv_end, TILE, TILE // 4, PAGE_SIZE, ROW_BYTES, CODE_WORDS),
+            _load_words(cache, pages, start, kv_end, 2 * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES, CODE_WORDS),
+            _load_words(cache, pages, start, kv_end, 3 * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES, CODE_WORDS))
 
 
 @gluon.jit
@@ -218,21 +223,43 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
 def _step_products(rope, k0, k1, k2, k3, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale, visible_keys,
                    zero, m_i, l_part, unit, acc0, acc1, acc2, acc3):
     """One 64-key step from its decoded tiles (``rope``, ``k0``-``k3``; per-key tile scales ``x0``-``x3`` along the
-    keys of the accumulators' layout): ``S^T`` (rope in bf16, the four code tiles in float16, each scaled as it
-    completes), the online softmax over the ``visible_keys``, ``P^T * scale_t / u`` into ``probs`` and ``O^T_t +=
-    V_t^T P_t^T``. Returns the running maximum, sums, unit and accumulators."""
+    keys of the accumulators' layout): ``S^T`` (``_issue_scores``), the online softmax into ``probs``
+    (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the other. Returns the
+    running maximum, sums, unit and accumulators."""
+    s_rope, p0, p1, p2, p3 = _issue_scores(rope, k0, k1, k2, k3, q_rope, q_nope, zero)
+    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, q_down, qk_scale,
+                                                  visible_keys, m_i, l_part, unit)
+    acc0, acc1, acc2, acc3 = _issue_values(k0, k1, k2, k3, probs, alpha_o, acc0, acc1, acc2, acc3)
+    acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+    return m_i, l_part, unit, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _issue_scores(rope, k0, k1, k2, k3, q_rope, q_nope, zero):
+    """A step's five ``S^T`` products, issued (asynchronous, in this order): the rope in bf16, then each code tile
+    in float16."""
     s_rope = hopper.warpgroup_mma(rope, q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
     p0 = hopper.warpgroup_mma(k0, q_nope[0].permute((1, 0)), zero, use_acc=False, is_async=True)
     p1 = hopper.warpgroup_mma(k1, q_nope[1].permute((1, 0)), zero, use_acc=False, is_async=True)
     p2 = hopper.warpgroup_mma(k2, q_nope[2].permute((1, 0)), zero, use_acc=False, is_async=True)
     p3 = hopper.warpgroup_mma(k3, q_nope[3].permute((1, 0)), zero, use_acc=False, is_async=True)
-    s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3, deps=[s_rope, p0])
+    return s_rope, p0, p1, p2, p3
+
+
+@gluon.jit
+def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1, x2, x3, q_down, qk_scale,
+                     visible_keys, m_i, l_part, unit):
+    """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
+    each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
+    ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores. Returns the running maximum, sums, the new
+    unit ``u`` and the factor of the accumulators (``alpha_o``)."""
+    s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
-    p1 = hopper.warpgroup_mma_wait(num_outstanding=2, deps=[p1])
+    p1 = hopper.warpgroup_mma_wait(num_outstanding=2 + LATER, deps=[p1])
     nope += p1 * x1[:, None]
-    p2 = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[p2])
+    p2 = hopper.warpgroup_mma_wait(num_outstanding=1 + LATER, deps=[p2])
     nope += p2 * x2[:, None]
-    p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p3])
+    p3 = hopper.warpgroup_mma_wait(num_outstanding=LATER, deps=[p3])
     nope += p3 * x3[:, None]
     s = (s_rope + nope * q_down[None, :]) * qk_scale
     s = gl.where(visible_keys, s, float("-inf"))
@@ -251,10 +278,14 @@ def _step_products(rope, k0, k1, k2, k3, q_rope, q_nope, probs, x0, x1, x2, x3, 
     probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
     hopper.fence_async_shared()
     _cta_barrier()
-    alpha_o = (alpha * (unit * per_unit))[None, :]
+    return m_new, l_part, new_unit, (alpha * (unit * per_unit))[None, :]
+
+
+@gluon.jit
+def _issue_values(k0, k1, k2, k3, probs, alpha_o, acc0, acc1, acc2, acc3):
+    """``O^T_t = alpha_o O^T_t + V_t^T P_t^T`` for the four value tiles, issued (asynchronous)."""
     acc0 = hopper.warpgroup_mma(k0.permute((1, 0)), probs[0], acc0 * alpha_o, is_async=True)
     acc1 = hopper.warpgroup_mma(k1.permute((1, 0)), probs[1], acc1 * alpha_o, is_async=True)
     acc2 = hopper.warpgroup_mma(k2.permute((1, 0)), probs[2], acc2 * alpha_o, is_async=True)
     acc3 = hopper.warpgroup_mma(k3.permute((1, 0)), probs[3], acc3 * alpha_o, is_async=True)
-    acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
-    return m_new, l_part, new_unit, acc0, acc1, acc2, acc3
+    return acc0, acc1, acc2, acc3

@@ -8,20 +8,22 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
   requested into L2), decodes the codes to float16 (exact) and stores the step into one of two shared-memory
   stages, then signals the stage ``ready``. ``fp8_ds_mla``: e4m3 -> float16, the per-key tile scales stored
   beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times its block's e4m3 scale (float16 holds the
-  product exactly, as in ``decode_kernel._fp4_tile``);
+  product exactly, as in ``decode_kernel._fp4_tile``). Each tile has buffers of its own (no barrier between the
+  tiles' stores) and a load layout whose float16 stores are free of bank conflicts;
 - the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
   K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
-  signals the stage ``free``. nvfp4's layer scale multiplies the query's unit and the final output.
+  signals the stage ``free``. A step's value products are issued after the next step's scores, so the tensor
+  cores run them during that step's softmax. nvfp4's layer scale multiplies the query's unit and the final output.
 
-Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16 and 18). fp8_ds_mla against ``decode_mma_fp8`` (the
-default before): b32 65.7 -> 62.7 us, b64 112.5 -> 102.3, b128 209.1 -> 179.0, b64 ctx16384 404.3 -> 339.6, page
-48 b64 125.1 -> 106.1; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below that, one
-program per multiprocessor loses to ``decode_mma_fp8``'s two at some shapes). Alone, the decoder takes 77 us at b64
-and the products 58. nvfp4 against the Triton kernel: b64 91.9 -> 86.5, b128 170.8 -> 151.4, b64 ctx16384 322.9
--> 287.6, page 1 b32 62.1 -> 54.0, b8 24.2 -> 21.7 (at b4 and b1 slower: 17.9 -> 18.4, 16.4 -> 17.5); alone its
-decoder takes 66 us at b64 (the same with two steps in registers instead of one) and the products 61. 32 rows pass
-the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32), which
-stays their kernel.
+Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18 and 19), us. fp8_ds_mla against
+``decode_mma_fp8`` (the default before): b32 65.7 -> 56.8, b64 112.5 -> 91.8, b128 209.1 -> 158.6, b64 ctx16384
+404.3 -> 295.0; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below, one program per
+multiprocessor loses to ``decode_mma_fp8``'s two). The conflict-free stores took b64 from 102.5 to 91.8 (ncu
+before: the products waited for the decoder at 78% of the steps; its float16 stores took twice their ideal
+shared-memory wavefronts). nvfp4 against the Triton kernel: b64 91.9 -> 80.5, b128 170.8 -> 141.4, b32 -> 49.1
+(session 18: 52.1); the products' overlap took b64 86.4 -> 83.6 and the stores 83.6 -> 80.5. 32 rows pass the
+same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32, session 18),
+which stays their kernel.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
 cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4). Launch with ``LAUNCH_OPTIONS`` (the default
@@ -37,10 +39,10 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from impls.triton.decode_kernel import ITEM_FIELDS, ROPE, TILE, e2m1_as_e4m3_ptx
 from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
-from impls.triton.decode_wgmma_fp8 import (KEYS, WORD_LAYOUT, _as_words, _e4m3_words, _load_codes, _load_scales,
-                                           _load_words, _prefetch_step, _slots, _step_products)
+from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, _as_words, _e4m3_words, _issue_scores, _issue_values,
+                                           _load_words, _prefetch_step, _scores_to_probs, _slots)
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse, _transposed_state
-from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, _stage_query, _tiles
+from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, SCALES_AT, _stage_query, _tiles
 
 STAGES = gl.constexpr(2)          # decoded steps in shared memory: 2 x (64 KB codes + 8 KB rope + 1 KB scales)
 DECODER_WARPS = gl.constexpr(8)   # decode_wgmma_fp8's load layouts are for 8 warps
@@ -50,16 +52,19 @@ WARPS = 12                        # DecodeConfig.num_warps of this kernel: 4 mul
 # us, 152 -> 124, against 102).
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-STEP_ROWS = gl.constexpr(gl.SliceLayout(1, WORD_LAYOUT))  # the decoder's keys
+# fp8_ds_mla's per-key tile scales, a step's 64 keys over the decoder's 256 threads (one register a tile).
+SCALE_KEYS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8], order=[0]))
 LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4")  # the cache layouts this kernel decodes
 # nvfp4: [256 packed e2m1 | 32 e4m3 block scales, one per 16 values | 64 bf16 rope], times the layer's scale.
 NVFP4_ROW_BYTES = gl.constexpr(416)
 NVFP4_SCALES_AT = gl.constexpr(256)
 NVFP4_ROPE_AT = gl.constexpr(288)
 # An nvfp4 code tile [64 keys, 16 words] as [64, 4, 4]: a thread's four words (16 bytes, 32 values) lie under two
-# block scales, the byte pair the thread loads beside them.
+# block scales, the byte pair the thread loads beside them. Lanes run over the keys first: the eight threads of a
+# quarter-warp store the same float16 chunks of eight keys, in eight bank groups (the swizzle), not two chunks each
+# of two keys in four.
 FP4_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
-                                          warps_per_cta=[8, 1, 1], order=[2, 1, 0]))
+                                          warps_per_cta=[8, 1, 1], order=[2, 0, 1]))
 FP4_KEYS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, FP4_WORDS)))
 
 
@@ -110,10 +115,12 @@ def _decode_split_kernel_ws(
     PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
     q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
-    keys = gl.allocate_shared_memory(gl.float16, [STAGES * 4, KEYS, TILE], SWIZZLED)
+    # One allocation per tile: stores to different allocations need no barrier between them (to parts of one,
+    # chosen at run time, Triton puts one after each).
+    keys = _tiles(gl.float16, [STAGES, KEYS, TILE], SWIZZLED)
     rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
-    scales = gl.allocate_shared_memory(gl.float32, [STAGES * 4, KEYS], SCALES_SMEM)
-    probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
+    scales = _tiles(gl.float32, [STAGES, KEYS], SCALES_SMEM)
+    probs = _tiles(gl.float16, [2, KEYS, ROWS], PROBS_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -131,7 +138,9 @@ def _decode_split_kernel_ws(
 @gluon.jit
 def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
             PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """The decoder partition: every step of the program's items into the stages, each once ``free``."""
+    """The decoder partition: every step of the program's items into the stages, each once ``free``; a step's
+    bytes are loaded into registers while the step before is stored (a tile's load moved after its store leaves
+    those loads' latency in the step: same time or slower, NOTES.md session 19)."""
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
     ROW: gl.constexpr = NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else ROW_BYTES
@@ -139,40 +148,55 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     for i in range(gl.load(item_counts + program)):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         pages = block_table + request.to(gl.int64) * stride_bt
-        c0, c1, c2, c3, r, x0, x1, x2, x3 = _load_step(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
+        c0, x0 = _load_tile(cache, pages, kv_start, kv_end, 0, PAGE_SIZE, LAYOUT)
+        c1, x1 = _load_tile(cache, pages, kv_start, kv_end, 1, PAGE_SIZE, LAYOUT)
+        c2, x2 = _load_tile(cache, pages, kv_start, kv_end, 2, PAGE_SIZE, LAYOUT)
+        c3, x3 = _load_tile(cache, pages, kv_start, kv_end, 3, PAGE_SIZE, LAYOUT)
+        r = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
         _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW)
         for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
-            start = kv_start + j * KEYS
+            nxt = kv_start + (j + 1) * KEYS
             # The next step's rows (requested into L2 a step ago) are in flight while this one is stored.
-            _prefetch_step(cache, pages, start + 2 * KEYS, kv_end, PAGE_SIZE, ROW)
-            n0, n1, n2, n3, nr, y0, y1, y2, y3 = _load_step(cache, pages, start + KEYS, kv_end, PAGE_SIZE, LAYOUT)
+            _prefetch_step(cache, pages, nxt + KEYS, kv_end, PAGE_SIZE, ROW)
             stage = g % STAGES
+            n0, y0 = _load_tile(cache, pages, nxt, kv_end, 0, PAGE_SIZE, LAYOUT)
+            n1, y1 = _load_tile(cache, pages, nxt, kv_end, 1, PAGE_SIZE, LAYOUT)
+            n2, y2 = _load_tile(cache, pages, nxt, kv_end, 2, PAGE_SIZE, LAYOUT)
+            n3, y3 = _load_tile(cache, pages, nxt, kv_end, 3, PAGE_SIZE, LAYOUT)
+            nr = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
             mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
-            _store_step(keys, rope, scales, stage, c0, c1, c2, c3, r, x0, x1, x2, x3, LAYOUT)
+            _store_tile(keys[0].index(stage), scales[0].index(stage), c0, x0, LAYOUT)
+            _store_tile(keys[1].index(stage), scales[1].index(stage), c1, x1, LAYOUT)
+            _store_tile(keys[2].index(stage), scales[2].index(stage), c2, x2, LAYOUT)
+            _store_tile(keys[3].index(stage), scales[3].index(stage), c3, x3, LAYOUT)
+            _as_words(rope.index(stage)).store(r)
+            c0, c1, c2, c3, r = n0, n1, n2, n3, nr
+            x0, x1, x2, x3 = y0, y1, y2, y3
             hopper.fence_async_shared()  # the products read the stage through the async proxy
             mbarrier.arrive(ready.index(stage), count=1)
-            c0, c1, c2, c3 = n0, n1, n2, n3
-            r = nr
-            x0, x1, x2, x3 = y0, y1, y2, y3
             g += 1
 
 
 @gluon.jit
-def _load_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """Keys ``[start, start + 64)``'s bytes into registers: four code tiles, the rope, and four scale tensors
-    (fp8_ds_mla: each tile's per-key float32 scale; nvfp4: each tile's per-block e4m3 scales, two per thread)."""
+def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (fp8_ds_mla: the
+    per-key float32 tile scale; nvfp4: the e4m3 block scales, two per thread); zeros past ``kv_end``."""
     if LAYOUT == "nvfp4":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
-        c0, x0 = _load_fp4_tile(cache, at, ok, 0)
-        c1, x1 = _load_fp4_tile(cache, at, ok, 1)
-        c2, x2 = _load_fp4_tile(cache, at, ok, 2)
-        c3, x3 = _load_fp4_tile(cache, at, ok, 3)
-        r = _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES)
+        return _load_fp4_tile(cache, at, ok, t)
     else:
-        c0, c1, c2, c3 = _load_codes(cache, pages, start, kv_end, PAGE_SIZE)
-        r = _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
-        x0, x1, x2, x3 = _load_scales(cache, pages, start, kv_end, PAGE_SIZE, STEP_ROWS)
-    return c0, c1, c2, c3, r, x0, x1, x2, x3
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, SCALE_KEYS, ROW_BYTES)
+        scale = gl.load((cache + at + SCALES_AT).to(gl.pointer_type(gl.float32)) + t, mask=ok, other=0.0)
+        return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES, CODE_WORDS), scale
+
+
+@gluon.jit
+def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """The bf16 rope of keys ``[start, start + 64)`` as ``[64, 32]`` words (zeros past ``kv_end``)."""
+    if LAYOUT == "nvfp4":
+        return _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES)
+    else:
+        return _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
 
 
 @gluon.jit
@@ -191,24 +215,14 @@ def _load_fp4_tile(cache, at, ok, t: gl.constexpr):
 
 
 @gluon.jit
-def _store_step(keys, rope, scales, stage, c0, c1, c2, c3, r, x0, x1, x2, x3, LAYOUT: gl.constexpr):
-    """A loaded step (``_load_step``) decoded into ``stage``: float16 code tiles (exact), the bf16 rope and, for
-    fp8_ds_mla, the tile scales the products apply."""
+def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
+    """A loaded tile (``_load_tile``) decoded into its stage's buffers: float16 codes (exact) and, for fp8_ds_mla,
+    the per-key scale the products apply."""
     if LAYOUT == "nvfp4":
-        _as_words(keys.index(stage * 4 + 0)).store(_e2m1_words(c0, x0))
-        _as_words(keys.index(stage * 4 + 1)).store(_e2m1_words(c1, x1))
-        _as_words(keys.index(stage * 4 + 2)).store(_e2m1_words(c2, x2))
-        _as_words(keys.index(stage * 4 + 3)).store(_e2m1_words(c3, x3))
+        _as_words(keys).store(_e2m1_words(codes, x))
     else:
-        _as_words(keys.index(stage * 4 + 0)).store(_e4m3_words(c0))
-        _as_words(keys.index(stage * 4 + 1)).store(_e4m3_words(c1))
-        _as_words(keys.index(stage * 4 + 2)).store(_e4m3_words(c2))
-        _as_words(keys.index(stage * 4 + 3)).store(_e4m3_words(c3))
-        scales.index(stage * 4 + 0).store(x0)
-        scales.index(stage * 4 + 1).store(x1)
-        scales.index(stage * 4 + 2).store(x2)
-        scales.index(stage * 4 + 3).store(x3)
-    _as_words(rope.index(stage)).store(r)
+        _as_words(keys).store(_e4m3_words(codes))
+        scales.store(x)
 
 
 @gluon.jit
@@ -262,27 +276,42 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
     key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
     m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
     unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (decode_wgmma_fp8)
-    for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
-        start = kv_start + j * KEYS
+    steps = gl.cdiv(kv_end - kv_start, KEYS)
+    if steps > 0:
+        # Step j's values are issued after step j + 1's scores, so that the tensor cores multiply them while the
+        # warps take step j + 1's softmax; P alternates between two buffers.
         stage = g % STAGES
         mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
-        if LAYOUT == "nvfp4":  # its block scales are in the decoded values
-            x0 = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
-            x1 = x0
-            x2 = x0
-            x3 = x0
-        else:
-            x0 = scales.index(stage * 4 + 0).load(ACC_KEYS)
-            x1 = scales.index(stage * 4 + 1).load(ACC_KEYS)
-            x2 = scales.index(stage * 4 + 2).load(ACC_KEYS)
-            x3 = scales.index(stage * 4 + 3).load(ACC_KEYS)
-        m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
-            rope.index(stage), keys.index(stage * 4 + 0), keys.index(stage * 4 + 1), keys.index(stage * 4 + 2),
-            keys.index(stage * 4 + 3), q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
-            (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
+        x0, x1, x2, x3 = _tile_scales(scales, stage, ACC_KEYS, LAYOUT)
+        s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(stage), keys[0].index(stage), keys[1].index(stage),
+                                               keys[2].index(stage), keys[3].index(stage), q_rope, q_nope, zero)
+        m_i, l_part, unit, alpha_o = _scores_to_probs(
+            s_rope, p0, p1, p2, p3, 0, _probs_buffer(probs, 0), x0, x1, x2, x3, q_down, qk_scale,
+            (kv_start + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
+        for j in range(steps - 1):
+            stage = (g + j) % STAGES
+            after = (g + j + 1) % STAGES
+            mbarrier.wait(ready.index(after), ((g + j + 1) // STAGES) & 1)
+            x0, x1, x2, x3 = _tile_scales(scales, after, ACC_KEYS, LAYOUT)
+            s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(after), keys[0].index(after), keys[1].index(after),
+                                                   keys[2].index(after), keys[3].index(after), q_rope, q_nope, zero)
+            acc0, acc1, acc2, acc3 = _issue_values(keys[0].index(stage), keys[1].index(stage), keys[2].index(stage),
+                                                   keys[3].index(stage), _probs_buffer(probs, j % 2), alpha_o, acc0,
+                                                   acc1, acc2, acc3)
+            m_i, l_part, unit, alpha_o = _scores_to_probs(
+                s_rope, p0, p1, p2, p3, 4, _probs_buffer(probs, (j + 1) % 2), x0, x1, x2, x3, q_down, qk_scale,
+                (kv_start + (j + 1) * KEYS + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
+            acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+            _cta_barrier()  # every warp is done with this stage
+            mbarrier.arrive(free.index(stage), count=1)
+        stage = (g + steps - 1) % STAGES
+        acc0, acc1, acc2, acc3 = _issue_values(keys[0].index(stage), keys[1].index(stage), keys[2].index(stage),
+                                               keys[3].index(stage), _probs_buffer(probs, (steps - 1) % 2), alpha_o,
+                                               acc0, acc1, acc2, acc3)
+        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # every warp is done with this stage and with P
         mbarrier.arrive(free.index(stage), count=1)
-        g += 1
+        g += steps
 
     l_i = gl.sum(l_part, 0)
     seen = l_i > 0.0
@@ -295,3 +324,21 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
     _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
                KEEP_PARTIALS)
     return g
+
+
+@gluon.jit
+def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
+    """The four per-key tile scales of ``stage`` along the keys of the products' layout (nvfp4: ones, its block
+    scales are in the decoded values)."""
+    if LAYOUT == "nvfp4":
+        ones = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
+        return ones, ones, ones, ones
+    else:
+        return (scales[0].index(stage).load(ACC_KEYS), scales[1].index(stage).load(ACC_KEYS),
+                scales[2].index(stage).load(ACC_KEYS), scales[3].index(stage).load(ACC_KEYS))
+
+
+@gluon.jit
+def _probs_buffer(probs, b):
+    """P's buffer ``b`` of two: its four tiles."""
+    return probs[0].index(b), probs[1].index(b), probs[2].index(b), probs[3].index(b)

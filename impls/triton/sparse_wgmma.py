@@ -44,6 +44,10 @@ ROPE_AT = gl.constexpr(528)
 # Codes: 16 bytes per thread, a warp covers 4 rows of a 128-column tile. Scales: one per thread, [4 tiles, 64 keys].
 CODE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
                                             order=[1, 0]))
+# Decoding a code tile: 8 bytes per thread, so that each 16-byte float16 chunk a thread stores lies in another bank
+# group than its quarter-warp's other seven (from 16 bytes, two chunks 128 bytes apart shared each group).
+DECODE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
+                                              order=[1, 0]))
 SCALE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[1, 8],
                                              order=[1, 0]))
 # Every warp holds all of a step's scales, so their maximum needs no exchange between warps.
@@ -156,7 +160,7 @@ def _tiles(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _decode_tile(codes, keys, t: gl.constexpr):
     """Tile ``t`` of the step's codes, e4m3 -> float16 (exact), into the keys both products read."""
-    c = codes[t].load(CODE_LAYOUT)
+    c = codes[t].load(DECODE_LAYOUT)
     keys[t].store(c.to(gl.float8e4nv, bitcast=True).to(gl.float16))
 
 
