@@ -8,7 +8,9 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
   requested into L2), decodes the codes to float16 (exact) and stores the step into one of two shared-memory
   stages, then signals the stage ``ready``. ``fp8_ds_mla``: e4m3 -> float16, the per-key tile scales stored
   beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times its block's e4m3 scale (float16 holds the
-  product exactly, as in ``decode_kernel._fp4_tile``). Each tile has buffers of its own (no barrier between the
+  product exactly, as in ``decode_kernel._fp4_tile``); ``mxfp4_nsa``: the same PTX, each block's power-of-two
+  scale split into the key's tile scale ``2^kmax`` (float32, stored beside as fp8_ds_mla's) and a float16 factor
+  ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest). Each tile has buffers of its own (no barrier between the
   tiles' stores) and a load layout whose float16 stores are free of bank conflicts;
 - the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
   K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
@@ -23,10 +25,11 @@ before: the products waited for the decoder at 78% of the steps; its float16 sto
 shared-memory wavefronts). nvfp4 against the Triton kernel: b64 91.9 -> 80.5, b128 170.8 -> 141.4, b32 -> 49.1
 (session 18: 52.1); the products' overlap took b64 86.4 -> 83.6 and the stores 83.6 -> 80.5. 32 rows pass the
 same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32, session 18),
-which stays their kernel.
+which stays their kernel. mxfp4_nsa against the Triton kernel (session 19): b32 57.0 -> 54.3, b64 98.8 -> 89.5,
+b128 183.1 -> 158.5, b64 ctx16384 347.5 -> 295.5, page 1 b32 62.5 -> 57.0.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
-cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4). Launch with ``LAUNCH_OPTIONS`` (the default
+cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4, 400 for mxfp4_nsa). Launch with ``LAUNCH_OPTIONS`` (the default
 partition's warps, and the register cap that lets 12 warps fit one multiprocessor).
 """
 
@@ -54,11 +57,15 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 # fp8_ds_mla's per-key tile scales, a step's 64 keys over the decoder's 256 threads (one register a tile).
 SCALE_KEYS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8], order=[0]))
-LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4")  # the cache layouts this kernel decodes
+LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "mxfp4_nsa")  # the cache layouts this kernel decodes
 # nvfp4: [256 packed e2m1 | 32 e4m3 block scales, one per 16 values | 64 bf16 rope], times the layer's scale.
 NVFP4_ROW_BYTES = gl.constexpr(416)
 NVFP4_SCALES_AT = gl.constexpr(256)
 NVFP4_ROPE_AT = gl.constexpr(288)
+# mxfp4_nsa: [256 packed e2m1 | 16 ue8m0 block scales, one per 32 values | 64 bf16 rope].
+MXFP4_ROW_BYTES = gl.constexpr(400)
+MXFP4_SCALES_AT = gl.constexpr(256)
+MXFP4_ROPE_AT = gl.constexpr(272)
 # An nvfp4 code tile [64 keys, 16 words] as [64, 4, 4]: a thread's four words (16 bytes, 32 values) lie under two
 # block scales, the byte pair the thread loads beside them. Lanes run over the keys first: the eight threads of a
 # quarter-warp store the same float16 chunks of eight keys, in eight bank groups (the swizzle), not two chunks each
@@ -96,6 +103,9 @@ _E2M1_WORDS_TIMES_SCALES = gl.constexpr("""{
     mov.b32 first, {f0, f0};
     mov.b32 second, {f1, f1};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4))
     + "\n}")
+# The same four words under one float16 factor, in both halves of ``$20`` (mxfp4_nsa: a thread's 32 values are one
+# block).
+_E2M1_WORDS_TIMES_FACTOR = gl.constexpr("{" + "".join(_e2m1_word_ptx(k, "$20") for k in range(4)) + "\n}")
 
 
 @gluon.jit
@@ -143,7 +153,8 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     those loads' latency in the step: same time or slower, NOTES.md session 19)."""
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
-    ROW: gl.constexpr = NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else ROW_BYTES
+    ROW: gl.constexpr = (NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else MXFP4_ROW_BYTES if LAYOUT == "mxfp4_nsa"
+                         else ROW_BYTES)
     g = 0
     for i in range(gl.load(item_counts + program)):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
@@ -180,10 +191,18 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
 @gluon.jit
 def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
     """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (fp8_ds_mla: the
-    per-key float32 tile scale; nvfp4: the e4m3 block scales, two per thread); zeros past ``kv_end``."""
+    per-key float32 tile scale; nvfp4: the e4m3 block scales, two per thread; mxfp4_nsa: the ue8m0 block scale, one
+    per thread); zeros past ``kv_end``."""
     if LAYOUT == "nvfp4":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
-        return _load_fp4_tile(cache, at, ok, t)
+        pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
+        return _load_fp4_codes(cache, at, ok, t), gl.load(pairs[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
+                                                          other=0)
+    elif LAYOUT == "mxfp4_nsa":
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MXFP4_ROW_BYTES)
+        blocks = cache + at + MXFP4_SCALES_AT + TILE // 32 * t
+        return _load_fp4_codes(cache, at, ok, t), gl.load(blocks[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
+                                                          other=0)
     else:
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, SCALE_KEYS, ROW_BYTES)
         scale = gl.load((cache + at + SCALES_AT).to(gl.pointer_type(gl.float32)) + t, mask=ok, other=0.0)
@@ -195,44 +214,67 @@ def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.
     """The bf16 rope of keys ``[start, start + 64)`` as ``[64, 32]`` words (zeros past ``kv_end``)."""
     if LAYOUT == "nvfp4":
         return _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES)
+    elif LAYOUT == "mxfp4_nsa":
+        return _load_words(cache, pages, start, kv_end, MXFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, MXFP4_ROW_BYTES)
     else:
         return _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
 
 
 @gluon.jit
-def _load_fp4_tile(cache, at, ok, t: gl.constexpr):
-    """nvfp4 latent tile ``t`` of the keys at byte offsets ``at`` (``ok``: real): its packed codes as ``[64, 4, 4]``
-    words (a thread's four words are 32 values) and its e4m3 block scales as ``[64, 4]`` byte pairs (the two
-    blocks of those 32 values); zeros where not ``ok``."""
+def _fp4_chunks():
+    """A thread's 32-value chunk of a key's 128-value tile, 0-3, along ``FP4_WORDS``."""
+    return gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, FP4_WORDS)))
+
+
+@gluon.jit
+def _load_fp4_codes(cache, at, ok, t: gl.constexpr):
+    """The packed e2m1 codes of latent tile ``t`` (the first 256 bytes of an FP4 row) of the keys at byte offsets
+    ``at`` (``ok``: real) as ``[64, 4, 4]`` words, a thread's four words 32 values; zeros where not ``ok``."""
     WORDS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, FP4_WORDS))
-    PAIRS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, FP4_WORDS))
     words = (cache + at + TILE // 2 * t).to(gl.pointer_type(gl.int32))
-    chunk = gl.arange(0, 4, layout=PAIRS)
-    codes = gl.load(words[:, None, None] + 4 * chunk[None, :, None] + gl.arange(0, 4, layout=WORDS)[None, None, :],
-                    mask=ok[:, None, None], other=0)
-    pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
-    return codes, gl.load(pairs[:, None] + chunk[None, :], mask=ok[:, None], other=0)
+    return gl.load(words[:, None, None] + 4 * _fp4_chunks()[None, :, None]
+                   + gl.arange(0, 4, layout=WORDS)[None, None, :], mask=ok[:, None, None], other=0)
 
 
 @gluon.jit
 def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
-    """A loaded tile (``_load_tile``) decoded into its stage's buffers: float16 codes (exact) and, for fp8_ds_mla,
-    the per-key scale the products apply."""
+    """A loaded tile (``_load_tile``) decoded into its stage's buffers: float16 codes (exact, up to mxfp4_nsa's
+    tile scale) and, for fp8_ds_mla and mxfp4_nsa, the per-key tile scale the products apply."""
     if LAYOUT == "nvfp4":
-        _as_words(keys).store(_e2m1_words(codes, x))
+        _as_words(keys).store(_e2m1_words(codes, x[:, :, None], _E2M1_WORDS_TIMES_SCALES, "r,r"))
+    elif LAYOUT == "mxfp4_nsa":
+        tile_scale, factors = _ue8m0_split(x.to(gl.int32))
+        _as_words(keys).store(_e2m1_words(codes, factors[:, :, None], _E2M1_WORDS_TIMES_FACTOR, "r,r,r,r"))
+        scales.store(tile_scale)
     else:
         _as_words(keys).store(_e4m3_words(codes))
         scales.store(x)
 
 
 @gluon.jit
-def _e2m1_words(codes, pairs):
-    """nvfp4 codes ``[64, 4, 4]`` words and their scale byte pairs ``[64, 4]`` -> ``[64, 64]`` words of two float16
-    values each, in value order: each e2m1 value times its block's e4m3 scale, exact in float16 (at most 6
-    significant bits, within [2^-10, 2688])."""
+def _ue8m0_split(blocks):
+    """A key's four ue8m0 block exponents ``k`` (``[64, 4]``, one tile) -> its float32 tile scale ``2^kmax`` (NaN
+    if a block is NaN, 0xFF) and each block's float16 factor ``2^(k - kmax) * 64`` in both halves of a 32-bit word
+    (the e2m1 -> e4m3 bit move divides by 64). Blocks more than 2^-23 below the largest lose bits in float16: their
+    values lie below 2^-22 of the tile's largest (a block's scale is set by its own largest value)."""
+    kmax = gl.max(blocks, 1)
+    bits = gl.where(kmax == 0, 0x400000, kmax << 23)  # 2^-127 is a float32 subnormal
+    tile_scale = gl.where(kmax == 255, 0x7FC00000, bits).to(gl.float32, bitcast=True)
+    exponent = blocks - kmax[:, None] + 133  # 2^(k - kmax + 6) as a float32 exponent field; at most 0 flushes
+    factor = gl.where(exponent > 0, exponent << 23, 0).to(gl.float32, bitcast=True).to(gl.float16)
+    half = factor.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return tile_scale, half | (half << 16)
+
+
+@gluon.jit
+def _e2m1_words(codes, scales, ASM: gl.constexpr, SCALE_REGS: gl.constexpr):
+    """FP4 codes ``[64, 4, 4]`` words and their scales (``[64, 4, 1]``, one entry per thread's 32 values, as
+    ``ASM`` reads them: ``_E2M1_WORDS_TIMES_SCALES`` or ``_E2M1_WORDS_TIMES_FACTOR``; ``SCALE_REGS``: their
+    constraints, four packed entries) -> ``[64, 64]`` words of two float16 values each, in value order: each e2m1
+    value times its block's scale, exact in float16 (nvfp4: at most 6 significant bits, within [2^-10, 2688])."""
     v01, v23, v45, v67 = gl.inline_asm_elementwise(
-        _E2M1_WORDS_TIMES_SCALES, "=r," * 16 + "r,r,r,r,r,r", [codes, pairs[:, :, None]],
-        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=4)
+        ASM, "=r," * 16 + "r,r,r,r," + SCALE_REGS, [codes, scales], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+        is_pure=True, pack=4)
     return gl.join(gl.join(v01, v45), gl.join(v23, v67)).reshape([codes.shape[0], 16 * codes.shape[1]])
 
 
