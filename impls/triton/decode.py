@@ -156,12 +156,12 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
     fp8_ds_mla on Hopper: from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor the warp-specialized Gluon kernel
-    (``decode_ws``; H200, 16 heads b64: 112.5 -> 91.8 us, b128 209.1 -> 158.6, NOTES.md sessions 16 and 19), below it
+    (``decode_ws``; H200, 16 heads b64: 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19), below it
     the one that decodes codes straight into mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``;
     H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14); 16 rows of nvfp4 on Hopper from
     ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
-    80.5 us, b128 170.8 -> 141.4, NOTES.md sessions 18 and 19), and of mxfp4_nsa (b64 98.8 -> 89.5, b128 183.1 ->
-    158.5, NOTES.md session 19). bf16 on Hopper
+    78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), and of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
+    148.6, NOTES.md session 19). bf16 on Hopper
     in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16

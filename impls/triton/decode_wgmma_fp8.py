@@ -227,8 +227,8 @@ def _step_products(rope, k0, k1, k2, k3, q_rope, q_nope, probs, x0, x1, x2, x3, 
     (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the other. Returns the
     running maximum, sums, unit and accumulators."""
     s_rope, p0, p1, p2, p3 = _issue_scores(rope, k0, k1, k2, k3, q_rope, q_nope, zero)
-    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, q_down, qk_scale,
-                                                  visible_keys, m_i, l_part, unit)
+    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, None, q_down,
+                                                  qk_scale, visible_keys, m_i, l_part, unit)
     acc0, acc1, acc2, acc3 = _issue_values(k0, k1, k2, k3, probs, alpha_o, acc0, acc1, acc2, acc3)
     acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
     return m_i, l_part, unit, acc0, acc1, acc2, acc3
@@ -247,12 +247,13 @@ def _issue_scores(rope, k0, k1, k2, k3, q_rope, q_nope, zero):
 
 
 @gluon.jit
-def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1, x2, x3, q_down, qk_scale,
-                     visible_keys, m_i, l_part, unit):
+def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1, x2, x3, step_max, q_down,
+                     qk_scale, visible_keys, m_i, l_part, unit):
     """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
     each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
-    ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores. Returns the running maximum, sums, the new
-    unit ``u`` and the factor of the accumulators (``alpha_o``)."""
+    ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores; ``u`` grows to ``step_max``, the step's
+    largest tile scale (None: found here, across the warps). Returns the running maximum, sums, the new unit ``u``
+    and the factor of the accumulators (``alpha_o``)."""
     s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
     p1 = hopper.warpgroup_mma_wait(num_outstanding=2 + LATER, deps=[p1])
@@ -270,7 +271,9 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1,
     l_part = l_part * alpha[None, :] + p
 
     # Values: P^T * scale_t / u per tile, in float16; u grows to this step's largest scale.
-    new_unit = gl.maximum(unit, gl.max(gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3)), 0))
+    if step_max is None:
+        step_max = gl.max(gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3)), 0)
+    new_unit = gl.maximum(unit, step_max)
     per_unit = 1.0 / new_unit
     probs[0].store((p * (x0 * per_unit)[:, None]).to(gl.float16))
     probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))

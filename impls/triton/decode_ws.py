@@ -10,27 +10,29 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
   beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times its block's e4m3 scale (float16 holds the
   product exactly, as in ``decode_kernel._fp4_tile``); ``mxfp4_nsa``: the same PTX, each block's power-of-two
   scale split into the key's tile scale ``2^kmax`` (float32, stored beside as fp8_ds_mla's) and a float16 factor
-  ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest). Each tile has buffers of its own (no barrier between the
-  tiles' stores) and a load layout whose float16 stores are free of bank conflicts;
+  ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest). Each tile has buffers of its own (no
+  barrier between the tiles' stores) and a load layout whose float16 stores are free of bank conflicts;
 - the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
   K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
   signals the stage ``free``. A step's value products are issued after the next step's scores, so the tensor
-  cores run them during that step's softmax. nvfp4's layer scale multiplies the query's unit and the final output.
+  cores run them during that step's softmax; each warp reads all of a step's tile scales for their maximum (no
+  exchange between warps). nvfp4's layer scale multiplies the query's unit and the final output.
 
 Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18 and 19), us. fp8_ds_mla against
-``decode_mma_fp8`` (the default before): b32 65.7 -> 56.8, b64 112.5 -> 91.8, b128 209.1 -> 158.6, b64 ctx16384
-404.3 -> 295.0; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below, one program per
-multiprocessor loses to ``decode_mma_fp8``'s two). The conflict-free stores took b64 from 102.5 to 91.8 (ncu
-before: the products waited for the decoder at 78% of the steps; its float16 stores took twice their ideal
-shared-memory wavefronts). nvfp4 against the Triton kernel: b64 91.9 -> 80.5, b128 170.8 -> 141.4, b32 -> 49.1
-(session 18: 52.1); the products' overlap took b64 86.4 -> 83.6 and the stores 83.6 -> 80.5. 32 rows pass the
-same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32, session 18),
-which stays their kernel. mxfp4_nsa against the Triton kernel (session 19): b32 57.0 -> 54.3, b64 98.8 -> 89.5,
-b128 183.1 -> 158.5, b64 ctx16384 347.5 -> 295.5, page 1 b32 62.5 -> 57.0.
+``decode_mma_fp8`` (the default before): b32 65.7 -> 54.0, b64 112.5 -> 88.4, b128 209.1 -> 153.7, b64 ctx16384
+404.3 -> 291.1; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below, one program per
+multiprocessor loses to ``decode_mma_fp8``'s two). nvfp4 against the Triton kernel: b64 91.9 -> 78.5, b128 170.8 ->
+138.5; mxfp4_nsa: b32 57.0 -> 50.2, b64 98.8 -> 83.8, b128 183.1 -> 148.6, page 1 b32 62.5 -> 57.0 (before the last
+step below). Session 19's steps at b64 (fp8_ds_mla / nvfp4 / mxfp4_nsa): conflict-free stores 102.5 -> 91.8 /
+83.6 -> 80.5 / -, the products overlapped across steps - / 86.4 -> 83.6 / -, the scales' maximum without an
+exchange between warps 92.0 -> 88.4 / 80.6 -> 78.5 / 89.7 -> 83.8 (ncu before the stores: the products waited for
+the decoder at 78% of the steps, and the float16 stores took twice their ideal shared-memory wavefronts). 32 rows
+pass the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32,
+session 18), which stays their kernel.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
-cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4, 400 for mxfp4_nsa). Launch with ``LAUNCH_OPTIONS`` (the default
-partition's warps, and the register cap that lets 12 warps fit one multiprocessor).
+cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4, 400 for mxfp4_nsa). Launch with ``LAUNCH_OPTIONS``
+(the default partition's warps, and the register cap that lets 12 warps fit one multiprocessor).
 """
 
 from __future__ import annotations
@@ -324,24 +326,25 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
         # warps take step j + 1's softmax; P alternates between two buffers.
         stage = g % STAGES
         mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
-        x0, x1, x2, x3 = _tile_scales(scales, stage, ACC_KEYS, LAYOUT)
+        x0, x1, x2, x3, step_max = _tile_scales(scales, stage, ACC_KEYS, LAYOUT)
         s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(stage), keys[0].index(stage), keys[1].index(stage),
                                                keys[2].index(stage), keys[3].index(stage), q_rope, q_nope, zero)
         m_i, l_part, unit, alpha_o = _scores_to_probs(
-            s_rope, p0, p1, p2, p3, 0, _probs_buffer(probs, 0), x0, x1, x2, x3, q_down, qk_scale,
+            s_rope, p0, p1, p2, p3, 0, _probs_buffer(probs, 0), x0, x1, x2, x3, step_max, q_down, qk_scale,
             (kv_start + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
         for j in range(steps - 1):
             stage = (g + j) % STAGES
             after = (g + j + 1) % STAGES
             mbarrier.wait(ready.index(after), ((g + j + 1) // STAGES) & 1)
-            x0, x1, x2, x3 = _tile_scales(scales, after, ACC_KEYS, LAYOUT)
+            x0, x1, x2, x3, step_max = _tile_scales(scales, after, ACC_KEYS, LAYOUT)
             s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(after), keys[0].index(after), keys[1].index(after),
                                                    keys[2].index(after), keys[3].index(after), q_rope, q_nope, zero)
             acc0, acc1, acc2, acc3 = _issue_values(keys[0].index(stage), keys[1].index(stage), keys[2].index(stage),
                                                    keys[3].index(stage), _probs_buffer(probs, j % 2), alpha_o, acc0,
                                                    acc1, acc2, acc3)
             m_i, l_part, unit, alpha_o = _scores_to_probs(
-                s_rope, p0, p1, p2, p3, 4, _probs_buffer(probs, (j + 1) % 2), x0, x1, x2, x3, q_down, qk_scale,
+                s_rope, p0, p1, p2, p3, 4, _probs_buffer(probs, (j + 1) % 2), x0, x1, x2, x3, step_max, q_down,
+                qk_scale,
                 (kv_start + (j + 1) * KEYS + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
             acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
             _cta_barrier()  # every warp is done with this stage
@@ -370,14 +373,20 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
 
 @gluon.jit
 def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
-    """The four per-key tile scales of ``stage`` along the keys of the products' layout (nvfp4: ones, its block
-    scales are in the decoded values)."""
+    """The four per-key tile scales of ``stage`` along the keys of the products' layout, and their maximum (nvfp4:
+    ones, its block scales are in the decoded values). Each warp reads all 256 for the maximum, so that it needs
+    no exchange between warps."""
     if LAYOUT == "nvfp4":
         ones = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
-        return ones, ones, ones, ones
+        return ones, ones, ones, ones, gl.to_tensor(1.0)
     else:
+        EVERY_WARP: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[4],
+                                                    order=[0])
+        first = gl.maximum(scales[0].index(stage).load(EVERY_WARP), scales[1].index(stage).load(EVERY_WARP))
+        second = gl.maximum(scales[2].index(stage).load(EVERY_WARP), scales[3].index(stage).load(EVERY_WARP))
+        largest = gl.maximum(first, second)
         return (scales[0].index(stage).load(ACC_KEYS), scales[1].index(stage).load(ACC_KEYS),
-                scales[2].index(stage).load(ACC_KEYS), scales[3].index(stage).load(ACC_KEYS))
+                scales[2].index(stage).load(ACC_KEYS), scales[3].index(stage).load(ACC_KEYS), gl.max(largest, 0))
 
 
 @gluon.jit
