@@ -60,9 +60,9 @@ WIDE_ROWS_MIN_KEYS_PER_SM = 512
 # per multiprocessor), by layout; H200, 16 heads, session 19 (NOTES.md). fp8_ds_mla, against decode_mma_fp8 (two):
 # at 496 (b16 ctx4096, b8 ctx8192) 41.2 -> 39.8 and 42.1 -> 39.9 us, at 248 (b8 ctx4096) 28.2 -> 23.8; at 124 (b4)
 # 21.7 -> 21.9, at 62 (b1 ctx8192) 19.2 -> 20.7. nvfp4, against the Triton kernel: at 124 (b4) 20.3 -> 19.8; at 62
-# (b2 ctx4096) 19.1 -> 19.2. mxfp4_nsa, against the Triton kernel: at 992 (b32) 57.0 -> 54.3; at 248 (b8) 25.0 ->
-# 25.3, at 124 (b4) 20.6 -> 20.5, at 62 (b1 ctx8192) 16.7 -> 17.3.
-WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "nvfp4": 96, "mxfp4_nsa": 512}
+# (b2 ctx4096) 19.1 -> 19.2. mxfp4_nsa, against the Triton kernel: at 992 (b32) 57.4 -> 50.8, at 248 (b8) 25.5 ->
+# 21.5; at 124 (b4) 18.4 -> 21.2, at 62 (b2, b1 ctx8192) 16.7 -> 16.9, 16.9 -> 16.4.
+WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "nvfp4": 96, "mxfp4_nsa": 192}
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
 # workspace slot (-1: writes the final output), and the request's first token and token count.
