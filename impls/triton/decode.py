@@ -62,7 +62,8 @@ WIDE_ROWS_MIN_KEYS_PER_SM = 512
 # 21.7 -> 21.9, at 62 (b1 ctx8192) 19.2 -> 20.7. nvfp4, against the Triton kernel: at 124 (b4) 20.3 -> 19.8; at 62
 # (b2 ctx4096) 19.1 -> 19.2. mxfp4_nsa, against the Triton kernel: at 992 (b32) 57.4 -> 50.8, at 248 (b8) 25.5 ->
 # 21.5; at 124 (b4) 18.4 -> 21.2, at 62 (b2, b1 ctx8192) 16.7 -> 16.9, 16.9 -> 16.4.
-WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "nvfp4": 96, "mxfp4_nsa": 192}
+# fp4_mx16 (its rope FP4 too): faster at every size measured, from 116.0 -> 91.6 at b64 to 22.8 -> 19.6 at b1 ctx8192.
+WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "nvfp4": 96, "mxfp4_nsa": 192, "fp4_mx16": 0}
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
 # workspace slot (-1: writes the final output), and the request's first token and token count.
@@ -77,8 +78,8 @@ PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's
 # 64-row bf16 kernel, decode_wgmma_narrow's 16- and 32-row bf16 one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla
-# one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla,
-# nvfp4 and mxfp4_nsa one.
+# one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla
+# and FP4 one.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
     **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
@@ -111,7 +112,7 @@ class DecodeConfig:
     or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 16 or 32 rows with 8
     warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
     codes decoded straight into operand registers), in 16 rows with 12 warps ``decode_ws`` (warp-specialized:
-    8 decoding warps beside a warpgroup of products), which also runs nvfp4 and mxfp4_nsa in 16 rows."""
+    8 decoding warps beside a warpgroup of products), which also runs the FP4 layouts in 16 rows."""
 
     block_m: int = 16
     block_n: int = 32
@@ -160,8 +161,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     the one that decodes codes straight into mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``;
     H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14); 16 rows of nvfp4 on Hopper from
     ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
-    78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), and of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
-    148.6, NOTES.md session 19). bf16 on Hopper
+    78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
+    148.6) and of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0, NOTES.md session 19). bf16 on Hopper
     in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16

@@ -178,9 +178,9 @@ def e2m1_as_e4m3_ptx(word: str) -> str:
 
 # e2m1 codes to e4m3 bytes on a word of four packed bytes: the low nibbles' codes (lo) and the high nibbles' (hi),
 # each pair of codes converted by the hardware (e4m3x2 -> f16x2), then scaled: the float16 pairs times a float16
-# scale, or widened to float32, times a float32 scale, rounded to a bfloat16 pair. $4 holds the packed word, $5 the
-# first of the scale's registers (one scale covers the word's eight values). Outputs: $0-$1 the low nibbles'
-# values, $2-$3 the high nibbles'.
+# scale, or widened to float32, times a float32 scale, rounded to a bfloat16 pair (that form also decodes
+# decode_ws's fp4_mx16 rope). $4 holds the packed word, $5 the first of the scale's registers (one scale covers the
+# word's eight values). Outputs: $0-$1 the low nibbles' values, $2-$3 the high nibbles'.
 _E2M1_CODES = """
     .reg .b32 t0, t1, lo, hi;
     .reg .b16 h<4>;""" + e2m1_as_e4m3_ptx("$4") + """
@@ -190,7 +190,7 @@ _E2M1_CODES = """
 _E2M1_TIMES_F16 = tl.constexpr("{" + _E2M1_CODES + "".join(f"""
     cvt.rn.f16x2.e4m3x2 ${i}, h{i};
     mul.rn.f16x2 ${i}, ${i}, $5;""" for i in range(4)) + "\n}")
-_E2M1_TIMES_F32 = tl.constexpr("{" + _E2M1_CODES + """
+E2M1_TIMES_F32 = tl.constexpr("{" + _E2M1_CODES + """
     .reg .b32 pair;
     .reg .b16 a, b;
     .reg .f32 fa, fb;""" + "".join(f"""
@@ -212,7 +212,7 @@ def _e2m1_scaled(packed, scales, AS_FLOAT16: tl.constexpr):
         low, high = tl.inline_asm_elementwise(_E2M1_TIMES_F16, "=r,=r,=r,=r,r,r,r", [packed, scales],
                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
-        low, high = tl.inline_asm_elementwise(_E2M1_TIMES_F32, "=r,=r,=r,=r,r,r,r,r,r", [packed, scales],
+        low, high = tl.inline_asm_elementwise(E2M1_TIMES_F32, "=r,=r,=r,=r,r,r,r,r,r", [packed, scales],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return tl.join(low, high).reshape([packed.shape[0], 2 * packed.shape[1]])
 

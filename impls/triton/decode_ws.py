@@ -10,8 +10,10 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
   beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times its block's e4m3 scale (float16 holds the
   product exactly, as in ``decode_kernel._fp4_tile``); ``mxfp4_nsa``: the same PTX, each block's power-of-two
   scale split into the key's tile scale ``2^kmax`` (float32, stored beside as fp8_ds_mla's) and a float16 factor
-  ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest). Each tile has buffers of its own (no
-  barrier between the tiles' stores) and a load layout whose float16 stores are free of bank conflicts;
+  ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest); ``fp4_mx16``: as mxfp4_nsa with two blocks
+  a thread, and its FP4 rope decoded to bf16 (exact: float32 products rounded, ``decode_kernel``'s PTX). Each tile
+  has buffers of its own (no barrier between the tiles' stores) and a load layout whose float16 stores are free
+  of bank conflicts;
 - the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
   K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
   signals the stage ``free``. A step's value products are issued after the next step's scores, so the tensor
@@ -21,9 +23,10 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
 Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18 and 19), us. fp8_ds_mla against
 ``decode_mma_fp8`` (the default before): b32 65.7 -> 54.0, b64 112.5 -> 88.4, b128 209.1 -> 153.7, b64 ctx16384
 404.3 -> 291.1; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below, one program per
-multiprocessor loses to ``decode_mma_fp8``'s two). nvfp4 against the Triton kernel: b64 91.9 -> 78.5, b128 170.8 ->
-138.5; mxfp4_nsa: b32 57.0 -> 50.2, b64 98.8 -> 83.8, b128 183.1 -> 148.6, page 1 b32 62.5 -> 57.0 (before the last
-step below). Session 19's steps at b64 (fp8_ds_mla / nvfp4 / mxfp4_nsa): conflict-free stores 102.5 -> 91.8 /
+multiprocessor loses to ``decode_mma_fp8``'s two). The FP4 layouts against the Triton kernel: nvfp4 b64 91.9 ->
+78.5, b128 170.8 -> 138.5; mxfp4_nsa b32 57.0 -> 50.2, b64 98.8 -> 83.8, b128 183.1 -> 148.6; fp4_mx16 b32 64.5 ->
+51.7, b64 116.0 -> 91.6, b128 218.4 -> 162.0, b64 ctx16384 413.5 -> 308.2, page 1 b32 78.5 -> 53.7, b1 ctx8192
+22.8 -> 19.6. Session 19's steps at b64 (fp8_ds_mla / nvfp4 / mxfp4_nsa): conflict-free stores 102.5 -> 91.8 /
 83.6 -> 80.5 / -, the products overlapped across steps - / 86.4 -> 83.6 / -, the scales' maximum without an
 exchange between warps 92.0 -> 88.4 / 80.6 -> 78.5 / 89.7 -> 83.8 (ncu before the stores: the products waited for
 the decoder at 78% of the steps, and the float16 stores took twice their ideal shared-memory wavefronts). 32 rows
@@ -31,8 +34,9 @@ pass the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us
 session 18), which stays their kernel.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
-cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4, 400 for mxfp4_nsa). Launch with ``LAUNCH_OPTIONS``
-(the default partition's warps, and the register cap that lets 12 warps fit one multiprocessor).
+cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4, 400 for mxfp4_nsa, 324 for fp4_mx16). Launch with
+``LAUNCH_OPTIONS`` (the default partition's warps, and the register cap that lets 12 warps fit one
+multiprocessor).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from impls.triton.decode_kernel import ITEM_FIELDS, ROPE, TILE, e2m1_as_e4m3_ptx
+from impls.triton.decode_kernel import E2M1_TIMES_F32, ITEM_FIELDS, ROPE, TILE, e2m1_as_e4m3_ptx
 from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
 from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, _as_words, _e4m3_words, _issue_scores, _issue_values,
                                            _load_words, _prefetch_step, _scores_to_probs, _slots)
@@ -59,7 +63,7 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 # fp8_ds_mla's per-key tile scales, a step's 64 keys over the decoder's 256 threads (one register a tile).
 SCALE_KEYS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8], order=[0]))
-LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "mxfp4_nsa")  # the cache layouts this kernel decodes
+LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "mxfp4_nsa", "fp4_mx16")  # the cache layouts this kernel decodes
 # nvfp4: [256 packed e2m1 | 32 e4m3 block scales, one per 16 values | 64 bf16 rope], times the layer's scale.
 NVFP4_ROW_BYTES = gl.constexpr(416)
 NVFP4_SCALES_AT = gl.constexpr(256)
@@ -68,6 +72,14 @@ NVFP4_ROPE_AT = gl.constexpr(288)
 MXFP4_ROW_BYTES = gl.constexpr(400)
 MXFP4_SCALES_AT = gl.constexpr(256)
 MXFP4_ROPE_AT = gl.constexpr(272)
+# fp4_mx16: [288 packed e2m1, latent then rope | 36 ue8m0 block scales, one per 16 values, latent then rope].
+MX16_ROW_BYTES = gl.constexpr(324)
+MX16_SCALES_AT = gl.constexpr(288)
+MX16_ROPE_AT = gl.constexpr(256)
+MX16_ROPE_SCALES_AT = gl.constexpr(320)
+# fp4_mx16's rope codes [64 keys, 32 bytes], 4 bytes (8 values of one block) a thread.
+ROPE_BYTES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                           order=[1, 0]))
 # An nvfp4 code tile [64 keys, 16 words] as [64, 4, 4]: a thread's four words (16 bytes, 32 values) lie under two
 # block scales, the byte pair the thread loads beside them. Lanes run over the keys first: the eight threads of a
 # quarter-warp store the same float16 chunks of eight keys, in eight bank groups (the swizzle), not two chunks each
@@ -105,9 +117,15 @@ _E2M1_WORDS_TIMES_SCALES = gl.constexpr("""{
     mov.b32 first, {f0, f0};
     mov.b32 second, {f1, f1};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4))
     + "\n}")
-# The same four words under one float16 factor, in both halves of ``$20`` (mxfp4_nsa: a thread's 32 values are one
-# block).
-_E2M1_WORDS_TIMES_FACTOR = gl.constexpr("{" + "".join(_e2m1_word_ptx(k, "$20") for k in range(4)) + "\n}")
+# The same four words under two float16 factors, the halves of ``$20``: the first covers words 0-1, the second
+# words 2-3 (fp4_mx16's two blocks; mxfp4_nsa's one block has the same factor in both).
+_E2M1_WORDS_TIMES_FACTORS = gl.constexpr("""{
+    .reg .b16 f0, f1;
+    .reg .b32 first, second;
+    mov.b32 {f0, f1}, $20;
+    mov.b32 first, {f0, f0};
+    mov.b32 second, {f1, f1};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4))
+    + "\n}")
 
 
 @gluon.jit
@@ -156,7 +174,7 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
     ROW: gl.constexpr = (NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else MXFP4_ROW_BYTES if LAYOUT == "mxfp4_nsa"
-                         else ROW_BYTES)
+                         else MX16_ROW_BYTES if LAYOUT == "fp4_mx16" else ROW_BYTES)
     g = 0
     for i in range(gl.load(item_counts + program)):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
@@ -165,7 +183,7 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
         c1, x1 = _load_tile(cache, pages, kv_start, kv_end, 1, PAGE_SIZE, LAYOUT)
         c2, x2 = _load_tile(cache, pages, kv_start, kv_end, 2, PAGE_SIZE, LAYOUT)
         c3, x3 = _load_tile(cache, pages, kv_start, kv_end, 3, PAGE_SIZE, LAYOUT)
-        r = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
+        r, rs = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
         _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW)
         for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
             nxt = kv_start + (j + 1) * KEYS
@@ -176,14 +194,14 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
             n1, y1 = _load_tile(cache, pages, nxt, kv_end, 1, PAGE_SIZE, LAYOUT)
             n2, y2 = _load_tile(cache, pages, nxt, kv_end, 2, PAGE_SIZE, LAYOUT)
             n3, y3 = _load_tile(cache, pages, nxt, kv_end, 3, PAGE_SIZE, LAYOUT)
-            nr = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
+            nr, nrs = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
             mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
             _store_tile(keys[0].index(stage), scales[0].index(stage), c0, x0, LAYOUT)
             _store_tile(keys[1].index(stage), scales[1].index(stage), c1, x1, LAYOUT)
             _store_tile(keys[2].index(stage), scales[2].index(stage), c2, x2, LAYOUT)
             _store_tile(keys[3].index(stage), scales[3].index(stage), c3, x3, LAYOUT)
-            _as_words(rope.index(stage)).store(r)
-            c0, c1, c2, c3, r = n0, n1, n2, n3, nr
+            _store_rope(rope.index(stage), r, rs, LAYOUT)
+            c0, c1, c2, c3, r, rs = n0, n1, n2, n3, nr, nrs
             x0, x1, x2, x3 = y0, y1, y2, y3
             hopper.fence_async_shared()  # the products read the stage through the async proxy
             mbarrier.arrive(ready.index(stage), count=1)
@@ -193,8 +211,8 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
 @gluon.jit
 def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
     """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (fp8_ds_mla: the
-    per-key float32 tile scale; nvfp4: the e4m3 block scales, two per thread; mxfp4_nsa: the ue8m0 block scale, one
-    per thread); zeros past ``kv_end``."""
+    per-key float32 tile scale; nvfp4 and fp4_mx16: the e4m3 or ue8m0 block scales, two per thread; mxfp4_nsa: the
+    ue8m0 block scale, one per thread); zeros past ``kv_end``."""
     if LAYOUT == "nvfp4":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
         pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
@@ -205,6 +223,11 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
         blocks = cache + at + MXFP4_SCALES_AT + TILE // 32 * t
         return _load_fp4_codes(cache, at, ok, t), gl.load(blocks[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
                                                           other=0)
+    elif LAYOUT == "fp4_mx16":
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MX16_ROW_BYTES)
+        pairs = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
+        return _load_fp4_codes(cache, at, ok, t), gl.load(pairs[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
+                                                          other=0)
     else:
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, SCALE_KEYS, ROW_BYTES)
         scale = gl.load((cache + at + SCALES_AT).to(gl.pointer_type(gl.float32)) + t, mask=ok, other=0.0)
@@ -213,13 +236,33 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
 
 @gluon.jit
 def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """The bf16 rope of keys ``[start, start + 64)`` as ``[64, 32]`` words (zeros past ``kv_end``)."""
-    if LAYOUT == "nvfp4":
-        return _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES)
+    """The rope of keys ``[start, start + 64)`` (zeros past ``kv_end``): bf16 as ``[64, 32]`` words, and 0; fp4_mx16's
+    packed codes ``[64, 32]`` bytes and each byte's float32 factor ``2^k * 64`` (``decode_kernel._ue8m0_times_64``)."""
+    if LAYOUT == "fp4_mx16":
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, ROPE_BYTES), MX16_ROW_BYTES)
+        column = gl.arange(0, ROPE // 2, layout=gl.SliceLayout(0, ROPE_BYTES))[None, :]
+        codes = gl.load(cache + at[:, None] + MX16_ROPE_AT + column, mask=ok[:, None], other=0)
+        block = gl.load(cache + at[:, None] + MX16_ROPE_SCALES_AT + column // 8, mask=ok[:, None], other=0)
+        bits = (gl.minimum(block.to(gl.int32), 248) + 6) << 23
+        return codes, gl.where(block == 0xFF, float("nan"), bits.to(gl.float32, bitcast=True))
+    elif LAYOUT == "nvfp4":
+        return _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES), 0
     elif LAYOUT == "mxfp4_nsa":
-        return _load_words(cache, pages, start, kv_end, MXFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, MXFP4_ROW_BYTES)
+        return _load_words(cache, pages, start, kv_end, MXFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, MXFP4_ROW_BYTES), 0
     else:
-        return _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
+        return _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES), 0
+
+
+@gluon.jit
+def _store_rope(rope, r, factors, LAYOUT: gl.constexpr):
+    """A loaded rope (``_load_rope``) into its stage's bf16 buffer: fp4_mx16's decoded (exact in bfloat16 below
+    blocks of 2^121), the others' as they are."""
+    if LAYOUT == "fp4_mx16":
+        low, high = gl.inline_asm_elementwise(E2M1_TIMES_F32, "=r,=r,=r,=r,r,r,r,r,r", [r, factors],
+                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        rope.store(gl.join(low, high).reshape([r.shape[0], 2 * r.shape[1]]))
+    else:
+        _as_words(rope).store(r)
 
 
 @gluon.jit
@@ -244,9 +287,13 @@ def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
     tile scale) and, for fp8_ds_mla and mxfp4_nsa, the per-key tile scale the products apply."""
     if LAYOUT == "nvfp4":
         _as_words(keys).store(_e2m1_words(codes, x[:, :, None], _E2M1_WORDS_TIMES_SCALES, "r,r"))
-    elif LAYOUT == "mxfp4_nsa":
-        tile_scale, factors = _ue8m0_split(x.to(gl.int32))
-        _as_words(keys).store(_e2m1_words(codes, factors[:, :, None], _E2M1_WORDS_TIMES_FACTOR, "r,r,r,r"))
+    elif LAYOUT == "mxfp4_nsa" or LAYOUT == "fp4_mx16":
+        if LAYOUT == "mxfp4_nsa":  # one block a thread
+            tile_scale, factors = _ue8m0_split(x.to(gl.int32), x.to(gl.int32))
+        else:  # two, the bytes of an int16
+            pair = x.to(gl.int32)
+            tile_scale, factors = _ue8m0_split(pair & 0xFF, (pair >> 8) & 0xFF)
+        _as_words(keys).store(_e2m1_words(codes, factors[:, :, None], _E2M1_WORDS_TIMES_FACTORS, "r,r,r,r"))
         scales.store(tile_scale)
     else:
         _as_words(keys).store(_e4m3_words(codes))
@@ -254,24 +301,30 @@ def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _ue8m0_split(blocks):
-    """A key's four ue8m0 block exponents ``k`` (``[64, 4]``, one tile) -> its float32 tile scale ``2^kmax`` (NaN
-    if a block is NaN, 0xFF) and each block's float16 factor ``2^(k - kmax) * 64`` in both halves of a 32-bit word
-    (the e2m1 -> e4m3 bit move divides by 64). Blocks more than 2^-23 below the largest lose bits in float16: their
-    values lie below 2^-22 of the tile's largest (a block's scale is set by its own largest value)."""
-    kmax = gl.max(blocks, 1)
+def _ue8m0_split(first, second):
+    """A key's ue8m0 block exponents of one tile, each thread's first and second (``[64, 4]``; the same for a
+    thread with one block) -> its float32 tile scale ``2^kmax`` (NaN if a block is NaN, 0xFF) and each thread's
+    float16 factors ``2^(k - kmax) * 64`` (the e2m1 -> e4m3 bit move divides by 64) in the halves of a 32-bit word.
+    Blocks more than 2^-23 below the largest lose bits in float16: their values lie below 2^-22 of the tile's
+    largest (a block's scale is set by its own largest value)."""
+    kmax = gl.max(gl.maximum(first, second), 1)
     bits = gl.where(kmax == 0, 0x400000, kmax << 23)  # 2^-127 is a float32 subnormal
     tile_scale = gl.where(kmax == 255, 0x7FC00000, bits).to(gl.float32, bitcast=True)
-    exponent = blocks - kmax[:, None] + 133  # 2^(k - kmax + 6) as a float32 exponent field; at most 0 flushes
+    return tile_scale, _factor_bits(first, kmax) | (_factor_bits(second, kmax) << 16)
+
+
+@gluon.jit
+def _factor_bits(blocks, kmax):
+    """The float16 bits of ``2^(k - kmax + 6)`` per block (``[64, 4]``), as int32; at most 2^-25 flushes to 0."""
+    exponent = blocks - kmax[:, None] + 133  # a float32 exponent field
     factor = gl.where(exponent > 0, exponent << 23, 0).to(gl.float32, bitcast=True).to(gl.float16)
-    half = factor.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return tile_scale, half | (half << 16)
+    return factor.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
 
 
 @gluon.jit
 def _e2m1_words(codes, scales, ASM: gl.constexpr, SCALE_REGS: gl.constexpr):
     """FP4 codes ``[64, 4, 4]`` words and their scales (``[64, 4, 1]``, one entry per thread's 32 values, as
-    ``ASM`` reads them: ``_E2M1_WORDS_TIMES_SCALES`` or ``_E2M1_WORDS_TIMES_FACTOR``; ``SCALE_REGS``: their
+    ``ASM`` reads them: ``_E2M1_WORDS_TIMES_SCALES`` or ``_E2M1_WORDS_TIMES_FACTORS``; ``SCALE_REGS``: their
     constraints, four packed entries) -> ``[64, 64]`` words of two float16 values each, in value order: each e2m1
     value times its block's scale, exact in float16 (nvfp4: at most 6 significant bits, within [2^-10, 2688])."""
     v01, v23, v45, v67 = gl.inline_asm_elementwise(
