@@ -103,8 +103,17 @@ def _e2m1_word_ptx(k: int, scale: str) -> str:
     mov.b32 {h2, h3}, b;""" + products + "\n}")
 
 
-# Four packed words of one thread (``$16``-``$19``) under two block scales, whose e4m3 bytes are the low 16 bits of
-# ``$20``: the first scale covers words 0-1, the second words 2-3; each is converted to float16 and multiplied by
+def _e2m1_words_times_halves(halves: str) -> str:
+    """PTX for four packed words of one thread (``$16``-``$19``) under two float16 factors, the halves of the 32-bit
+    register ``halves``: the first covers words 0-1, the second words 2-3 (declared by the caller: ``f0``, ``f1``
+    16-bit, ``first``, ``second`` 32-bit)."""
+    return (f"""
+    mov.b32 {{f0, f1}}, {halves};
+    mov.b32 first, {{f0, f0}};
+    mov.b32 second, {{f1, f1}};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4)))
+
+
+# nvfp4: the two block scales' e4m3 bytes are the low 16 bits of ``$20``, each converted to float16 and multiplied by
 # 64 (the e2m1 -> e4m3 bit move divides by 64; both exact).
 _E2M1_WORDS_TIMES_SCALES = gl.constexpr("""{
     .reg .b16 s0, s1, f0, f1;
@@ -112,20 +121,11 @@ _E2M1_WORDS_TIMES_SCALES = gl.constexpr("""{
     mov.b32 {s0, s1}, $20;
     cvt.rn.f16x2.e4m3x2 both, s0;
     mov.b32 times64, 0x54005400;
-    mul.rn.f16x2 both, both, times64;
-    mov.b32 {f0, f1}, both;
-    mov.b32 first, {f0, f0};
-    mov.b32 second, {f1, f1};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4))
-    + "\n}")
-# The same four words under two float16 factors, the halves of ``$20``: the first covers words 0-1, the second
-# words 2-3 (fp4_mx16's two blocks; mxfp4_nsa's one block has the same factor in both).
-_E2M1_WORDS_TIMES_FACTORS = gl.constexpr("""{
-    .reg .b16 f0, f1;
-    .reg .b32 first, second;
-    mov.b32 {f0, f1}, $20;
-    mov.b32 first, {f0, f0};
-    mov.b32 second, {f1, f1};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4))
-    + "\n}")
+    mul.rn.f16x2 both, both, times64;""" + _e2m1_words_times_halves("both") + "\n}")
+# The ue8m0 layouts: the two float16 factors are ``$20`` (fp4_mx16's two blocks; mxfp4_nsa's one block has the
+# same factor in both halves).
+_E2M1_WORDS_TIMES_FACTORS = gl.constexpr("{\n    .reg .b16 f0, f1;\n    .reg .b32 first, second;"
+                                         + _e2m1_words_times_halves("$20") + "\n}")
 
 
 @gluon.jit
@@ -216,18 +216,14 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
     if LAYOUT == "nvfp4":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
         pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
-        return _load_fp4_codes(cache, at, ok, t), gl.load(pairs[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
-                                                          other=0)
+        return _load_fp4_tile(cache, at, ok, t, pairs)
     elif LAYOUT == "mxfp4_nsa":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MXFP4_ROW_BYTES)
-        blocks = cache + at + MXFP4_SCALES_AT + TILE // 32 * t
-        return _load_fp4_codes(cache, at, ok, t), gl.load(blocks[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
-                                                          other=0)
+        return _load_fp4_tile(cache, at, ok, t, cache + at + MXFP4_SCALES_AT + TILE // 32 * t)
     elif LAYOUT == "fp4_mx16":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MX16_ROW_BYTES)
         pairs = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
-        return _load_fp4_codes(cache, at, ok, t), gl.load(pairs[:, None] + _fp4_chunks()[None, :], mask=ok[:, None],
-                                                          other=0)
+        return _load_fp4_tile(cache, at, ok, t, pairs)
     else:
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, SCALE_KEYS, ROW_BYTES)
         scale = gl.load((cache + at + SCALES_AT).to(gl.pointer_type(gl.float32)) + t, mask=ok, other=0.0)
@@ -266,19 +262,16 @@ def _store_rope(rope, r, factors, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _fp4_chunks():
-    """A thread's 32-value chunk of a key's 128-value tile, 0-3, along ``FP4_WORDS``."""
-    return gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, FP4_WORDS)))
-
-
-@gluon.jit
-def _load_fp4_codes(cache, at, ok, t: gl.constexpr):
-    """The packed e2m1 codes of latent tile ``t`` (the first 256 bytes of an FP4 row) of the keys at byte offsets
-    ``at`` (``ok``: real) as ``[64, 4, 4]`` words, a thread's four words 32 values; zeros where not ``ok``."""
+def _load_fp4_tile(cache, at, ok, t: gl.constexpr, scales):
+    """FP4 latent tile ``t`` of the keys at byte offsets ``at`` (``ok``: real; the packed codes are an FP4 row's
+    first 256 bytes) as ``[64, 4, 4]`` words, a thread's four words 32 values, and the scales of those 32 values
+    (``[64, 4]``: one per chunk from each key's ``scales``, a pointer to the tile's first); zeros where not ``ok``."""
     WORDS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, FP4_WORDS))
+    chunks = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, FP4_WORDS)))
     words = (cache + at + TILE // 2 * t).to(gl.pointer_type(gl.int32))
-    return gl.load(words[:, None, None] + 4 * _fp4_chunks()[None, :, None]
-                   + gl.arange(0, 4, layout=WORDS)[None, None, :], mask=ok[:, None, None], other=0)
+    codes = gl.load(words[:, None, None] + 4 * chunks[None, :, None] + gl.arange(0, 4, layout=WORDS)[None, None, :],
+                    mask=ok[:, None, None], other=0)
+    return codes, gl.load(scales[:, None] + chunks[None, :], mask=ok[:, None], other=0)
 
 
 @gluon.jit
