@@ -232,8 +232,8 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
 
 
-@pytest.mark.parametrize("layout", ["nvfp4", "mxfp4_nsa", "fp4_mx16"])
-def test_16_row_fp4_blocks_of_large_batches_take_the_warp_specialized_kernel_on_hopper_only(layout):
+@pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16"])
+def test_16_row_fp8_e4m3_and_fp4_blocks_take_the_warp_specialized_kernel_on_hopper_only(layout):
     many = decode.WS_MIN_KEYS_PER_SM[layout]  # keys per multiprocessor
     few = many - 1
     for heads, page_size in ((16, 64), (8, 1), (16, 48)):
@@ -361,14 +361,16 @@ IDS_16_ROWS = ["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-s
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel, layout, page_size, mix, heads, splits, keep",
                          [(kernel, *case) for kernel in (_fp8_mma, _ws) for case in CASES_16_ROWS]
-                         + [(_ws, fp4, *case[1:]) for fp4 in ("nvfp4", "mxfp4_nsa", "fp4_mx16")
-                            for case in CASES_16_ROWS],
-                         ids=[f"{kernel}-{case}" for kernel in ("mma", "ws", "ws-nvfp4", "ws-mxfp4", "ws-mx16")
+                         + [(_ws, other, *case[1:])
+                            for other in ("fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16") for case in CASES_16_ROWS],
+                         ids=[f"{kernel}-{case}"
+                              for kernel in ("mma", "ws", "ws-e4m3", "ws-nvfp4", "ws-mxfp4", "ws-mx16")
                               for case in IDS_16_ROWS])
 def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits, keep):
     """The same cases through decode_mma_fp8 and decode_ws (16-row blocks: MTP and varlen rows across tokens,
-    padded heads), and the FP4 layouts through decode_ws (its decoder's PTX on packed words; nvfp4's layer scales;
-    mxfp4_nsa's and fp4_mx16's block exponents split into a tile scale and float16 factors; fp4_mx16's FP4 rope).
+    padded heads), and fp8_e4m3 and the FP4 layouts through decode_ws (fp8_e4m3's layer scale and e4m3 rope; the
+    FP4 decoder's PTX on packed words; nvfp4's layer scales; mxfp4_nsa's and fp4_mx16's block exponents split into
+    a tile scale and float16 factors; fp4_mx16's FP4 rope).
     decode_mma_fp8 re-reads an item's last key past its end, which the judge's poisoned slots would expose if it
     leaked; decode_ws's two partitions walk the same items and steps, which an item with no keys, items of one
     key, several items per program and splits must keep in step."""
@@ -441,11 +443,12 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
 @pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
                                             (_fp8_mma(num_splits=2), "fp8_ds_mla"),
                                             (_ws(num_splits=2), "fp8_ds_mla"), (_ws(num_splits=2), "nvfp4"),
-                                            (_ws(num_splits=2), "mxfp4_nsa"), (_ws(num_splits=2), "fp4_mx16")],
-                         ids=["wgmma32", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16"])
+                                            (_ws(num_splits=2), "mxfp4_nsa"), (_ws(num_splits=2), "fp4_mx16"),
+                                            (_ws(num_splits=2), "fp8_e4m3")],
+                         ids=["wgmma32", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16", "ws16-e4m3"])
 def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
-    """Tile scales (fp8_ds_mla), layer scales (nvfp4) or block exponents (mxfp4_nsa, fp4_mx16) and queries beyond
-    float16's range and far below it."""
+    """Tile scales (fp8_ds_mla), layer scales (nvfp4, fp8_e4m3) or block exponents (mxfp4_nsa, fp4_mx16) and
+    queries beyond float16's range and far below it."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")

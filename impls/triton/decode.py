@@ -63,7 +63,9 @@ WIDE_ROWS_MIN_KEYS_PER_SM = 512
 # (b2 ctx4096) 19.1 -> 19.2. mxfp4_nsa, against the Triton kernel: at 992 (b32) 57.4 -> 50.8, at 248 (b8) 25.5 ->
 # 21.5; at 124 (b4) 18.4 -> 21.2, at 62 (b2, b1 ctx8192) 16.7 -> 16.9, 16.9 -> 16.4.
 # fp4_mx16 (its rope FP4 too): faster at every size measured, from 116.0 -> 91.6 at b64 to 22.8 -> 19.6 at b1 ctx8192.
-WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "nvfp4": 96, "mxfp4_nsa": 192, "fp4_mx16": 0}
+# fp8_e4m3, against the Triton kernel: at 248 (b8) 21.9 -> 20.0; at 124 (b4) 17.0 -> 21.9, at 62 (b2) 15.0 -> 16.8.
+WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "fp8_e4m3": 192, "nvfp4": 96, "mxfp4_nsa": 192,
+                      "fp4_mx16": 0}
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
 # workspace slot (-1: writes the final output), and the request's first token and token count.
@@ -78,8 +80,8 @@ PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's
 # 64-row bf16 kernel, decode_wgmma_narrow's 16- and 32-row bf16 one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla
-# one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla
-# and FP4 one.
+# one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla,
+# fp8_e4m3 and FP4 one.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
     **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
@@ -112,7 +114,7 @@ class DecodeConfig:
     or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 16 or 32 rows with 8
     warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
     codes decoded straight into operand registers), in 16 rows with 12 warps ``decode_ws`` (warp-specialized:
-    8 decoding warps beside a warpgroup of products), which also runs the FP4 layouts in 16 rows."""
+    8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and the FP4 layouts in 16 rows."""
 
     block_m: int = 16
     block_n: int = 32
@@ -162,11 +164,13 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14); 16 rows of nvfp4 on Hopper from
     ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
     78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
-    148.6) and of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0, NOTES.md session 19). bf16 on Hopper
+    148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 ->
+    131.5, NOTES.md session 19). bf16 on Hopper
     in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
-    or fp8_e4m3 in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one program per
+    or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one
+    program per
     multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
     prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the instructions it did (NOTES.md
     session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4: 105.8 -> 92.8 us); FP4 and

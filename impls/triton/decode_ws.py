@@ -11,7 +11,8 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
   product exactly, as in ``decode_kernel._fp4_tile``); ``mxfp4_nsa``: the same PTX, each block's power-of-two
   scale split into the key's tile scale ``2^kmax`` (float32, stored beside as fp8_ds_mla's) and a float16 factor
   ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest); ``fp4_mx16``: as mxfp4_nsa with two blocks
-  a thread, and its FP4 rope decoded to bf16 (exact: float32 products rounded, ``decode_kernel``'s PTX). Each tile
+  a thread, and its FP4 rope decoded to bf16 (exact: float32 products rounded, ``decode_kernel``'s PTX);
+  ``fp8_e4m3``: as fp8_ds_mla without tile scales, its e4m3 rope decoded to bf16 (exact). Each tile
   has buffers of its own (no barrier between the tiles' stores) and a load layout whose float16 stores are free
   of bank conflicts;
 - the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
@@ -26,7 +27,8 @@ Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18 and 19), us. fp
 multiprocessor loses to ``decode_mma_fp8``'s two). The FP4 layouts against the Triton kernel: nvfp4 b64 91.9 ->
 78.5, b128 170.8 -> 138.5; mxfp4_nsa b32 57.0 -> 50.2, b64 98.8 -> 83.8, b128 183.1 -> 148.6; fp4_mx16 b32 64.5 ->
 51.7, b64 116.0 -> 91.6, b128 218.4 -> 162.0, b64 ctx16384 413.5 -> 308.2, page 1 b32 78.5 -> 53.7, b1 ctx8192
-22.8 -> 19.6. Session 19's steps at b64 (fp8_ds_mla / nvfp4 / mxfp4_nsa): conflict-free stores 102.5 -> 91.8 /
+22.8 -> 19.6; fp8_e4m3 b32 55.5 -> 46.8, b64 98.8 -> 76.0, b128 182.4 -> 131.5, b64 ctx16384 350.0 -> 247.5, page 1
+b32 69.8 -> 52.5. Session 19's steps at b64 (fp8_ds_mla / nvfp4 / mxfp4_nsa): conflict-free stores 102.5 -> 91.8 /
 83.6 -> 80.5 / -, the products overlapped across steps - / 86.4 -> 83.6 / -, the scales' maximum without an
 exchange between warps 92.0 -> 88.4 / 80.6 -> 78.5 / 89.7 -> 83.8 (ncu before the stores: the products waited for
 the decoder at 78% of the steps, and the float16 stores took twice their ideal shared-memory wavefronts). 32 rows
@@ -34,9 +36,9 @@ pass the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us
 session 18), which stays their kernel.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
-cache's bytes (656 per slot for fp8_ds_mla, 416 for nvfp4, 400 for mxfp4_nsa, 324 for fp4_mx16). Launch with
-``LAUNCH_OPTIONS`` (the default partition's warps, and the register cap that lets 12 warps fit one
-multiprocessor).
+cache's bytes (656 per slot for fp8_ds_mla, 576 for fp8_e4m3, 416 for nvfp4, 400 for mxfp4_nsa, 324 for
+fp4_mx16). Launch with ``LAUNCH_OPTIONS`` (the default partition's warps, and the register cap that lets 12 warps
+fit one multiprocessor).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from impls.triton.decode_kernel import E2M1_TIMES_F32, ITEM_FIELDS, ROPE, TILE, e2m1_as_e4m3_ptx
+from impls.triton.decode_kernel import E2M1_TIMES_F32, ITEM_FIELDS, NOPE, ROPE, TILE, e2m1_as_e4m3_ptx
 from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
 from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, _as_words, _e4m3_words, _issue_scores, _issue_values,
                                            _load_words, _prefetch_step, _scores_to_probs, _slots)
@@ -63,7 +65,13 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 # fp8_ds_mla's per-key tile scales, a step's 64 keys over the decoder's 256 threads (one register a tile).
 SCALE_KEYS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8], order=[0]))
-LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4", "mxfp4_nsa", "fp4_mx16")  # the cache layouts this kernel decodes
+# The cache layouts this kernel decodes.
+LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16")
+# fp8_e4m3: [576 e4m3], times the layer's scale (in the scores' scale and the output's).
+E4M3_ROW_BYTES = gl.constexpr(576)
+# fp8_e4m3's rope codes [64 keys, 64 bytes], 8 a thread.
+E4M3_ROPE = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1],
+                                          order=[1, 0]))
 # nvfp4: [256 packed e2m1 | 32 e4m3 block scales, one per 16 values | 64 bf16 rope], times the layer's scale.
 NVFP4_ROW_BYTES = gl.constexpr(416)
 NVFP4_SCALES_AT = gl.constexpr(256)
@@ -137,9 +145,9 @@ def _decode_split_kernel_ws(
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` query rows of a
     ``LAYOUT`` cache (one of ``LAYOUTS``); both partitions walk the same items and steps, the ``g``-th step of the
-    program in stage ``g % STAGES``. ``nope_scale`` and ``out_scale``: the layer scale of the latent keys and of
-    the values (nvfp4's; 1 for fp8_ds_mla). ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch,
-    start now."""
+    program in stage ``g % STAGES``. ``nope_scale``: nvfp4's layer scale of the latent keys; ``out_scale``: the layer
+    scale of the values (nvfp4's and fp8_e4m3's; 1 for the others). ``EARLY_MERGE``: let the merge kernel, a
+    programmatic dependent launch, start now."""
     if EARLY_MERGE:
         _launch_dependents()
     PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
@@ -174,7 +182,8 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
     ROW: gl.constexpr = (NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else MXFP4_ROW_BYTES if LAYOUT == "mxfp4_nsa"
-                         else MX16_ROW_BYTES if LAYOUT == "fp4_mx16" else ROW_BYTES)
+                         else MX16_ROW_BYTES if LAYOUT == "fp4_mx16" else E4M3_ROW_BYTES if LAYOUT == "fp8_e4m3"
+                         else ROW_BYTES)
     g = 0
     for i in range(gl.load(item_counts + program)):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
@@ -210,9 +219,9 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
 
 @gluon.jit
 def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (fp8_ds_mla: the
-    per-key float32 tile scale; nvfp4 and fp4_mx16: the e4m3 or ue8m0 block scales, two per thread; mxfp4_nsa: the
-    ue8m0 block scale, one per thread); zeros past ``kv_end``."""
+    """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (fp8_ds_mla: the per-key
+    float32 tile scale; fp8_e4m3: 0, none; nvfp4 and fp4_mx16: the e4m3 or ue8m0 block scales, two per thread;
+    mxfp4_nsa: the ue8m0 block scale, one per thread); zeros past ``kv_end``."""
     if LAYOUT == "nvfp4":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
         pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
@@ -224,6 +233,8 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MX16_ROW_BYTES)
         pairs = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
         return _load_fp4_tile(cache, at, ok, t, pairs)
+    elif LAYOUT == "fp8_e4m3":  # no scale of its own
+        return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, E4M3_ROW_BYTES, CODE_WORDS), 0
     else:
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, SCALE_KEYS, ROW_BYTES)
         scale = gl.load((cache + at + SCALES_AT).to(gl.pointer_type(gl.float32)) + t, mask=ok, other=0.0)
@@ -233,8 +244,13 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
 @gluon.jit
 def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
     """The rope of keys ``[start, start + 64)`` (zeros past ``kv_end``): bf16 as ``[64, 32]`` words, and 0; fp4_mx16's
-    packed codes ``[64, 32]`` bytes and each byte's float32 factor ``2^k * 64`` (``decode_kernel._ue8m0_times_64``)."""
-    if LAYOUT == "fp4_mx16":
+    packed codes ``[64, 32]`` bytes and each byte's float32 factor ``2^k * 64`` (``decode_kernel._ue8m0_times_64``);
+    fp8_e4m3's codes ``[64, 64]`` bytes, and 0."""
+    if LAYOUT == "fp8_e4m3":
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, E4M3_ROPE), E4M3_ROW_BYTES)
+        column = gl.arange(0, ROPE, layout=gl.SliceLayout(0, E4M3_ROPE))[None, :]
+        return gl.load(cache + at[:, None] + NOPE + column, mask=ok[:, None], other=0), 0
+    elif LAYOUT == "fp4_mx16":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, ROPE_BYTES), MX16_ROW_BYTES)
         column = gl.arange(0, ROPE // 2, layout=gl.SliceLayout(0, ROPE_BYTES))[None, :]
         codes = gl.load(cache + at[:, None] + MX16_ROPE_AT + column, mask=ok[:, None], other=0)
@@ -252,8 +268,10 @@ def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.
 @gluon.jit
 def _store_rope(rope, r, factors, LAYOUT: gl.constexpr):
     """A loaded rope (``_load_rope``) into its stage's bf16 buffer: fp4_mx16's decoded (exact in bfloat16 below
-    blocks of 2^121), the others' as they are."""
-    if LAYOUT == "fp4_mx16":
+    blocks of 2^121), fp8_e4m3's decoded (exact), the others' as they are."""
+    if LAYOUT == "fp8_e4m3":
+        rope.store(r.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16))
+    elif LAYOUT == "fp4_mx16":
         low, high = gl.inline_asm_elementwise(E2M1_TIMES_F32, "=r,=r,=r,=r,r,r,r,r,r", [r, factors],
                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
         rope.store(gl.join(low, high).reshape([r.shape[0], 2 * r.shape[1]]))
@@ -276,8 +294,8 @@ def _load_fp4_tile(cache, at, ok, t: gl.constexpr, scales):
 
 @gluon.jit
 def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
-    """A loaded tile (``_load_tile``) decoded into its stage's buffers: float16 codes (exact, up to mxfp4_nsa's
-    tile scale) and, for fp8_ds_mla and mxfp4_nsa, the per-key tile scale the products apply."""
+    """A loaded tile (``_load_tile``) decoded into its stage's buffers: float16 codes (exact, up to the tile scale)
+    and, for fp8_ds_mla and the ue8m0 layouts, the per-key tile scale the products apply."""
     if LAYOUT == "nvfp4":
         _as_words(keys).store(_e2m1_words(codes, x[:, :, None], _E2M1_WORDS_TIMES_SCALES, "r,r"))
     elif LAYOUT == "mxfp4_nsa" or LAYOUT == "fp4_mx16":
@@ -290,7 +308,8 @@ def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
         scales.store(tile_scale)
     else:
         _as_words(keys).store(_e4m3_words(codes))
-        scales.store(x)
+        if LAYOUT != "fp8_e4m3":  # fp8_e4m3 has no tile scale
+            scales.store(x)
 
 
 @gluon.jit
@@ -358,7 +377,9 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
     _cta_barrier()  # the previous item's products are done with the query
     q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
     q_down = gl.convert_layout(_stage_query(q_base, rows_q < q_len * num_heads, q_nope, q_rope, COPY_LAYOUT),
-                               ACC_ROWS) * nope_scale
+                               ACC_ROWS)
+    if LAYOUT == "nvfp4":  # its layer scale covers the latent keys only (fp8_e4m3's is in qk_scale)
+        q_down = q_down * nope_scale
     hopper.fence_async_shared()
     _cta_barrier()
 
@@ -419,10 +440,10 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
 
 @gluon.jit
 def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
-    """The four per-key tile scales of ``stage`` along the keys of the products' layout, and their maximum (nvfp4:
-    ones, its block scales are in the decoded values). Each warp reads all 256 for the maximum, so that it needs
-    no exchange between warps."""
-    if LAYOUT == "nvfp4":
+    """The four per-key tile scales of ``stage`` along the keys of the products' layout, and their maximum (nvfp4: ones,
+    its block scales are in the decoded values; fp8_e4m3: ones). Each warp reads all 256 for the maximum, so that it
+    needs no exchange between warps."""
+    if LAYOUT == "nvfp4" or LAYOUT == "fp8_e4m3":
         ones = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
         return ones, ones, ones, ones, gl.to_tensor(1.0)
     else:
