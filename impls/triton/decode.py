@@ -165,19 +165,17 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
     78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
     148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 ->
-    131.5, NOTES.md session 19). bf16 on Hopper
-    in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
-    (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
-    NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
-    or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one
-    program per
-    multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table lines are
-    prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the instructions it did (NOTES.md
-    session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4: 105.8 -> 92.8 us); FP4 and
-    fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2 tokens b32: nvfp4 119.8 -> 78.6, fp8_e4m3
-    114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two programs of
-    32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
-    helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
+    131.5, NOTES.md session 19). bf16 on Hopper in 32 rows, and in 16 rows in pages smaller than a 64-key step:
+    the Gluon kernel with keys on wgmma's M side (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2
+    us, 16 heads page 1 b128 158.1 -> 149.2, NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path
+    of the Triton kernel. 16 rows of bf16 or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in
+    page 1 off Hopper: 64-key steps, one program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory;
+    page 1 since its block-table lines are prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the
+    instructions it did (NOTES.md session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4:
+    105.8 -> 92.8 us); FP4 and fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2 tokens b32: nvfp4
+    119.8 -> 78.6, fp8_e4m3 114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two
+    programs of 32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early
+    merge helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
     only the former use it.
     """
     rows = num_heads * max_q_len

@@ -189,7 +189,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         n0, n1, n2, n3 = _load_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ACC_KEYS)
 
         m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
-            rope, keys[0], keys[1], keys[2], keys[3], q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
+            rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
             (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
         _cta_barrier()  # every warp is done with the decoded keys and P
         x0, x1, x2, x3 = n0, n1, n2, n3
@@ -220,29 +220,29 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
 
 
 @gluon.jit
-def _step_products(rope, k0, k1, k2, k3, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale, visible_keys,
-                   zero, m_i, l_part, unit, acc0, acc1, acc2, acc3):
-    """One 64-key step from its decoded tiles (``rope``, ``k0``-``k3``; per-key tile scales ``x0``-``x3`` along the
-    keys of the accumulators' layout): ``S^T`` (``_issue_scores``), the online softmax into ``probs``
+def _step_products(rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale, visible_keys, zero, m_i,
+                   l_part, unit, acc0, acc1, acc2, acc3):
+    """One 64-key step from its decoded tiles (``rope``, the four of ``keys``; per-key tile scales ``x0``-``x3``
+    along the keys of the accumulators' layout): ``S^T`` (``_issue_scores``), the online softmax into ``probs``
     (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the other. Returns the
     running maximum, sums, unit and accumulators."""
-    s_rope, p0, p1, p2, p3 = _issue_scores(rope, k0, k1, k2, k3, q_rope, q_nope, zero)
+    s_rope, p0, p1, p2, p3 = _issue_scores(rope, keys, q_rope, q_nope, zero)
     m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, None, q_down,
                                                   qk_scale, visible_keys, m_i, l_part, unit)
-    acc0, acc1, acc2, acc3 = _issue_values(k0, k1, k2, k3, probs, alpha_o, acc0, acc1, acc2, acc3)
+    acc0, acc1, acc2, acc3 = _issue_values(keys, probs, alpha_o, acc0, acc1, acc2, acc3)
     acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
     return m_i, l_part, unit, acc0, acc1, acc2, acc3
 
 
 @gluon.jit
-def _issue_scores(rope, k0, k1, k2, k3, q_rope, q_nope, zero):
-    """A step's five ``S^T`` products, issued (asynchronous, in this order): the rope in bf16, then each code tile
-    in float16."""
+def _issue_scores(rope, keys, q_rope, q_nope, zero):
+    """A step's five ``S^T`` products, issued (asynchronous, in this order): the rope in bf16, then each of the
+    four code tiles ``keys`` in float16."""
     s_rope = hopper.warpgroup_mma(rope, q_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
-    p0 = hopper.warpgroup_mma(k0, q_nope[0].permute((1, 0)), zero, use_acc=False, is_async=True)
-    p1 = hopper.warpgroup_mma(k1, q_nope[1].permute((1, 0)), zero, use_acc=False, is_async=True)
-    p2 = hopper.warpgroup_mma(k2, q_nope[2].permute((1, 0)), zero, use_acc=False, is_async=True)
-    p3 = hopper.warpgroup_mma(k3, q_nope[3].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p0 = hopper.warpgroup_mma(keys[0], q_nope[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p1 = hopper.warpgroup_mma(keys[1], q_nope[1].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p2 = hopper.warpgroup_mma(keys[2], q_nope[2].permute((1, 0)), zero, use_acc=False, is_async=True)
+    p3 = hopper.warpgroup_mma(keys[3], q_nope[3].permute((1, 0)), zero, use_acc=False, is_async=True)
     return s_rope, p0, p1, p2, p3
 
 
@@ -285,10 +285,10 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1,
 
 
 @gluon.jit
-def _issue_values(k0, k1, k2, k3, probs, alpha_o, acc0, acc1, acc2, acc3):
-    """``O^T_t = alpha_o O^T_t + V_t^T P_t^T`` for the four value tiles, issued (asynchronous)."""
-    acc0 = hopper.warpgroup_mma(k0.permute((1, 0)), probs[0], acc0 * alpha_o, is_async=True)
-    acc1 = hopper.warpgroup_mma(k1.permute((1, 0)), probs[1], acc1 * alpha_o, is_async=True)
-    acc2 = hopper.warpgroup_mma(k2.permute((1, 0)), probs[2], acc2 * alpha_o, is_async=True)
-    acc3 = hopper.warpgroup_mma(k3.permute((1, 0)), probs[3], acc3 * alpha_o, is_async=True)
+def _issue_values(keys, probs, alpha_o, acc0, acc1, acc2, acc3):
+    """``O^T_t = alpha_o O^T_t + V_t^T P_t^T`` for the four value tiles ``keys``, issued (asynchronous)."""
+    acc0 = hopper.warpgroup_mma(keys[0].permute((1, 0)), probs[0], acc0 * alpha_o, is_async=True)
+    acc1 = hopper.warpgroup_mma(keys[1].permute((1, 0)), probs[1], acc1 * alpha_o, is_async=True)
+    acc2 = hopper.warpgroup_mma(keys[2].permute((1, 0)), probs[2], acc2 * alpha_o, is_async=True)
+    acc3 = hopper.warpgroup_mma(keys[3].permute((1, 0)), probs[3], acc3 * alpha_o, is_async=True)
     return acc0, acc1, acc2, acc3

@@ -394,31 +394,26 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
         stage = g % STAGES
         mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
         x0, x1, x2, x3, step_max = _tile_scales(scales, stage, ACC_KEYS, LAYOUT)
-        s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(stage), keys[0].index(stage), keys[1].index(stage),
-                                               keys[2].index(stage), keys[3].index(stage), q_rope, q_nope, zero)
+        s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(stage), _each_at(keys, stage), q_rope, q_nope, zero)
         m_i, l_part, unit, alpha_o = _scores_to_probs(
-            s_rope, p0, p1, p2, p3, 0, _probs_buffer(probs, 0), x0, x1, x2, x3, step_max, q_down, qk_scale,
+            s_rope, p0, p1, p2, p3, 0, _each_at(probs, 0), x0, x1, x2, x3, step_max, q_down, qk_scale,
             (kv_start + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
         for j in range(steps - 1):
             stage = (g + j) % STAGES
             after = (g + j + 1) % STAGES
             mbarrier.wait(ready.index(after), ((g + j + 1) // STAGES) & 1)
             x0, x1, x2, x3, step_max = _tile_scales(scales, after, ACC_KEYS, LAYOUT)
-            s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(after), keys[0].index(after), keys[1].index(after),
-                                                   keys[2].index(after), keys[3].index(after), q_rope, q_nope, zero)
-            acc0, acc1, acc2, acc3 = _issue_values(keys[0].index(stage), keys[1].index(stage), keys[2].index(stage),
-                                                   keys[3].index(stage), _probs_buffer(probs, j % 2), alpha_o, acc0,
+            s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(after), _each_at(keys, after), q_rope, q_nope, zero)
+            acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _each_at(probs, j % 2), alpha_o, acc0,
                                                    acc1, acc2, acc3)
             m_i, l_part, unit, alpha_o = _scores_to_probs(
-                s_rope, p0, p1, p2, p3, 4, _probs_buffer(probs, (j + 1) % 2), x0, x1, x2, x3, step_max, q_down,
-                qk_scale,
+                s_rope, p0, p1, p2, p3, 4, _each_at(probs, (j + 1) % 2), x0, x1, x2, x3, step_max, q_down, qk_scale,
                 (kv_start + (j + 1) * KEYS + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
             acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
             _cta_barrier()  # every warp is done with this stage
             mbarrier.arrive(free.index(stage), count=1)
         stage = (g + steps - 1) % STAGES
-        acc0, acc1, acc2, acc3 = _issue_values(keys[0].index(stage), keys[1].index(stage), keys[2].index(stage),
-                                               keys[3].index(stage), _probs_buffer(probs, (steps - 1) % 2), alpha_o,
+        acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _each_at(probs, (steps - 1) % 2), alpha_o,
                                                acc0, acc1, acc2, acc3)
         acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # every warp is done with this stage and with P
@@ -457,6 +452,7 @@ def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _probs_buffer(probs, b):
-    """P's buffer ``b`` of two: its four tiles."""
-    return probs[0].index(b), probs[1].index(b), probs[2].index(b), probs[3].index(b)
+def _each_at(buffers, index):
+    """Entry ``index`` of each of four buffers (``_tiles``): a stage's four key tiles, or P's four tiles of one of
+    its two buffers."""
+    return buffers[0].index(index), buffers[1].index(index), buffers[2].index(index), buffers[3].index(index)
