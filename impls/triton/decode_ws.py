@@ -5,23 +5,23 @@ other (wait for the codes, decode, products, softmax, products), and measured bo
 or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two partitions (``gl.warp_specialize``):
 
 - the decoder, 8 warps: loads a step's codes, rope and scales into registers one step ahead (the step after is
-  requested into L2), decodes the codes to float16 (exact) and stores the step into one of two shared-memory
-  stages, then signals the stage ``ready``. ``fp8_ds_mla``: e4m3 -> float16, the per-key tile scales stored
-  beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times its block's e4m3 scale (float16 holds the
-  product exactly, as in ``decode_kernel._fp4_tile``); ``mxfp4_nsa``: the same PTX, each block's power-of-two
-  scale split into the key's tile scale ``2^kmax`` (float32, stored beside as fp8_ds_mla's) and a float16 factor
-  ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest); ``fp4_mx16``: as mxfp4_nsa with two blocks
-  a thread, and its FP4 rope decoded to bf16 (exact: float32 products rounded, ``decode_kernel``'s PTX);
-  ``fp8_e4m3``: as fp8_ds_mla without tile scales, its e4m3 rope decoded to bf16 (exact). Each tile
-  has buffers of its own (no barrier between the tiles' stores) and a load layout whose float16 stores are free
-  of bank conflicts;
+  requested into L2: in pages of whole steps, the fp8 layouts' rows in one bulk request), decodes the codes to float16
+  (exact) and stores the step into one of two shared-memory stages, then signals the stage ``ready``. ``fp8_ds_mla``:
+  e4m3 -> float16, the per-key tile scales stored beside; ``nvfp4``: inline PTX on packed words, each e2m1 value times
+  its block's e4m3 scale (float16 holds the product exactly, as in ``decode_kernel._fp4_tile``); ``mxfp4_nsa``: the
+  same PTX, each block's power-of-two scale split into the key's tile scale ``2^kmax`` (float32, stored beside as
+  fp8_ds_mla's) and a float16 factor ``2^(k - kmax)`` (exact for blocks down to 2^-23 below the largest);
+  ``fp4_mx16``: as mxfp4_nsa with two blocks a thread, and its FP4 rope decoded to bf16 (exact: float32 products
+  rounded, ``decode_kernel``'s PTX); ``fp8_e4m3``: as fp8_ds_mla without tile scales, its e4m3 rope decoded to bf16
+  (exact). Each tile has buffers of its own (no barrier between the tiles' stores) and a load layout whose float16
+  stores are free of bank conflicts;
 - the default partition, one warpgroup: for each ready stage, ``decode_wgmma_fp8``'s transposed products (``S^T =
   K Q^T`` with the 64 keys as wgmma's M, ``O^T += V^T P^T`` per 128-column value tile, in its float16 units), then
   signals the stage ``free``. A step's value products are issued after the next step's scores, so the tensor
   cores run them during that step's softmax; each warp reads all of a step's tile scales for their maximum (no
   exchange between warps). nvfp4's layer scale multiplies the query's unit and the final output.
 
-Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18 and 19), us. fp8_ds_mla against
+Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18, 19 and 21), us. fp8_ds_mla against
 ``decode_mma_fp8`` (the default before): b32 65.7 -> 54.0, b64 112.5 -> 88.4, b128 209.1 -> 153.7, b64 ctx16384
 404.3 -> 291.1; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below, one program per
 multiprocessor loses to ``decode_mma_fp8``'s two). The FP4 layouts against the Triton kernel: nvfp4 b64 91.9 ->
@@ -31,7 +31,9 @@ multiprocessor loses to ``decode_mma_fp8``'s two). The FP4 layouts against the T
 b32 69.8 -> 52.5. Session 19's steps at b64 (fp8_ds_mla / nvfp4 / mxfp4_nsa): conflict-free stores 102.5 -> 91.8 /
 83.6 -> 80.5 / -, the products overlapped across steps - / 86.4 -> 83.6 / -, the scales' maximum without an
 exchange between warps 92.0 -> 88.4 / 80.6 -> 78.5 / 89.7 -> 83.8 (ncu before the stores: the products waited for
-the decoder at 78% of the steps, and the float16 stores took twice their ideal shared-memory wavefronts). 32 rows
+the decoder at 78% of the steps, and the float16 stores took twice their ideal shared-memory wavefronts). Session
+21's (fp8_ds_mla / fp8_e4m3): the bulk L2 prefetch and fp8_ds_mla's tile scales in one load a step, b32 52.3 ->
+44.4 / 44.4 -> 41.0, b64 87.2 -> 77.0 / 74.5 -> 71.5, b128 154.2 -> 141.4 / -, b64 ctx16384 293.0 -> 270.5 / -. 32 rows
 pass the same checks but are slower than ``decode_wgmma_fp8`` (110 against 80 us at 16 heads x 2 tokens b32,
 session 18), which stays their kernel.
 
@@ -63,8 +65,13 @@ WARPS = 12                        # DecodeConfig.num_warps of this kernel: 4 mul
 # us, 152 -> 124, against 102).
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-# fp8_ds_mla's per-key tile scales, a step's 64 keys over the decoder's 256 threads (one register a tile).
-SCALE_KEYS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8], order=[0]))
+# fp8_ds_mla's tile scales of a step, [64 keys, 4 tiles], one a thread: a step's one load of them (a load per tile
+# along the keys, replicated over the warps, took 16 requests of 32 lines each; NOTES.md session 21).
+STEP_SCALES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
+                                            order=[1, 0]))
+# Everything the decoder runs, one element a thread (the bulk prefetch's predicate picks one).
+DECODER_THREADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                                warps_per_cta=[DECODER_WARPS.value], order=[0]))
 # The cache layouts this kernel decodes.
 LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16")
 # fp8_e4m3: [576 e4m3], times the layer's scale (in the scores' scale and the output's).
@@ -193,24 +200,27 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
         c2, x2 = _load_tile(cache, pages, kv_start, kv_end, 2, PAGE_SIZE, LAYOUT)
         c3, x3 = _load_tile(cache, pages, kv_start, kv_end, 3, PAGE_SIZE, LAYOUT)
         r, rs = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
-        _prefetch_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW)
+        step_scales = _load_step_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
+        _prefetch_rows(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW, LAYOUT)
         for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
             nxt = kv_start + (j + 1) * KEYS
             # The next step's rows (requested into L2 a step ago) are in flight while this one is stored.
-            _prefetch_step(cache, pages, nxt + KEYS, kv_end, PAGE_SIZE, ROW)
+            _prefetch_rows(cache, pages, nxt + KEYS, kv_end, PAGE_SIZE, ROW, LAYOUT)
             stage = g % STAGES
             n0, y0 = _load_tile(cache, pages, nxt, kv_end, 0, PAGE_SIZE, LAYOUT)
             n1, y1 = _load_tile(cache, pages, nxt, kv_end, 1, PAGE_SIZE, LAYOUT)
             n2, y2 = _load_tile(cache, pages, nxt, kv_end, 2, PAGE_SIZE, LAYOUT)
             n3, y3 = _load_tile(cache, pages, nxt, kv_end, 3, PAGE_SIZE, LAYOUT)
             nr, nrs = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
+            next_scales = _load_step_scales(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
             mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
             _store_tile(keys[0].index(stage), scales[0].index(stage), c0, x0, LAYOUT)
             _store_tile(keys[1].index(stage), scales[1].index(stage), c1, x1, LAYOUT)
             _store_tile(keys[2].index(stage), scales[2].index(stage), c2, x2, LAYOUT)
             _store_tile(keys[3].index(stage), scales[3].index(stage), c3, x3, LAYOUT)
             _store_rope(rope.index(stage), r, rs, LAYOUT)
-            c0, c1, c2, c3, r, rs = n0, n1, n2, n3, nr, nrs
+            _store_step_scales(scales, stage, step_scales, LAYOUT)
+            c0, c1, c2, c3, r, rs, step_scales = n0, n1, n2, n3, nr, nrs, next_scales
             x0, x1, x2, x3 = y0, y1, y2, y3
             hopper.fence_async_shared()  # the products read the stage through the async proxy
             mbarrier.arrive(ready.index(stage), count=1)
@@ -219,9 +229,9 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
 
 @gluon.jit
 def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (fp8_ds_mla: the per-key
-    float32 tile scale; fp8_e4m3: 0, none; nvfp4 and fp4_mx16: the e4m3 or ue8m0 block scales, two per thread;
-    mxfp4_nsa: the ue8m0 block scale, one per thread); zeros past ``kv_end``."""
+    """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (nvfp4 and fp4_mx16:
+    the e4m3 or ue8m0 block scales, two per thread; mxfp4_nsa: the ue8m0 block scale, one per thread; the fp8
+    layouts: 0, fp8_ds_mla's tile scales come with ``_load_step_scales``); zeros past ``kv_end``."""
     if LAYOUT == "nvfp4":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
         pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
@@ -233,12 +243,55 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MX16_ROW_BYTES)
         pairs = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
         return _load_fp4_tile(cache, at, ok, t, pairs)
-    elif LAYOUT == "fp8_e4m3":  # no scale of its own
-        return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, E4M3_ROW_BYTES, CODE_WORDS), 0
     else:
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, SCALE_KEYS, ROW_BYTES)
-        scale = gl.load((cache + at + SCALES_AT).to(gl.pointer_type(gl.float32)) + t, mask=ok, other=0.0)
-        return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, ROW_BYTES, CODE_WORDS), scale
+        ROW: gl.constexpr = E4M3_ROW_BYTES if LAYOUT == "fp8_e4m3" else ROW_BYTES
+        return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, ROW, CODE_WORDS), 0
+
+
+@gluon.jit
+def _load_step_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+    """fp8_ds_mla's float32 tile scales of keys ``[start, start + 64)``, ``[64, 4]`` (zeros past ``kv_end``); 0 for
+    the other layouts (the ue8m0 ones make theirs from their block scales, ``_store_tile``)."""
+    if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, STEP_SCALES), ROW_BYTES)
+        tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))
+        first = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
+        return gl.load(first[:, None] + tiles[None, :], mask=ok[:, None], other=0.0)
+    else:
+        return 0
+
+
+@gluon.jit
+def _store_step_scales(scales, stage, step_scales, LAYOUT: gl.constexpr):
+    """A step's loaded tile scales (``_load_step_scales``) into the stage's four scale buffers, a tile's column each
+    (taken by a sum over the four threads of a key, the other columns zeroed: NaN and infinities pass)."""
+    if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
+        tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))[None, :]
+        scales[0].index(stage).store(gl.sum(gl.where(tiles == 0, step_scales, 0.0), 1))
+        scales[1].index(stage).store(gl.sum(gl.where(tiles == 1, step_scales, 0.0), 1))
+        scales[2].index(stage).store(gl.sum(gl.where(tiles == 2, step_scales, 0.0), 1))
+        scales[3].index(stage).store(gl.sum(gl.where(tiles == 3, step_scales, 0.0), 1))
+
+
+@gluon.jit
+def _prefetch_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW_BYTES: gl.constexpr,
+                   LAYOUT: gl.constexpr):
+    """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it). The fp8 layouts in pages of
+    whole steps: the step's rows are contiguous, so one thread asks the TMA unit for all of them at once
+    (``cp.async.bulk.prefetch.L2``; 16 heads b64: fp8_ds_mla -7%, fp8_e4m3 -4% against one request per line of
+    each row, 512 a step); the others line by line (the bulk request measured 2-6% slower for the FP4 layouts,
+    NOTES.md session 21)."""
+    if PAGE_SIZE % KEYS == 0 and (LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2" or LAYOUT == "fp8_e4m3"):
+        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
+        thread = gl.arange(0, 32 * DECODER_WARPS, layout=DECODER_THREADS)
+        first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * ROW_BYTES + thread * 0
+        nbytes = gl.minimum(kv_end - start, KEYS) * ROW_BYTES + thread * 0  # 656 or 576 a row: a multiple of 16
+        asks = ((thread == 0) & (start < kv_end)).to(gl.int32)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [first, nbytes, asks], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
 
 
 @gluon.jit
@@ -295,7 +348,7 @@ def _load_fp4_tile(cache, at, ok, t: gl.constexpr, scales):
 @gluon.jit
 def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
     """A loaded tile (``_load_tile``) decoded into its stage's buffers: float16 codes (exact, up to the tile scale)
-    and, for fp8_ds_mla and the ue8m0 layouts, the per-key tile scale the products apply."""
+    and, for the ue8m0 layouts, the per-key tile scale the products apply (fp8_ds_mla's: ``_store_step_scales``)."""
     if LAYOUT == "nvfp4":
         _as_words(keys).store(_e2m1_words(codes, x[:, :, None], _E2M1_WORDS_TIMES_SCALES, "r,r"))
     elif LAYOUT == "mxfp4_nsa" or LAYOUT == "fp4_mx16":
@@ -308,8 +361,6 @@ def _store_tile(keys, scales, codes, x, LAYOUT: gl.constexpr):
         scales.store(tile_scale)
     else:
         _as_words(keys).store(_e4m3_words(codes))
-        if LAYOUT != "fp8_e4m3":  # fp8_e4m3 has no tile scale
-            scales.store(x)
 
 
 @gluon.jit
