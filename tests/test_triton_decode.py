@@ -221,25 +221,23 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
         assert config.gluon and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
         assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
     for heads, layout, page_size in ((16, "fp8_ds_mla", 64), (8, "fp8_ds_mla_pow2", 1), (16, "fp8_ds_mla", 48)):
-        many = decode.WS_MIN_KEYS_PER_SM[layout]  # keys per multiprocessor
-        few = many - 1
-        config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=few, hopper=True)
-        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_mma_fp8
-        config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=True)
-        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws
-        assert config.programs_per_sm == 1  # 12 warps at 168 registers fill a multiprocessor
-        assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=False).gluon
+        for keys_per_sm in (0.0, 1e6):  # decode_ws at every size (decode_mma_fp8 no longer a default)
+            config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=keys_per_sm, hopper=True)
+            assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws
+            assert config.programs_per_sm == 1  # 12 warps at 168 registers fill a multiprocessor
+            off_hopper = decode.default_config(heads, 1, layout, page_size, keys_per_sm=keys_per_sm, hopper=False)
+            assert not off_hopper.gluon
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16"])
 def test_16_row_fp8_e4m3_and_fp4_blocks_take_the_warp_specialized_kernel_on_hopper_only(layout):
     many = decode.WS_MIN_KEYS_PER_SM[layout]  # keys per multiprocessor
-    few = many - 1
     for heads, page_size in ((16, 64), (8, 1), (16, 48)):
         config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=True)
         assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws
-        assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=few, hopper=True).gluon
+        if many > 0:  # below it, the Triton kernel
+            assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=many - 1, hopper=True).gluon
         assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=False).gluon
 
 
@@ -252,7 +250,8 @@ def test_32_row_bf16_blocks_and_16_in_pages_under_a_step_take_the_narrow_gluon_k
         assert not decode.default_config(heads, q_len, "bf16", page_size, hopper=False).gluon
     for page_size in (64, 128):  # whole 64-key pages: the Triton kernel (the two tie there: NOTES.md, session 15)
         assert not decode.default_config(16, 1, "bf16", page_size, hopper=True).gluon
-    assert not decode.default_config(16, 1, "fp8_e4m3", 1, hopper=True).gluon
+    e4m3 = decode.default_config(16, 1, "fp8_e4m3", 1, hopper=True)  # not this bf16 kernel: the quantized one
+    assert _gluon_kernel(e4m3, "fp8_e4m3") is _decode_split_kernel_ws
 
 
 def _gluon_kernel(config: DecodeConfig, layout: str):
@@ -330,9 +329,8 @@ def _narrow(rows: int, **more) -> DecodeConfig:
 
 
 def _fp8_mma(**more) -> DecodeConfig:
-    """decode_mma_fp8's configuration (16 rows), as default_config makes it on Hopper."""
-    return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
-                        gluon=True, **more)
+    """decode_mma_fp8's configuration (16 rows; no longer a default: decode_ws beat it at every size)."""
+    return dataclasses.replace(decode.MMA_FP8_CONFIG, **more)
 
 
 def _ws(**more) -> DecodeConfig:
@@ -380,9 +378,11 @@ def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, lay
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
     verdict = judge(Configured(kernel(num_splits=splits, keep_partials=keep)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
-    if kernel is _fp8_mma and heads == 16 and mix is SINGLE:
-        chosen = TritonDecode().checked_plan(problem).config  # the default there (a few keys per multiprocessor)
-        assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_mma_fp8
+    if kernel is _fp8_mma:  # its tile still selects it
+        assert _gluon_kernel(kernel(), layout) is _decode_split_kernel_mma_fp8
+    if kernel is _ws and heads == 16 and mix is SINGLE and decode.WS_MIN_KEYS_PER_SM[layout] == 0:
+        chosen = TritonDecode().checked_plan(problem).config  # the default at every size, a few keys here
+        assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_ws
 
 
 NARROW_CASES = [  # (page size, mix, heads, rows, forced splits, partials kept in L2)

@@ -8,13 +8,14 @@ compiler: a kernel that one Triton version's front end rejects passes every CPU 
 with the GPU machine's 3.6). So this check:
 
 1. records launches: in a process with ``TRITON_INTERPRET=1``, the impls plan and run small problems with the
-   configurations a GPU gets by default (``default_config`` with a CUDA device, Hopper or not; the decode's cut in
-   two splits, so that its merge runs too, and once in many as on a GPU of 132 SMs, whose merge narrows its rows),
-   every cache layout and the page sizes that change a kernel; each launch's argument types, constexprs, 16-aligned
-   arguments (as Triton's launcher specializes them: the aligned loads are what pipelines through shared memory)
-   and launch options are recorded and its execution skipped. Gluon kernels (``decode_wgmma``,
-   ``decode_wgmma_narrow``, ``decode_wgmma_fp8``, ``decode_mma_fp8``, ``decode_ws``, ``sparse_wgmma``), which
-   the interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the same way;
+   configurations a GPU gets by default (``default_config`` with a CUDA device, Hopper or not, and
+   ``decode.MMA_FP8_CONFIG``, a kernel no longer chosen by default but selectable; the decode's cut in two splits, so
+   that its merge runs too, and once in many as on a GPU of 132 SMs, whose merge narrows its rows), every cache layout
+   and the page sizes that change a kernel; each launch's argument types, constexprs, 16-aligned arguments (as
+   Triton's launcher specializes them: the aligned loads are what pipelines through shared memory) and launch options
+   are recorded and its execution skipped. Gluon kernels (``decode_wgmma``, ``decode_wgmma_narrow``,
+   ``decode_wgmma_fp8``, ``decode_mma_fp8``, ``decode_ws``, ``sparse_wgmma``), which the interpreter cannot run, are
+   planned as on a Hopper GPU and their launches recorded the same way;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
    than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
@@ -130,6 +131,8 @@ def _drive_impls() -> None:
             configs = {decode.default_config(heads, q_len, layout, page_size, keys_per_sm, hopper)
                        for heads in (16, 32, 64, 128) for q_len in (1, 2, 4) for keys_per_sm in (0.0, 1e9)
                        for hopper in (False, True)}
+            if layout in decode.FP8_DS_MLA:  # no default, still selectable
+                configs.add(decode.MMA_FP8_CONFIG)
             problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, layout=layout,
                                              page_size=page_size, q_lens=(1, 2), kv_lens=(70, 9)), cpu)
             for config in sorted(configs, key=repr):

@@ -8,9 +8,11 @@ after the caller updates ``q``, the cache and the block table in place.
 
 On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score product
 once across both warpgroups, where Triton's layout rule computes it in each), 16 and 32 (``decode_wgmma_narrow``:
-keys on wgmma's M side, tiles copied straight into its operands), 16 rows of fp8_ds_mla (``decode_mma_fp8``: codes
-decoded straight into mma.sync operands) and 32 (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and
-everything else are shared.
+keys on wgmma's M side, tiles copied straight into its operands), 16 rows of the quantized layouts (``decode_ws``:
+warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
+keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes
+decoded straight into mma.sync operands) is no default since decode_ws beat it at every size (NOTES.md session 21),
+and runs when a ``DecodeConfig`` asks for its tile.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -57,14 +59,16 @@ FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 # -1% to +3%; at 62 (b1 ctx8192) +36-45% (NOTES.md, round 7).
 WIDE_ROWS_MIN_KEYS_PER_SM = 512
 # Keys of a batch per multiprocessor from which 16-row blocks on Hopper run the warp-specialized kernel (one program
-# per multiprocessor), by layout; H200, 16 heads, session 19 (NOTES.md). fp8_ds_mla, against decode_mma_fp8 (two):
-# at 496 (b16 ctx4096, b8 ctx8192) 41.2 -> 39.8 and 42.1 -> 39.9 us, at 248 (b8 ctx4096) 28.2 -> 23.8; at 124 (b4)
-# 21.7 -> 21.9, at 62 (b1 ctx8192) 19.2 -> 20.7. nvfp4, against the Triton kernel: at 124 (b4) 20.3 -> 19.8; at 62
+# per multiprocessor), by layout; H200, 16 heads, sessions 19 and 21 (NOTES.md). fp8_ds_mla, against decode_mma_fp8
+# (two), since session 21's bulk prefetch: at 124 (b4 ctx4096, pages of 64, 16 and 1) 20.5 -> 16.0, 21.8 -> 20.1
+# and 21.6 -> 20.4 us, at 62 (b2 ctx8192) 21.8 -> 17.6, at 62, 31, 15.5 and 3.9 (b1 ctx8192 to ctx512) 17.2 ->
+# 13.9, 15.8 -> 12.6, 14.8 -> 11.7 and 14.1 -> 11.1. nvfp4, against the Triton kernel: at 124 (b4) 20.3 -> 19.8; at 62
 # (b2 ctx4096) 19.1 -> 19.2. mxfp4_nsa, against the Triton kernel: at 992 (b32) 57.4 -> 50.8, at 248 (b8) 25.5 ->
 # 21.5; at 124 (b4) 18.4 -> 21.2, at 62 (b2, b1 ctx8192) 16.7 -> 16.9, 16.9 -> 16.4.
 # fp4_mx16 (its rope FP4 too): faster at every size measured, from 116.0 -> 91.6 at b64 to 22.8 -> 19.6 at b1 ctx8192.
-# fp8_e4m3, against the Triton kernel: at 248 (b8) 21.9 -> 20.0; at 124 (b4) 17.0 -> 21.9, at 62 (b2) 15.0 -> 16.8.
-WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 192, "fp8_ds_mla_pow2": 192, "fp8_e4m3": 192, "nvfp4": 96, "mxfp4_nsa": 192,
+# fp8_e4m3, against the Triton kernel, since session 21: at 124 (b4) 16.7 -> 15.3, at 62 (b2 ctx8192, b1 ctx8192)
+# 18.4 -> 16.9 and 14.6 -> 13.3, at 31 and 7.8 (b1 ctx4096, ctx1024) 13.3 -> 12.0 and 12.0 -> 10.7.
+WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 0, "fp8_ds_mla_pow2": 0, "fp8_e4m3": 0, "nvfp4": 96, "mxfp4_nsa": 192,
                       "fp4_mx16": 0}
 QUERY_DTYPES = (torch.bfloat16,)
 # Columns of a work item's row (decode_kernel reads them by position): its request, row block and key range, its
@@ -144,6 +148,12 @@ class DecodeConfig:
                              f"{(self.block_m, self.block_n, self.num_warps)}")
 
 
+# decode_mma_fp8's tile (16 rows of fp8_ds_mla, two programs per multiprocessor): no default since decode_ws beat it at
+# every size (NOTES.md session 21); a config can still ask for it.
+MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
+                              gluon=True)
+
+
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
                    keys_per_sm: float = 0.0, hopper: bool = False) -> DecodeConfig:
     """Parameters for a workload, chosen from the H100/H200 sweeps in NOTES.md; ``keys_per_sm`` is the batch's keys
@@ -158,10 +168,9 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded once, its float16
     path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
-    fp8_ds_mla on Hopper: from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor the warp-specialized Gluon kernel
-    (``decode_ws``; H200, 16 heads b64: 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19), below it
-    the one that decodes codes straight into mma.sync operands, two programs per multiprocessor (``decode_mma_fp8``;
-    H200, 16 heads b64: 122.5 -> 113.2 us, NOTES.md session 14); 16 rows of nvfp4 on Hopper from
+    fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
+    ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19, and faster at every
+    batch since session 21); 16 rows of nvfp4 on Hopper from
     ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
     78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
     148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 ->
@@ -191,9 +200,6 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
         return DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True,
-                            gluon=True)
-    if block_m == 16 and hopper and layout.startswith("fp8_ds_mla"):
-        return DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
                             gluon=True)
     if hopper and layout == "bf16" and (block_m == 32 or page_size % 64):
         return DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)

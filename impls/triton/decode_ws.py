@@ -23,8 +23,8 @@ or the tensor cores (NOTES.md, sessions 13-14). Here the phases run in two parti
 
 Measured on an H200, 16 heads ctx4096 (NOTES.md, sessions 16, 18, 19 and 21), us. fp8_ds_mla against
 ``decode_mma_fp8`` (the default before): b32 65.7 -> 54.0, b64 112.5 -> 88.4, b128 209.1 -> 153.7, b64 ctx16384
-404.3 -> 291.1; it is the default from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor (below, one program per
-multiprocessor loses to ``decode_mma_fp8``'s two). The FP4 layouts against the Triton kernel: nvfp4 b64 91.9 ->
+404.3 -> 291.1; since session 21 it beats it at every batch and is the default at every size (``WS_MIN_KEYS_PER_SM``
+is 0 for the fp8 layouts). The FP4 layouts against the Triton kernel: nvfp4 b64 91.9 ->
 78.5, b128 170.8 -> 138.5; mxfp4_nsa b32 57.0 -> 50.2, b64 98.8 -> 83.8, b128 183.1 -> 148.6; fp4_mx16 b32 64.5 ->
 51.7, b64 116.0 -> 91.6, b128 218.4 -> 162.0, b64 ctx16384 413.5 -> 308.2, page 1 b32 78.5 -> 53.7, b1 ctx8192
 22.8 -> 19.6; fp8_e4m3 b32 55.5 -> 46.8, b64 98.8 -> 76.0, b128 182.4 -> 131.5, b64 ctx16384 350.0 -> 247.5, page 1
