@@ -53,7 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from impls.triton.decode_kernel import E2M1_TIMES_F32, ITEM_FIELDS, NOPE, ROPE, TILE, e2m1_as_e4m3_ptx
 from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
 from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, _as_words, _e4m3_words, _issue_scores, _issue_values,
-                                           _load_words, _prefetch_step, _scores_to_probs, _slots)
+                                           _load_words, _prefetch_page_step, _prefetch_step, _scores_to_probs,
+                                           _slots)
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, SCALES_AT, _stage_query, _tiles
 
@@ -69,9 +70,6 @@ SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase
 # along the keys, replicated over the warps, took 16 requests of 32 lines each; NOTES.md session 21).
 STEP_SCALES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
                                             order=[1, 0]))
-# Everything the decoder runs, one element a thread (the bulk prefetch's predicate picks one).
-DECODER_THREADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                                warps_per_cta=[DECODER_WARPS.value], order=[0]))
 # The cache layouts this kernel decodes.
 LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16")
 # fp8_e4m3: [576 e4m3], times the layer's scale (in the scores' scale and the output's).
@@ -276,20 +274,11 @@ def _store_step_scales(scales, stage, step_scales, LAYOUT: gl.constexpr):
 @gluon.jit
 def _prefetch_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW_BYTES: gl.constexpr,
                    LAYOUT: gl.constexpr):
-    """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it). The fp8 layouts in pages of
-    whole steps: the step's rows are contiguous, so one thread asks the TMA unit for all of them at once
-    (``cp.async.bulk.prefetch.L2``; 16 heads b64: fp8_ds_mla -7%, fp8_e4m3 -4% against one request per line of
-    each row, 512 a step); the others line by line (the bulk request measured 2-6% slower for the FP4 layouts,
-    NOTES.md session 21)."""
-    if PAGE_SIZE % KEYS == 0 and (LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2" or LAYOUT == "fp8_e4m3"):
-        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
-        thread = gl.arange(0, 32 * DECODER_WARPS, layout=DECODER_THREADS)
-        first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * ROW_BYTES + thread * 0
-        nbytes = gl.minimum(kv_end - start, KEYS) * ROW_BYTES + thread * 0  # 656 or 576 a row: a multiple of 16
-        asks = ((thread == 0) & (start < kv_end)).to(gl.int32)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [first, nbytes, asks], dtype=gl.int32, is_pure=False, pack=1)
+    """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it): the fp8 layouts' in one bulk
+    request where pages hold whole steps (``_prefetch_page_step``: fp8_ds_mla b64 -7%, fp8_e4m3 -4%), the FP4
+    layouts' line by line (the bulk request measured 2-6% slower for them, NOTES.md session 21)."""
+    if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2" or LAYOUT == "fp8_e4m3":
+        _prefetch_page_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
     else:
         _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
 
