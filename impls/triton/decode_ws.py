@@ -66,8 +66,8 @@ WARPS = 12                        # DecodeConfig.num_warps of this kernel: 4 mul
 # us, 152 -> 124, against 102).
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
 SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-# fp8_ds_mla's tile scales of a step, [64 keys, 4 tiles], one a thread: a step's one load of them (a load per tile
-# along the keys, replicated over the warps, took 16 requests of 32 lines each; NOTES.md session 21).
+# fp8_ds_mla's tile scales of a step, [64 keys, 4 tiles], one a thread: one load a step (a load per tile along the
+# keys, replicated over the warps, took 32 warp loads of 32 lines each a step; NOTES.md session 21).
 STEP_SCALES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
                                             order=[1, 0]))
 # The cache layouts this kernel decodes.
