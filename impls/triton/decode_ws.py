@@ -186,6 +186,7 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     those loads' latency in the step: same time or slower, NOTES.md session 19)."""
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
+    # The layout's bytes per slot, which every load below takes.
     ROW: gl.constexpr = (NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else MXFP4_ROW_BYTES if LAYOUT == "mxfp4_nsa"
                          else MX16_ROW_BYTES if LAYOUT == "fp4_mx16" else E4M3_ROW_BYTES if LAYOUT == "fp8_e4m3"
                          else ROW_BYTES)
@@ -193,24 +194,24 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     for i in range(gl.load(item_counts + program)):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         pages = block_table + request.to(gl.int64) * stride_bt
-        c0, x0 = _load_tile(cache, pages, kv_start, kv_end, 0, PAGE_SIZE, LAYOUT)
-        c1, x1 = _load_tile(cache, pages, kv_start, kv_end, 1, PAGE_SIZE, LAYOUT)
-        c2, x2 = _load_tile(cache, pages, kv_start, kv_end, 2, PAGE_SIZE, LAYOUT)
-        c3, x3 = _load_tile(cache, pages, kv_start, kv_end, 3, PAGE_SIZE, LAYOUT)
-        r, rs = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
-        step_scales = _load_step_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, LAYOUT)
+        c0, x0 = _load_tile(cache, pages, kv_start, kv_end, 0, PAGE_SIZE, ROW, LAYOUT)
+        c1, x1 = _load_tile(cache, pages, kv_start, kv_end, 1, PAGE_SIZE, ROW, LAYOUT)
+        c2, x2 = _load_tile(cache, pages, kv_start, kv_end, 2, PAGE_SIZE, ROW, LAYOUT)
+        c3, x3 = _load_tile(cache, pages, kv_start, kv_end, 3, PAGE_SIZE, ROW, LAYOUT)
+        r, rs = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW, LAYOUT)
+        step_scales = _load_step_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW, LAYOUT)
         _prefetch_rows(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW, LAYOUT)
         for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
             nxt = kv_start + (j + 1) * KEYS
             # The next step's rows (requested into L2 a step ago) are in flight while this one is stored.
             _prefetch_rows(cache, pages, nxt + KEYS, kv_end, PAGE_SIZE, ROW, LAYOUT)
             stage = g % STAGES
-            n0, y0 = _load_tile(cache, pages, nxt, kv_end, 0, PAGE_SIZE, LAYOUT)
-            n1, y1 = _load_tile(cache, pages, nxt, kv_end, 1, PAGE_SIZE, LAYOUT)
-            n2, y2 = _load_tile(cache, pages, nxt, kv_end, 2, PAGE_SIZE, LAYOUT)
-            n3, y3 = _load_tile(cache, pages, nxt, kv_end, 3, PAGE_SIZE, LAYOUT)
-            nr, nrs = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
-            next_scales = _load_step_scales(cache, pages, nxt, kv_end, PAGE_SIZE, LAYOUT)
+            n0, y0 = _load_tile(cache, pages, nxt, kv_end, 0, PAGE_SIZE, ROW, LAYOUT)
+            n1, y1 = _load_tile(cache, pages, nxt, kv_end, 1, PAGE_SIZE, ROW, LAYOUT)
+            n2, y2 = _load_tile(cache, pages, nxt, kv_end, 2, PAGE_SIZE, ROW, LAYOUT)
+            n3, y3 = _load_tile(cache, pages, nxt, kv_end, 3, PAGE_SIZE, ROW, LAYOUT)
+            nr, nrs = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, ROW, LAYOUT)
+            next_scales = _load_step_scales(cache, pages, nxt, kv_end, PAGE_SIZE, ROW, LAYOUT)
             mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
             _store_tile(keys[0].index(stage), scales[0].index(stage), c0, x0, LAYOUT)
             _store_tile(keys[1].index(stage), scales[1].index(stage), c1, x1, LAYOUT)
@@ -226,32 +227,33 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
 
 
 @gluon.jit
-def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """Latent tile ``t`` of keys ``[start, start + 64)`` into registers: its codes and scales (nvfp4 and fp4_mx16:
-    the e4m3 or ue8m0 block scales, two per thread; mxfp4_nsa: the ue8m0 block scale, one per thread; the fp8
-    layouts: 0, fp8_ds_mla's tile scales come with ``_load_step_scales``); zeros past ``kv_end``."""
+def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr,
+               LAYOUT: gl.constexpr):
+    """Latent tile ``t`` of keys ``[start, start + 64)`` (``ROW`` bytes a slot) into registers: its codes and scales
+    (nvfp4 and fp4_mx16: the e4m3 or ue8m0 block scales, two per thread; mxfp4_nsa: the ue8m0 block scale, one per
+    thread; the fp8 layouts: 0, fp8_ds_mla's tile scales come with ``_load_step_scales``); zeros past ``kv_end``."""
     if LAYOUT == "nvfp4":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, NVFP4_ROW_BYTES)
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, ROW)
         pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
         return _load_fp4_tile(cache, at, ok, t, pairs)
     elif LAYOUT == "mxfp4_nsa":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MXFP4_ROW_BYTES)
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, ROW)
         return _load_fp4_tile(cache, at, ok, t, cache + at + MXFP4_SCALES_AT + TILE // 32 * t)
     elif LAYOUT == "fp4_mx16":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, MX16_ROW_BYTES)
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, ROW)
         pairs = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
         return _load_fp4_tile(cache, at, ok, t, pairs)
     else:
-        ROW: gl.constexpr = E4M3_ROW_BYTES if LAYOUT == "fp8_e4m3" else ROW_BYTES
         return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, ROW, CODE_WORDS), 0
 
 
 @gluon.jit
-def _load_step_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+def _load_step_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr,
+                      LAYOUT: gl.constexpr):
     """fp8_ds_mla's float32 tile scales of keys ``[start, start + 64)``, ``[64, 4]`` (zeros past ``kv_end``); 0 for
     the other layouts (the ue8m0 ones make theirs from their block scales, ``_store_tile``)."""
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, STEP_SCALES), ROW_BYTES)
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, STEP_SCALES), ROW)
         tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))
         first = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
         return gl.load(first[:, None] + tiles[None, :], mask=ok[:, None], other=0.0)
@@ -272,39 +274,40 @@ def _store_step_scales(scales, stage, step_scales, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW_BYTES: gl.constexpr,
+def _prefetch_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr,
                    LAYOUT: gl.constexpr):
-    """Request the rows of keys ``[start, start + 64)`` into L2 (nothing waits for it): the fp8 layouts' in one bulk
-    request where pages hold whole steps (``_prefetch_page_step``: fp8_ds_mla b64 -7%, fp8_e4m3 -4%), the FP4
+    """Request the ``ROW``-byte rows of keys ``[start, start + 64)`` into L2 (nothing waits for it): the fp8 layouts' in
+    one bulk request where pages hold whole steps (``_prefetch_page_step``: fp8_ds_mla b64 -7%, fp8_e4m3 -4%), the FP4
     layouts' line by line (the bulk request measured 2-6% slower for them, NOTES.md session 21)."""
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2" or LAYOUT == "fp8_e4m3":
-        _prefetch_page_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
+        _prefetch_page_step(cache, pages, start, kv_end, PAGE_SIZE, ROW)
     else:
-        _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
+        _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE, ROW)
 
 
 @gluon.jit
-def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
-    """The rope of keys ``[start, start + 64)`` (zeros past ``kv_end``): bf16 as ``[64, 32]`` words, and 0; fp4_mx16's
-    packed codes ``[64, 32]`` bytes and each byte's float32 factor ``2^k * 64`` (``decode_kernel._ue8m0_times_64``);
-    fp8_e4m3's codes ``[64, 64]`` bytes, and 0."""
+def _load_rope(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr,
+               LAYOUT: gl.constexpr):
+    """The rope of keys ``[start, start + 64)`` (``ROW`` bytes a slot; zeros past ``kv_end``): bf16 as ``[64, 32]``
+    words, and 0; fp4_mx16's packed codes ``[64, 32]`` bytes and each byte's float32 factor ``2^k * 64``
+    (``decode_kernel._ue8m0_times_64``); fp8_e4m3's codes ``[64, 64]`` bytes, and 0."""
     if LAYOUT == "fp8_e4m3":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, E4M3_ROPE), E4M3_ROW_BYTES)
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, E4M3_ROPE), ROW)
         column = gl.arange(0, ROPE, layout=gl.SliceLayout(0, E4M3_ROPE))[None, :]
         return gl.load(cache + at[:, None] + NOPE + column, mask=ok[:, None], other=0), 0
     elif LAYOUT == "fp4_mx16":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, ROPE_BYTES), MX16_ROW_BYTES)
+        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, ROPE_BYTES), ROW)
         column = gl.arange(0, ROPE // 2, layout=gl.SliceLayout(0, ROPE_BYTES))[None, :]
         codes = gl.load(cache + at[:, None] + MX16_ROPE_AT + column, mask=ok[:, None], other=0)
         block = gl.load(cache + at[:, None] + MX16_ROPE_SCALES_AT + column // 8, mask=ok[:, None], other=0)
         bits = (gl.minimum(block.to(gl.int32), 248) + 6) << 23
         return codes, gl.where(block == 0xFF, float("nan"), bits.to(gl.float32, bitcast=True))
     elif LAYOUT == "nvfp4":
-        return _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, NVFP4_ROW_BYTES), 0
+        return _load_words(cache, pages, start, kv_end, NVFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, ROW), 0
     elif LAYOUT == "mxfp4_nsa":
-        return _load_words(cache, pages, start, kv_end, MXFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, MXFP4_ROW_BYTES), 0
+        return _load_words(cache, pages, start, kv_end, MXFP4_ROPE_AT, ROPE // 2, PAGE_SIZE, ROW), 0
     else:
-        return _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES), 0
+        return _load_words(cache, pages, start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW), 0
 
 
 @gluon.jit
