@@ -194,36 +194,44 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     for i in range(gl.load(item_counts + program)):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         pages = block_table + request.to(gl.int64) * stride_bt
-        c0, x0 = _load_tile(cache, pages, kv_start, kv_end, 0, PAGE_SIZE, ROW, LAYOUT)
-        c1, x1 = _load_tile(cache, pages, kv_start, kv_end, 1, PAGE_SIZE, ROW, LAYOUT)
-        c2, x2 = _load_tile(cache, pages, kv_start, kv_end, 2, PAGE_SIZE, ROW, LAYOUT)
-        c3, x3 = _load_tile(cache, pages, kv_start, kv_end, 3, PAGE_SIZE, ROW, LAYOUT)
-        r, rs = _load_rope(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW, LAYOUT)
-        step_scales = _load_step_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW, LAYOUT)
+        step = _load_step(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW, LAYOUT)
         _prefetch_rows(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW, LAYOUT)
         for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
             nxt = kv_start + (j + 1) * KEYS
             # The next step's rows (requested into L2 a step ago) are in flight while this one is stored.
             _prefetch_rows(cache, pages, nxt + KEYS, kv_end, PAGE_SIZE, ROW, LAYOUT)
             stage = g % STAGES
-            n0, y0 = _load_tile(cache, pages, nxt, kv_end, 0, PAGE_SIZE, ROW, LAYOUT)
-            n1, y1 = _load_tile(cache, pages, nxt, kv_end, 1, PAGE_SIZE, ROW, LAYOUT)
-            n2, y2 = _load_tile(cache, pages, nxt, kv_end, 2, PAGE_SIZE, ROW, LAYOUT)
-            n3, y3 = _load_tile(cache, pages, nxt, kv_end, 3, PAGE_SIZE, ROW, LAYOUT)
-            nr, nrs = _load_rope(cache, pages, nxt, kv_end, PAGE_SIZE, ROW, LAYOUT)
-            next_scales = _load_step_scales(cache, pages, nxt, kv_end, PAGE_SIZE, ROW, LAYOUT)
+            next_step = _load_step(cache, pages, nxt, kv_end, PAGE_SIZE, ROW, LAYOUT)
             mbarrier.wait(free.index(stage), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
-            _store_tile(keys[0].index(stage), scales[0].index(stage), c0, x0, LAYOUT)
-            _store_tile(keys[1].index(stage), scales[1].index(stage), c1, x1, LAYOUT)
-            _store_tile(keys[2].index(stage), scales[2].index(stage), c2, x2, LAYOUT)
-            _store_tile(keys[3].index(stage), scales[3].index(stage), c3, x3, LAYOUT)
-            _store_rope(rope.index(stage), r, rs, LAYOUT)
-            _store_step_scales(scales, stage, step_scales, LAYOUT)
-            c0, c1, c2, c3, r, rs, step_scales = n0, n1, n2, n3, nr, nrs, next_scales
-            x0, x1, x2, x3 = y0, y1, y2, y3
+            _store_step(keys, rope, scales, stage, step, LAYOUT)
+            step = next_step
             hopper.fence_async_shared()  # the products read the stage through the async proxy
             mbarrier.arrive(ready.index(stage), count=1)
             g += 1
+
+
+@gluon.jit
+def _load_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr, LAYOUT: gl.constexpr):
+    """Keys ``[start, start + 64)`` into registers (``ROW`` bytes a slot), as ``_store_step`` takes them: the four
+    latent tiles (``_load_tile``), the rope (``_load_rope``) and fp8_ds_mla's tile scales (``_load_step_scales``)."""
+    c0, x0 = _load_tile(cache, pages, start, kv_end, 0, PAGE_SIZE, ROW, LAYOUT)
+    c1, x1 = _load_tile(cache, pages, start, kv_end, 1, PAGE_SIZE, ROW, LAYOUT)
+    c2, x2 = _load_tile(cache, pages, start, kv_end, 2, PAGE_SIZE, ROW, LAYOUT)
+    c3, x3 = _load_tile(cache, pages, start, kv_end, 3, PAGE_SIZE, ROW, LAYOUT)
+    r, rs = _load_rope(cache, pages, start, kv_end, PAGE_SIZE, ROW, LAYOUT)
+    return c0, x0, c1, x1, c2, x2, c3, x3, r, rs, _load_step_scales(cache, pages, start, kv_end, PAGE_SIZE, ROW, LAYOUT)
+
+
+@gluon.jit
+def _store_step(keys, rope, scales, stage, step, LAYOUT: gl.constexpr):
+    """A loaded step (``_load_step``) decoded into stage ``stage``'s buffers."""
+    c0, x0, c1, x1, c2, x2, c3, x3, r, rs, step_scales = step
+    _store_tile(keys[0].index(stage), scales[0].index(stage), c0, x0, LAYOUT)
+    _store_tile(keys[1].index(stage), scales[1].index(stage), c1, x1, LAYOUT)
+    _store_tile(keys[2].index(stage), scales[2].index(stage), c2, x2, LAYOUT)
+    _store_tile(keys[3].index(stage), scales[3].index(stage), c3, x3, LAYOUT)
+    _store_rope(rope.index(stage), r, rs, LAYOUT)
+    _store_step_scales(scales, stage, step_scales, LAYOUT)
 
 
 @gluon.jit
