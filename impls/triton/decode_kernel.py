@@ -48,6 +48,9 @@ TILE = tl.constexpr(128)  # latent values per tile (fp8_ds_mla's scale block)
 # ahead measured alike, 6 worse; NOTES.md, round 7).
 TABLE_PREFETCH_STEPS = tl.constexpr(2)
 ITEM_FIELDS = tl.constexpr(8)  # int32 per work item row, 7 used (decode.ITEM_COLUMNS): 32-byte rows
+# A 32-byte item row is one line: requested into L1 while the program's item count is read, it is no longer a second
+# DRAM read after the first (H200, 16 heads bf16 b1 ctx8192: 12.8 -> 12.6-12.7 us; NOTES.md session 22).
+PREFETCH_L1 = tl.constexpr("prefetch.global.L1 [$1]; mov.u32 $0, 0;")
 
 
 @triton.jit
@@ -423,14 +426,24 @@ def _decode_split_kernel(
     (``decode.PARTIALS_L2_SHARE`` says when)."""
     if EARLY_MERGE:
         gdc_launch_dependents()
-    program = tl.program_id(0)
-    table = work + program.to(tl.int64) * items_stride
-    for i in range(tl.load(item_counts + program)):
+    table, items = _program_items(work, items_stride, item_counts, INTERPRET)
+    for i in range(items):
         _attend_item(
             q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, _item_fields(table + i * ITEM_FIELDS),
             out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, nope_scale, out_scale, num_heads,
             LAYOUT, BYTES_PER_TOKEN, PAGE_SIZE, TILE_SCALES, SCALE_NOPE, BLOCK_M, BLOCK_N, HEADS_AS_N, INTERPRET,
             REREAD, KEEP_PARTIALS)
+
+
+@triton.jit
+def _program_items(work, items_stride, item_counts, INTERPRET: tl.constexpr):
+    """This program's work-item rows (``ITEM_FIELDS`` int32 each) and their count, the first row requested into L1
+    beside the count (``PREFETCH_L1``; the interpreter has no inline assembly)."""
+    program = tl.program_id(0)
+    table = work + program.to(tl.int64) * items_stride
+    if not INTERPRET:
+        tl.inline_asm_elementwise(PREFETCH_L1, "=r,l", [table], dtype=tl.int32, is_pure=False, pack=1)
+    return table, tl.load(item_counts + program)
 
 
 @triton.jit

@@ -34,7 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, TILE
-from impls.triton.decode_wgmma import _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
+from impls.triton.decode_wgmma import (_cta_barrier, _item_fields, _launch_dependents, _program_items, _row_at,
+                                       _row_limits)
 from impls.triton.sparse_wgmma import QUERY_TOP, ROPE_AT, ROW_BYTES, SCALES_AT, _pow2, _prefetch_row_lines
 
 ROWS = gl.constexpr(16)          # query rows per item: mma.sync's M
@@ -178,9 +179,8 @@ def _decode_split_kernel_mma_fp8(
     if EARLY_MERGE:
         _launch_dependents()
     exchange = gl.allocate_shared_memory(gl.float32, [2, TILES, ROWS, KEYS], EXCHANGE_SMEM)  # two steps' partials
-    program = gl.program_id(0)
-    table = work + program.to(gl.int64) * items_stride
-    for i in range(gl.load(item_counts + program)):
+    table, items = _program_items(work, items_stride, item_counts)
+    for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                      exchange, PAGE_SIZE, KEEP_PARTIALS)

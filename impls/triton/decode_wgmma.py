@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, PREFETCH_L1, ROPE, TILE
 from mla_bench.layouts import LATENT_DIM
 
 # Triton 3.6 (the GPU machine) and newer releases (CI) name two of the operations differently.
@@ -145,6 +145,16 @@ def _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS: gl.
 
 
 @gluon.jit
+def _program_items(work, items_stride, item_counts):
+    """This program's work-item rows and their count, the first row requested into L1 beside the count
+    (``decode_kernel._program_items``)."""
+    program = gl.program_id(0)
+    table = work + program.to(gl.int64) * items_stride
+    gl.inline_asm_elementwise(PREFETCH_L1, "=r,l", [table], dtype=gl.int32, is_pure=False, pack=1)
+    return table, gl.load(item_counts + program)
+
+
+@gluon.jit
 def _item_fields(row):
     """A work item's row (``decode.ITEM_COLUMNS``) as scalars, one load each (known uniform across the program)."""
     return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
@@ -164,9 +174,8 @@ def _decode_split_kernel_wgmma(
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, KEYS], SWIZZLED)
-    program = gl.program_id(0)
-    table = work + program.to(gl.int64) * items_stride
-    for i in range(gl.load(item_counts + program)):
+    table, items = _program_items(work, items_stride, item_counts)
+    for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
                      request, row_block, kv_start, kv_end, slot_out, q_first, q_len,

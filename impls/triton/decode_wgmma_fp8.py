@@ -30,7 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
+from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _program_items,
+                                       _row_at, _row_limits)
 from impls.triton.decode_wgmma_narrow import _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
@@ -161,9 +162,8 @@ def _decode_split_kernel_fp8(
     keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
     rope = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROPE], SWIZZLED)
     probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
-    program = gl.program_id(0)
-    table = work + program.to(gl.int64) * items_stride
-    for i in range(gl.load(item_counts + program)):
+    table, items = _program_items(work, items_stride, item_counts)
+    for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                      q_nope, q_rope, keys, rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS)

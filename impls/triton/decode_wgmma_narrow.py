@@ -25,8 +25,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, _cta_barrier, _item_fields, _key_rows,
-                                       _launch_dependents, _refill_stage, _row_at, _row_limits, _start_copies,
-                                       _wait_tile)
+                                       _launch_dependents, _program_items, _refill_stage, _row_at, _row_limits,
+                                       _start_copies, _wait_tile)
 
 # Copies: 16 bytes per thread, a warp covers 4 rows of 64 columns (decode_wgmma's, for one warpgroup).
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -54,9 +54,8 @@ def _decode_split_kernel_narrow(
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     probs = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROWS], PROBS_SMEM)  # P^T
     cache = cache.to(gl.pointer_type(gl.bfloat16))
-    program = gl.program_id(0)
-    table = work + program.to(gl.int64) * items_stride
-    for i in range(gl.load(item_counts + program)):
+    table, items = _program_items(work, items_stride, item_counts)
+    for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                      q_lat, q_rope, k_lat, k_rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS)

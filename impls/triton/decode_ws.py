@@ -51,7 +51,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from impls.triton.decode_kernel import E2M1_TIMES_F32, ITEM_FIELDS, NOPE, ROPE, TILE, e2m1_as_e4m3_ptx
-from impls.triton.decode_wgmma import SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _row_at, _row_limits
+from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _program_items,
+                                       _row_at, _row_limits)
 from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, _as_words, _e4m3_words, _issue_scores, _issue_values,
                                            _load_words, _prefetch_page_step, _prefetch_step, _scores_to_probs,
                                            _slots)
@@ -184,14 +185,13 @@ def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys
     """The decoder partition: every step of the program's items into the stages, each once ``free``; a step's
     bytes are loaded into registers while the step before is stored (a tile's load moved after its store leaves
     those loads' latency in the step: same time or slower, NOTES.md session 19)."""
-    program = gl.program_id(0)
-    table = work + program.to(gl.int64) * items_stride
+    table, items = _program_items(work, items_stride, item_counts)
     # The layout's bytes per slot, which every load below takes.
     ROW: gl.constexpr = (NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else MXFP4_ROW_BYTES if LAYOUT == "mxfp4_nsa"
                          else MX16_ROW_BYTES if LAYOUT == "fp4_mx16" else E4M3_ROW_BYTES if LAYOUT == "fp8_e4m3"
                          else ROW_BYTES)
     g = 0
-    for i in range(gl.load(item_counts + program)):
+    for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         pages = block_table + request.to(gl.int64) * stride_bt
         step = _load_step(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW, LAYOUT)
@@ -402,10 +402,9 @@ def _multiply(q, stride_qt, stride_qh, visible, work, items_stride, item_counts,
               rope, scales, probs, ready, free, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
               LAYOUT: gl.constexpr):
     """The default partition: each of the program's items from the decoded stages."""
-    program = gl.program_id(0)
-    table = work + program.to(gl.int64) * items_stride
+    table, items = _program_items(work, items_stride, item_counts)
     g = 0
-    for i in range(gl.load(item_counts + program)):
+    for i in range(items):
         g = _attend_item(_item_fields(table + i * ITEM_FIELDS), g, q, stride_qt, stride_qh, visible, out,
                          stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale,
                          out_scale, q_nope, q_rope, keys, rope, scales, probs, ready, free, ROWS, KEEP_PARTIALS,
