@@ -4,10 +4,10 @@ With 16 or 32 query rows (16 heads, one or two new tokens; 32 heads) the rows ar
 this kernel computes the products transposed: ``S^T = K Q^T`` with the step's 64 keys as M and the rows as N, and
 ``O^T += V^T P^T``. Per step of 64 keys, in one program of two warpgroups per multiprocessor:
 
-- the step's codes, scales and rope were loaded into registers (as 32-bit words) during the previous step, whose
-  rows had been requested into L2 a step before that;
+- the step's codes, tile scales and rope were loaded into registers (as 32-bit words; the scales one a thread)
+  during the previous step, whose rows had been requested into L2 a step before that;
 - the codes are decoded once, e4m3 -> float16 (exact, two instructions per four codes), into shared memory that
-  both products read, and the next step's loads are issued;
+  both products read, the scales stored beside them, and the next step's loads are issued;
 - warpgroup w takes half of the rows: the rope product in bf16 and the four 128-column code products in float16,
   each scaled by its per-key float32 scale as it completes, then ``O^T_t += V_t^T (P^T scale_t / u)`` per
   128-column value tile.
@@ -20,7 +20,9 @@ Measured (NOTES.md, session 13): at 32 rows it takes 80.4 us where the Triton ke
 two tokens, b32 ctx4096), and it is the default there; at 16 rows it is 8-11% slower than the Triton kernel (H100
 131.6 against 121.7 us at b64, H200 137.3 against 123.4), which stays the default. Its step is bound by its
 serial phases (decode, products, softmax; one program per multiprocessor at 255 registers), not by the bytes or the
-tensor cores.
+tensor cores. Since session 21 it requests the step after next into L2 in one bulk request (b32 76.7 -> 70.0 us), and
+since session 22 loads the tile scales once a step, handed over through shared memory (b32 70.3 -> 67.5, b64 127.0
+-> 121.6).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ CODE_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_w
 # predicate picks one thread.
 STEP_THREADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
                                              order=[0]))
+# fp8_ds_mla's tile scales of a step, [64 keys, 4 tiles], one a thread of the 8 warps: one load a step, handed to the
+# products' layout through shared memory (a load per tile along the keys, replicated over the warps that share a key,
+# took 32 warp loads of 16-32 lines each a step; NOTES.md sessions 21 and 22).
+STEP_SCALES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
+                                            order=[1, 0]))
+SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 HAS_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # Triton 3.6: _reinterpret
 
@@ -111,12 +119,24 @@ def _load_codes(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _load_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constexpr):
-    """The step's four per-key float32 tile scales along ``KEY_LAYOUT`` (zeros past ``kv_end``)."""
-    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, KEY_LAYOUT, ROW_BYTES)
-    ptrs = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
-    return (gl.load(ptrs, mask=ok, other=0.0), gl.load(ptrs + 1, mask=ok, other=0.0),
-            gl.load(ptrs + 2, mask=ok, other=0.0), gl.load(ptrs + 3, mask=ok, other=0.0))
+def _load_tile_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr):
+    """fp8_ds_mla's float32 tile scales of keys ``[start, start + 64)`` (``ROW`` bytes a slot), ``[64, 4]`` along
+    ``STEP_SCALES``; zeros past ``kv_end``."""
+    at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, STEP_SCALES), ROW)
+    tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))
+    first = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
+    return gl.load(first[:, None] + tiles[None, :], mask=ok[:, None], other=0.0)
+
+
+@gluon.jit
+def _store_tile_scales(s0, s1, s2, s3, step_scales):
+    """Loaded tile scales (``_load_tile_scales``) into the four ``[64]`` buffers ``s0``-``s3``, a tile's column each
+    (taken by a sum over the four threads of a key, the other columns zeroed: NaN and infinities pass)."""
+    tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))[None, :]
+    s0.store(gl.sum(gl.where(tiles == 0, step_scales, 0.0), 1))
+    s1.store(gl.sum(gl.where(tiles == 1, step_scales, 0.0), 1))
+    s2.store(gl.sum(gl.where(tiles == 2, step_scales, 0.0), 1))
+    s3.store(gl.sum(gl.where(tiles == 3, step_scales, 0.0), 1))
 
 
 @gluon.jit
@@ -162,17 +182,18 @@ def _decode_split_kernel_fp8(
     keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
     rope = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROPE], SWIZZLED)
     probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
+    scales = _tiles(gl.float32, [KEYS], SCALES_SMEM)
     table, items = _program_items(work, items_stride, item_counts)
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-                     q_nope, q_rope, keys, rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS)
+                     q_nope, q_rope, keys, rope, probs, scales, ROWS, PAGE_SIZE, KEEP_PARTIALS)
 
 
 @gluon.jit
 def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
                  out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-                 q_nope, q_rope, keys, rope, probs, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                 q_nope, q_rope, keys, rope, probs, scales, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr,
                  KEEP_PARTIALS: gl.constexpr):
     """One work item (``_item_fields``): ``ROWS`` query rows of one request over keys ``[kv_start, kv_end)``."""
     request, row_block, kv_start, kv_end, slot_out, q_first, q_len = item
@@ -183,7 +204,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     ACC_ROWS: gl.constexpr = gl.SliceLayout(0, ACC)
     pages = block_table + request.to(gl.int64) * stride_bt
     c0, c1, c2, c3 = _load_codes(cache, pages, kv_start, kv_end, PAGE_SIZE)
-    x0, x1, x2, x3 = _load_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, ACC_KEYS)
+    x = _load_tile_scales(cache, pages, kv_start, kv_end, PAGE_SIZE, ROW_BYTES)
     r = _load_words(cache, pages, kv_start, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
     _prefetch_page_step(cache, pages, kv_start + KEYS, kv_end, PAGE_SIZE, ROW_BYTES)
 
@@ -204,18 +225,19 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         _as_words(keys[1]).store(_e4m3_words(c1))
         _as_words(keys[2]).store(_e4m3_words(c2))
         _as_words(keys[3]).store(_e4m3_words(c3))
+        _store_tile_scales(scales[0], scales[1], scales[2], scales[3], x)
         hopper.fence_async_shared()
         _cta_barrier()
         # The next step's rows (requested into L2 a step ago), in flight during this step's products.
         c0, c1, c2, c3 = _load_codes(cache, pages, start + KEYS, kv_end, PAGE_SIZE)
         r = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
-        n0, n1, n2, n3 = _load_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ACC_KEYS)
+        x = _load_tile_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ROW_BYTES)
 
         m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
-            rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale,
+            rope, keys, q_rope, q_nope, probs, scales[0].load(ACC_KEYS), scales[1].load(ACC_KEYS),
+            scales[2].load(ACC_KEYS), scales[3].load(ACC_KEYS), q_down, qk_scale,
             (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
-        _cta_barrier()  # every warp is done with the decoded keys and P
-        x0, x1, x2, x3 = n0, n1, n2, n3
+        _cta_barrier()  # every warp is done with the decoded keys, the scales and P
 
     l_i = gl.sum(l_part, 0)
     seen = l_i > 0.0

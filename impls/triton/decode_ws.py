@@ -53,11 +53,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from impls.triton.decode_kernel import E2M1_TIMES_F32, ITEM_FIELDS, NOPE, ROPE, TILE, e2m1_as_e4m3_ptx
 from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _program_items,
                                        _row_at, _row_limits)
-from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, _as_words, _e4m3_words, _issue_scores, _issue_values,
-                                           _load_words, _prefetch_page_step, _prefetch_step, _scores_to_probs,
-                                           _slots)
+from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, SCALES_SMEM, _as_words, _e4m3_words, _issue_scores,
+                                           _issue_values, _load_tile_scales, _load_words, _prefetch_page_step,
+                                           _prefetch_step, _scores_to_probs, _slots, _store_tile_scales)
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse, _transposed_state
-from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, SCALES_AT, _stage_query, _tiles
+from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, _stage_query, _tiles
 
 STAGES = gl.constexpr(2)          # decoded steps in shared memory: 2 x (64 KB codes + 8 KB rope + 1 KB scales)
 DECODER_WARPS = gl.constexpr(8)   # decode_wgmma_fp8's load layouts are for 8 warps
@@ -66,11 +66,6 @@ WARPS = 12                        # DecodeConfig.num_warps of this kernel: 4 mul
 # 12 warps x 32 threads x 168 registers fit the 64K of a multiprocessor; a lower cap spills (H200 b64: 160 -> 116
 # us, 152 -> 124, against 102).
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}
-SCALES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-# fp8_ds_mla's tile scales of a step, [64 keys, 4 tiles], one a thread: one load a step (a load per tile along the
-# keys, replicated over the warps, took 32 warp loads of 32 lines each a step; NOTES.md session 21).
-STEP_SCALES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
-                                            order=[1, 0]))
 # The cache layouts this kernel decodes.
 LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16")
 # fp8_e4m3: [576 e4m3], times the layer's scale (in the scores' scale and the output's).
@@ -261,24 +256,18 @@ def _load_step_scales(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW:
     """fp8_ds_mla's float32 tile scales of keys ``[start, start + 64)``, ``[64, 4]`` (zeros past ``kv_end``); 0 for
     the other layouts (the ue8m0 ones make theirs from their block scales, ``_store_tile``)."""
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, STEP_SCALES), ROW)
-        tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))
-        first = (cache + at + SCALES_AT).to(gl.pointer_type(gl.float32))
-        return gl.load(first[:, None] + tiles[None, :], mask=ok[:, None], other=0.0)
+        return _load_tile_scales(cache, pages, start, kv_end, PAGE_SIZE, ROW)
     else:
         return 0
 
 
 @gluon.jit
 def _store_step_scales(scales, stage, step_scales, LAYOUT: gl.constexpr):
-    """A step's loaded tile scales (``_load_step_scales``) into the stage's four scale buffers, a tile's column each
-    (taken by a sum over the four threads of a key, the other columns zeroed: NaN and infinities pass)."""
+    """A step's loaded tile scales (``_load_step_scales``) into the stage's four scale buffers
+    (``_store_tile_scales``)."""
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
-        tiles = gl.arange(0, 4, layout=gl.SliceLayout(0, STEP_SCALES))[None, :]
-        scales[0].index(stage).store(gl.sum(gl.where(tiles == 0, step_scales, 0.0), 1))
-        scales[1].index(stage).store(gl.sum(gl.where(tiles == 1, step_scales, 0.0), 1))
-        scales[2].index(stage).store(gl.sum(gl.where(tiles == 2, step_scales, 0.0), 1))
-        scales[3].index(stage).store(gl.sum(gl.where(tiles == 3, step_scales, 0.0), 1))
+        _store_tile_scales(scales[0].index(stage), scales[1].index(stage), scales[2].index(stage),
+                           scales[3].index(stage), step_scales)
 
 
 @gluon.jit
