@@ -22,7 +22,7 @@ two tokens, b32 ctx4096), and it is the default there; at 16 rows it is 8-11% sl
 serial phases (decode, products, softmax; one program per multiprocessor at 255 registers), not by the bytes or the
 tensor cores. Since session 21 it requests the step after next into L2 in one bulk request (b32 76.7 -> 70.0 us), and
 since session 22 loads the tile scales once a step, handed over through shared memory (b32 70.3 -> 67.5, b64 127.0
--> 121.6).
+-> 121.6), where each warp reads all of them for their maximum (b32 65.4, b64 117.0, page 1 b32 81.9 -> 75.2).
 """
 
 from __future__ import annotations
@@ -140,6 +140,18 @@ def _store_tile_scales(s0, s1, s2, s3, step_scales):
 
 
 @gluon.jit
+def _read_tile_scales(s0, s1, s2, s3, ACC_KEYS: gl.constexpr):
+    """The four ``[64]`` per-key tile scales (``_store_tile_scales``) along the keys of the products' layout, and
+    their maximum. Each warp reads all 256 for the maximum, so that it needs no exchange between warps (two barriers
+    a step fewer; decode_ws b64 92.0 -> 88.4 us, NOTES.md session 19)."""
+    EVERY_WARP: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32],
+                                                warps_per_cta=[gl.num_warps()], order=[0])
+    largest = gl.maximum(gl.maximum(s0.load(EVERY_WARP), s1.load(EVERY_WARP)),
+                         gl.maximum(s2.load(EVERY_WARP), s3.load(EVERY_WARP)))
+    return s0.load(ACC_KEYS), s1.load(ACC_KEYS), s2.load(ACC_KEYS), s3.load(ACC_KEYS), gl.max(largest, 0)
+
+
+@gluon.jit
 def _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW_BYTES: gl.constexpr):
     """Request the ``ROW_BYTES``-byte rows of keys ``[start, start + 64)`` into L2 (nothing waits for it)."""
     at, ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, LINES_LAYOUT), ROW_BYTES)
@@ -233,9 +245,9 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         r = _load_words(cache, pages, start + KEYS, kv_end, ROPE_AT, ROPE // 2, PAGE_SIZE, ROW_BYTES)
         x = _load_tile_scales(cache, pages, start + KEYS, kv_end, PAGE_SIZE, ROW_BYTES)
 
+        x0, x1, x2, x3, step_max = _read_tile_scales(scales[0], scales[1], scales[2], scales[3], ACC_KEYS)
         m_i, l_part, unit, acc0, acc1, acc2, acc3 = _step_products(
-            rope, keys, q_rope, q_nope, probs, scales[0].load(ACC_KEYS), scales[1].load(ACC_KEYS),
-            scales[2].load(ACC_KEYS), scales[3].load(ACC_KEYS), q_down, qk_scale,
+            rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, step_max, q_down, qk_scale,
             (start + key_ids)[:, None] < limit[None, :], zero, m_i, l_part, unit, acc0, acc1, acc2, acc3)
         _cta_barrier()  # every warp is done with the decoded keys, the scales and P
 
@@ -265,15 +277,16 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
 
 
 @gluon.jit
-def _step_products(rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, q_down, qk_scale, visible_keys, zero, m_i,
-                   l_part, unit, acc0, acc1, acc2, acc3):
+def _step_products(rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, step_max, q_down, qk_scale, visible_keys, zero,
+                   m_i, l_part, unit, acc0, acc1, acc2, acc3):
     """One 64-key step from its decoded tiles (``rope``, the four of ``keys``; per-key tile scales ``x0``-``x3``
-    along the keys of the accumulators' layout): ``S^T`` (``_issue_scores``), the online softmax into ``probs``
+    along the keys of the accumulators' layout, their maximum ``step_max``): ``S^T`` (``_issue_scores``), the online
+    softmax into ``probs``
     (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the other. Returns the
     running maximum, sums, unit and accumulators."""
     s_rope, p0, p1, p2, p3 = _issue_scores(rope, keys, q_rope, q_nope, zero)
-    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, None, q_down,
-                                                  qk_scale, visible_keys, m_i, l_part, unit)
+    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, step_max,
+                                                  q_down, qk_scale, visible_keys, m_i, l_part, unit)
     acc0, acc1, acc2, acc3 = _issue_values(keys, probs, alpha_o, acc0, acc1, acc2, acc3)
     acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
     return m_i, l_part, unit, acc0, acc1, acc2, acc3
@@ -297,7 +310,7 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1,
     """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
     each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
     ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores; ``u`` grows to ``step_max``, the step's
-    largest tile scale (None: found here, across the warps). Returns the running maximum, sums, the new unit ``u``
+    largest tile scale (``_read_tile_scales``). Returns the running maximum, sums, the new unit ``u``
     and the factor of the accumulators (``alpha_o``)."""
     s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
@@ -316,8 +329,6 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1,
     l_part = l_part * alpha[None, :] + p
 
     # Values: P^T * scale_t / u per tile, in float16; u grows to this step's largest scale.
-    if step_max is None:
-        step_max = gl.max(gl.maximum(gl.maximum(x0, x1), gl.maximum(x2, x3)), 0)
     new_unit = gl.maximum(unit, step_max)
     per_unit = 1.0 / new_unit
     probs[0].store((p * (x0 * per_unit)[:, None]).to(gl.float16))

@@ -55,7 +55,8 @@ from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _item_fields, _la
                                        _row_at, _row_limits)
 from impls.triton.decode_wgmma_fp8 import (CODE_WORDS, KEYS, SCALES_SMEM, _as_words, _e4m3_words, _issue_scores,
                                            _issue_values, _load_tile_scales, _load_words, _prefetch_page_step,
-                                           _prefetch_step, _scores_to_probs, _slots, _store_tile_scales)
+                                           _prefetch_step, _read_tile_scales, _scores_to_probs, _slots,
+                                           _store_tile_scales)
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, STORE_LAYOUT, _store_item, _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import ROPE_AT, ROW_BYTES, _stage_query, _tiles
 
@@ -481,13 +482,8 @@ def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
         ones = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
         return ones, ones, ones, ones, gl.to_tensor(1.0)
     else:
-        EVERY_WARP: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[4],
-                                                    order=[0])
-        first = gl.maximum(scales[0].index(stage).load(EVERY_WARP), scales[1].index(stage).load(EVERY_WARP))
-        second = gl.maximum(scales[2].index(stage).load(EVERY_WARP), scales[3].index(stage).load(EVERY_WARP))
-        largest = gl.maximum(first, second)
-        return (scales[0].index(stage).load(ACC_KEYS), scales[1].index(stage).load(ACC_KEYS),
-                scales[2].index(stage).load(ACC_KEYS), scales[3].index(stage).load(ACC_KEYS), gl.max(largest, 0))
+        return _read_tile_scales(scales[0].index(stage), scales[1].index(stage), scales[2].index(stage),
+                                 scales[3].index(stage), ACC_KEYS)
 
 
 @gluon.jit
