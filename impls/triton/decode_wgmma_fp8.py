@@ -281,9 +281,8 @@ def _step_products(rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, step_max, 
                    m_i, l_part, unit, acc0, acc1, acc2, acc3):
     """One 64-key step from its decoded tiles (``rope``, the four of ``keys``; per-key tile scales ``x0``-``x3``
     along the keys of the accumulators' layout, their maximum ``step_max``): ``S^T`` (``_issue_scores``), the online
-    softmax into ``probs``
-    (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the other. Returns the
-    running maximum, sums, unit and accumulators."""
+    softmax into ``probs`` (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the
+    other. Returns the running maximum, sums, unit and accumulators."""
     s_rope, p0, p1, p2, p3 = _issue_scores(rope, keys, q_rope, q_nope, zero)
     m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, step_max,
                                                   q_down, qk_scale, visible_keys, m_i, l_part, unit)
@@ -310,8 +309,8 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1,
     """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
     each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
     ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores; ``u`` grows to ``step_max``, the step's
-    largest tile scale (``_read_tile_scales``). Returns the running maximum, sums, the new unit ``u``
-    and the factor of the accumulators (``alpha_o``)."""
+    largest tile scale (``_read_tile_scales``). Returns the running maximum, sums, the new unit ``u`` and the factor
+    of the accumulators (``alpha_o``)."""
     s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
     p1 = hopper.warpgroup_mma_wait(num_outstanding=2 + LATER, deps=[p1])
