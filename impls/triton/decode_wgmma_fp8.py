@@ -22,7 +22,7 @@ two tokens, b32 ctx4096), and it is the default there; at 16 rows it is 8-11% sl
 serial phases (decode, products, softmax; one program per multiprocessor at 255 registers), not by the bytes or the
 tensor cores. Since session 21 it requests the step after next into L2 in one bulk request (b32 76.7 -> 70.0 us), and
 since session 22 loads the tile scales once a step, handed over through shared memory (b32 70.3 -> 67.5, b64 127.0
--> 121.6), where each warp reads all of them for their maximum (b32 65.4, b64 117.0, page 1 b32 81.9 -> 75.2).
+-> 121.6), where each warp reads all of them for their maximum (b32 65.4, b64 116.9, page 1 b32 81.9 -> 75.2).
 """
 
 from __future__ import annotations
