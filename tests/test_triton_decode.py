@@ -334,8 +334,8 @@ def _fp8_mma(**more) -> DecodeConfig:
 
 
 def _ws(**more) -> DecodeConfig:
-    """decode_ws's configuration (16 rows), as default_config makes it on Hopper for large batches."""
-    return DecodeConfig(block_m=16, block_n=64, num_warps=12, num_stages=1, early_merge=True, gluon=True, **more)
+    """decode_ws's configuration (16 rows), as default_config makes it on Hopper."""
+    return dataclasses.replace(decode.WS_CONFIG, **more)
 
 
 @pytest.mark.gpu

@@ -152,6 +152,8 @@ class DecodeConfig:
 # every size (NOTES.md session 21); a config can still ask for it.
 MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
                               gluon=True)
+# decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
+WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
@@ -199,8 +201,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
-        return DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True,
-                            gluon=True)
+        return WS_CONFIG
     if hopper and layout == "bf16" and (block_m == 32 or page_size % 64):
         return DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0

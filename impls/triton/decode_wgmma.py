@@ -53,13 +53,19 @@ def _copy_rows(smem, rows_base, ok, first_col: gl.constexpr, COLS: gl.constexpr)
 
 
 @gluon.jit
+def _step_page(pages, start, kv_end, PAGE_SIZE: gl.constexpr):
+    """The block-table entry of the step of keys from ``start``, in pages that hold whole steps (0 past ``kv_end``)."""
+    return gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
+
+
+@gluon.jit
 def _key_rows(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
     """The cache rows of keys ``[start, start + 64)`` through the block table, along the rows of ``LAYOUT`` (a copy
     layout), and which are below ``kv_end`` (none past the range: nothing is read then)."""
     keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, LAYOUT))
     ok = keys < kv_end
     if PAGE_SIZE % KEYS == 0:  # one page per tile: one block-table entry
-        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
+        page = _step_page(pages, start, kv_end, PAGE_SIZE)
     else:
         page = gl.load(pages + keys // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
     return cache + (page * PAGE_SIZE + keys % PAGE_SIZE) * WIDTH, ok

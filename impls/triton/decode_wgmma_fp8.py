@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _program_items,
-                                       _row_at, _row_limits)
+                                       _row_at, _row_limits, _step_page)
 from impls.triton.decode_wgmma_narrow import _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
@@ -92,7 +92,7 @@ def _slots(pages, start, kv_end, PAGE_SIZE: gl.constexpr, KEY_LAYOUT: gl.constex
     keys = start + gl.arange(0, KEYS, layout=KEY_LAYOUT)
     ok = keys < kv_end
     if PAGE_SIZE % KEYS == 0:  # one page per step: one block-table entry
-        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
+        page = _step_page(pages, start, kv_end, PAGE_SIZE)
     else:
         page = gl.load(pages + keys // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
     return gl.where(ok, page * PAGE_SIZE + keys % PAGE_SIZE, 0) * ROW_BYTES, ok
@@ -165,7 +165,7 @@ def _prefetch_page_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, RO
     16 heads, fp8_ds_mla b64: decode_ws 87.4 -> 81.5 us, this kernel at 2 tokens b32 76.7 -> 70.0; the FP4 layouts
     measured 2-6% slower with it; NOTES.md session 21)."""
     if PAGE_SIZE % KEYS == 0:
-        page = gl.load(pages + start // PAGE_SIZE, mask=start < kv_end, other=0).to(gl.int64)
+        page = _step_page(pages, start, kv_end, PAGE_SIZE)
         thread = gl.arange(0, 256, layout=STEP_THREADS)
         first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * ROW_BYTES + thread * 0
         nbytes = gl.minimum(kv_end - start, KEYS) * ROW_BYTES + thread * 0  # whole rows: a multiple of 16 bytes

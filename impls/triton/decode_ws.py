@@ -236,17 +236,15 @@ def _load_tile(cache, pages, start, kv_end, t: gl.constexpr, PAGE_SIZE: gl.const
     """Latent tile ``t`` of keys ``[start, start + 64)`` (``ROW`` bytes a slot) into registers: its codes and scales
     (nvfp4 and fp4_mx16: the e4m3 or ue8m0 block scales, two per thread; mxfp4_nsa: the ue8m0 block scale, one per
     thread; the fp8 layouts: 0, fp8_ds_mla's tile scales come with ``_load_step_scales``); zeros past ``kv_end``."""
-    if LAYOUT == "nvfp4":
+    if LAYOUT == "nvfp4" or LAYOUT == "mxfp4_nsa" or LAYOUT == "fp4_mx16":
         at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, ROW)
-        pairs = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
-        return _load_fp4_tile(cache, at, ok, t, pairs)
-    elif LAYOUT == "mxfp4_nsa":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, ROW)
-        return _load_fp4_tile(cache, at, ok, t, cache + at + MXFP4_SCALES_AT + TILE // 32 * t)
-    elif LAYOUT == "fp4_mx16":
-        at, ok = _slots(pages, start, kv_end, PAGE_SIZE, FP4_KEYS, ROW)
-        pairs = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
-        return _load_fp4_tile(cache, at, ok, t, pairs)
+        if LAYOUT == "nvfp4":
+            blocks = (cache + at + NVFP4_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
+        elif LAYOUT == "fp4_mx16":
+            blocks = (cache + at + MX16_SCALES_AT + TILE // 16 * t).to(gl.pointer_type(gl.int16))
+        else:
+            blocks = cache + at + MXFP4_SCALES_AT + TILE // 32 * t
+        return _load_fp4_tile(cache, at, ok, t, blocks)
     else:
         return _load_words(cache, pages, start, kv_end, t * TILE, TILE // 4, PAGE_SIZE, ROW, CODE_WORDS), 0
 
