@@ -17,12 +17,14 @@ the accumulators are in units of ``u``, the largest tile scale seen so far. Same
 and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged cache's bytes (656 per slot).
 
 Measured (NOTES.md, session 13): at 32 rows it takes 80.4 us where the Triton kernel takes 135.7 (H200, 16 heads,
-two tokens, b32 ctx4096), and it is the default there; at 16 rows it is 8-11% slower than the Triton kernel (H100
-131.6 against 121.7 us at b64, H200 137.3 against 123.4), which stays the default. Its step is bound by its
-serial phases (decode, products, softmax; one program per multiprocessor at 255 registers), not by the bytes or the
-tensor cores. Since session 21 it requests the step after next into L2 in one bulk request (b32 76.7 -> 70.0 us), and
-since session 22 loads the tile scales once a step, handed over through shared memory (b32 70.3 -> 67.5, b64 127.0
--> 121.6), where each warp reads all of them for their maximum (b32 65.4, b64 116.9, page 1 b32 81.9 -> 75.2).
+two tokens, b32 ctx4096), and it is the default there; at 16 rows it was 8-11% slower than the Triton kernel (H100
+131.6 against 121.7 us at b64, H200 137.3 against 123.4; the 16-row kernel is ``decode_ws`` now). Its step is bound
+by its serial phases (decode, products, softmax; one program per multiprocessor at 255 registers), not by the bytes
+or the tensor cores. Since session 21 it requests the step after next into L2 in one bulk request (b32 76.7 -> 70.0
+us), and since session 22 loads the tile scales once a step, handed over through shared memory (b32 70.3 -> 67.5,
+b64 127.0 -> 121.6), where each warp reads all of them for their maximum (b32 65.4, b64 116.9, page 1 b32 81.9 ->
+75.2). Against the Triton kernel's 32-row configuration again (session 23): b32 65.5 against 134.1 us, b64 117.4
+against 255.0.
 """
 
 from __future__ import annotations
