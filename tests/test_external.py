@@ -51,7 +51,7 @@ def fake_packages(monkeypatch):
             monkeypatch.delitem(sys.modules, name, raising=False)
 
 
-@pytest.mark.parametrize("name, expect", [("vllm_triton_mla", 4), ("flashinfer_mla", 7), ("flashmla", 5),
+@pytest.mark.parametrize("name, expect", [("vllm_triton_mla", 5), ("flashinfer_mla", 7), ("flashmla", 5),
                                           ("flashmla_sparse", 3)])
 def test_adapter_plumbing_passes_conformance_on_stand_in_kernels(fake_packages, name, expect):
     impl = resolve(name).load()
@@ -94,3 +94,40 @@ def test_flashinfer_empty_requests_get_lse_minus_inf(fake_packages):
     out, lse = impl.run(impl.checked_plan(problem))
     assert bool(torch.isneginf(lse[1:3]).all()) and bool(torch.isfinite(lse[[0, 3]]).all())
     assert bool((out[1:3] == 0).all())
+
+
+def test_vllm_splits_follow_vllm_033_rule():
+    """One split per 512 keys of the longest request, rounded up to a power of two, at most two per SM."""
+    from impls.external.vllm_triton import _kv_splits
+
+    assert [_kv_splits(n, 132) for n in (1, 511, 512, 1024, 1600, 4096, 8192)] == [1, 1, 1, 2, 4, 8, 16]
+    assert _kv_splits(131072, 132) == 256 and _kv_splits(1 << 20, 132) == 264 and _kv_splits(1 << 20, 2) == 4
+
+
+def test_vllm_before_is_mla_runs_as_that_backend_did(fake_packages, monkeypatch):
+    """A vLLM whose kernel has no ``is_mla``: 4 splits, ``k_scale`` only with an fp8 cache, one query per request
+    (uniform multi-token decode refused), and the adapter's plumbing still passes conformance."""
+    import importlib
+
+    module = importlib.import_module("vllm.v1.attention.ops.triton_decode_attention")
+    current = module.decode_attention_fwd
+    calls = []
+
+    def legacy(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale,
+               page_size=1, logit_cap=0.0, k_scale=None):
+        assert (k_scale is not None) == (k_buffer.dtype == torch.float8_e4m3fn), "k_scale goes with an fp8 cache"
+        calls.append(num_kv_splits)
+        one = torch.tensor(1.0)
+        current(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale,
+                page_size, logit_cap, k_scale if k_scale is not None else one, k_scale if k_scale is not None else one,
+                is_mla=True)
+
+    monkeypatch.setattr(module, "decode_attention_fwd", legacy)
+    impl = resolve("vllm_triton_mla").load()
+    assert impl.capabilities.query_len_kinds == frozenset({"single"}) and "before is_mla" in impl.description
+    impl.capabilities = dataclasses.replace(impl.capabilities, devices=frozenset({"cpu"}))
+    from mla_bench.problem import build_problem
+
+    verdicts = [judge(impl, build_problem(w, "cpu")) for w in sweeps.conformance(impl.capabilities)
+                if impl.capabilities.refusal(w, "cpu") is None]
+    assert [v.status for v in verdicts] == ["passed"] * 4 and set(calls) == {4}

@@ -1,16 +1,23 @@
 """vLLM's Triton MLA decode (``decode_attention_fwd``, the TRITON_MLA backend; SGLang's triton backend runs
-the same kernel).
+the same kernel), called as vLLM's backend calls it.
 
-Semantics taken from vLLM's ``triton_mla.py``: q ``[B, H, 576]`` (one query per request), the cache viewed as
-``[blocks, page, 1, 576]`` with values ``[..., :512]``, the block table as ``req_to_token``, ``seq_lens``,
-a float32 workspace ``[B, H, splits, 512 + 1]``, natural-log lse ``[B, H]``. A request with no key makes the
-kernel divide by zero, so (as vLLM's callers do) its length is clamped to 1 and its row is overwritten with
-out 0, lse -inf. The ``fp8_e4m3`` layout runs with the per-tensor ``k_scale`` where the vLLM version has it;
-a bf16 cache runs without one, as in vLLM's TRITON_MLA backend.
+Semantics taken from vLLM's ``triton_mla.py``: q ``[rows, H, 576]``, the cache viewed as ``[blocks, page, 1, 576]``
+with values ``[..., :512]``, the block table as ``req_to_token``, one length per row, a float32 workspace
+``[rows, H, splits, 512 + 1]``, natural-log lse ``[rows, H]``. A row with no key makes the kernel divide by zero,
+so (as vLLM's callers do) its length is clamped to 1 and its row is overwritten with out 0, lse -inf.
+
+Two generations of the API, told apart by ``decode_attention_fwd``'s signature:
+
+- with ``is_mla`` (vLLM 0.33): the backend passes ``is_mla=True`` (a 512-wide latent tile and a 64-wide rope tile;
+  without it the kernel pads the 576 dims to a 1024-wide tile and runs 3-5x slower), the layer's ``k_scale`` and
+  ``v_scale`` on every cache (a no-op on bf16), ``num_kv_splits`` from the batch's longest request and the SM count
+  (``_kv_splits``), and uniform multi-token decode as one row per token, each with its causal extent;
+- before it: 4 splits, one query per request, ``k_scale`` only with an fp8 cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -23,7 +30,14 @@ from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl, ImplNotInstalled
 from mla_bench.workload import Mode
 
-NUM_KV_SPLITS = 4  # vLLM's choice (1 under batch invariance)
+LEGACY_KV_SPLITS = 4  # vLLM's choice before is_mla (1 under batch invariance)
+
+
+def _kv_splits(max_kv_len: int, sm_count: int) -> int:
+    """vLLM 0.33's ``_compute_num_kv_splits``: a power of two near one split per 512 keys of the longest request,
+    at most two per SM."""
+    ideal = 1 << (max(1, max_kv_len // 512) - 1).bit_length()
+    return min(ideal, 2 * sm_count)
 
 
 @dataclass
@@ -37,10 +51,10 @@ class VllmPlan:
 
 class VllmTritonMLA(Impl):
     name = "vllm_triton_mla"
-    description = "vLLM's Triton MLA decode (TRITON_MLA backend), num_kv_splits 4"
+    description = "vLLM's Triton MLA decode (TRITON_MLA backend)"
     capabilities = Capabilities(modes=frozenset({Mode.DECODE}), layouts=frozenset({"bf16", "fp8_e4m3"}),
                                 dtypes=frozenset({"bfloat16"}), devices=frozenset({"cuda"}),
-                                query_len_kinds=frozenset({"single"}))
+                                query_len_kinds=frozenset({"single", "uniform"}))
 
     def __init__(self) -> None:
         module = require("vllm.v1.attention.ops.triton_decode_attention", "vllm.attention.ops.triton_decode_attention",
@@ -50,6 +64,10 @@ class VllmTritonMLA(Impl):
         if "lse" not in params:
             raise ImplNotInstalled("this vLLM's decode_attention_fwd returns no lse (need vLLM with the lse output)")
         self._has_k_scale = "k_scale" in params
+        self._mla_api = "is_mla" in params
+        if not self._mla_api:
+            self.description = f"vLLM's Triton MLA decode (TRITON_MLA backend, before is_mla), {LEGACY_KV_SPLITS} splits"
+            self.capabilities = dataclasses.replace(self.capabilities, query_len_kinds=frozenset({"single"}))
 
     def plan(self, problem: Problem) -> VllmPlan:
         cache, meta = problem.cache, problem.meta
@@ -58,16 +76,35 @@ class VllmTritonMLA(Impl):
             raise UnsupportedConfig(f"{self.name}: layout fp8_e4m3 needs a vLLM whose decode takes k_scale")
         view = torch.float8_e4m3fn if fp8 else torch.bfloat16
         kv = cache.data.view(view).view(cache.num_blocks, cache.page_size, 1, -1)
-        batch, heads = problem.q.shape[0], problem.q.shape[1]
-        out = torch.empty(batch, heads, NOPE_DIM, dtype=problem.q.dtype, device=problem.device)
-        lse = torch.empty(batch, heads, dtype=torch.float32, device=problem.device)
-        logits = torch.empty(batch, heads, NUM_KV_SPLITS, NOPE_DIM + 1, dtype=torch.float32, device=problem.device)
+        block_table, row_lens = self._rows(problem)
+        rows, heads = problem.q.shape[0], problem.q.shape[1]
+        # The stand-in kernels of the tests run on the CPU, where any count will do.
+        sms = torch.cuda.get_device_properties(problem.device).multi_processor_count \
+            if problem.device.type == "cuda" else 1
+        splits = _kv_splits(max(meta.kv_lens, default=0), sms) if self._mla_api else LEGACY_KV_SPLITS
+        out = torch.empty(rows, heads, NOPE_DIM, dtype=problem.q.dtype, device=problem.device)
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=problem.device)
+        logits = torch.empty(rows, heads, splits, NOPE_DIM + 1, dtype=torch.float32, device=problem.device)
         kwargs = {}
-        if fp8:  # as vLLM's backend: a k_scale switches the kernel to its fp8 dequantize path
-            kwargs["k_scale"] = torch.tensor(cache.tensor_scale, dtype=torch.float32, device=problem.device)
-        args = (problem.q.contiguous(), kv, kv[..., :NOPE_DIM], out, lse, meta.block_table, meta.seq_lens.clamp_min(1),
-                logits, NUM_KV_SPLITS, problem.scale, cache.page_size)
-        return VllmPlan(args, kwargs, out, lse, meta.seq_lens == 0)
+        if fp8 or self._mla_api:  # the layer scale: switches an fp8 cache to the dequantize path, a no-op on bf16
+            scale = torch.tensor(cache.tensor_scale if fp8 else 1.0, dtype=torch.float32, device=problem.device)
+            kwargs["k_scale"] = scale
+            if self._mla_api:
+                kwargs.update(v_scale=scale, is_mla=True)
+        args = (problem.q.contiguous(), kv, kv[..., :NOPE_DIM], out, lse, block_table, row_lens.clamp_min(1),
+                logits, splits, problem.scale, cache.page_size)
+        return VllmPlan(args, kwargs, out, lse, row_lens == 0)
+
+    @staticmethod
+    def _rows(problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block-table row and length per query row: a request's ``q`` tokens see its first ``kv - q + 1 + t``
+        keys (as vLLM's backend expands a uniform multi-token block)."""
+        meta, q_len = problem.meta, max(problem.meta.q_lens, default=1)
+        if q_len == 1:
+            return meta.block_table, meta.seq_lens
+        causal = torch.arange(1 - q_len, 1, device=meta.seq_lens.device, dtype=meta.seq_lens.dtype)
+        return (meta.block_table.repeat_interleave(q_len, dim=0),
+                (meta.seq_lens[:, None] + causal).flatten().clamp_min(0))
 
     def poison(self, plan: VllmPlan) -> None:
         plan.out.fill_(float("nan"))
