@@ -66,7 +66,7 @@ class VllmTritonMLA(Impl):
         self._has_k_scale = "k_scale" in params
         self._mla_api = "is_mla" in params
         if not self._mla_api:
-            self.description = f"vLLM's Triton MLA decode (TRITON_MLA backend, before is_mla), {LEGACY_KV_SPLITS} splits"
+            self.description = f"vLLM's Triton MLA decode (TRITON_MLA backend before is_mla, {LEGACY_KV_SPLITS} splits)"
             self.capabilities = dataclasses.replace(self.capabilities, query_len_kinds=frozenset({"single"}))
 
     def plan(self, problem: Problem) -> VllmPlan:
