@@ -8,8 +8,8 @@ import torch
 def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits,
                          sm_scale, page_size=1, logit_cap=0.0, k_scale=None, v_scale=None, is_mla=False):
     assert num_kv_splits == attn_logits.shape[2] and k_buffer.dim() == 4 and v_buffer.shape[-1] == o.shape[-1]
-    # Without is_mla the real kernel pads the 576 dims to a 1024-wide tile: right, and 3-5x slower than what vLLM's
-    # MLA backend runs.
+    # Without is_mla the real kernel pads the 576 dims to a 1024-wide tile: right, and not what vLLM's MLA backend
+    # runs (slower).
     assert is_mla, "vLLM's MLA backend calls the kernel with is_mla=True"
     assert k_scale is not None and v_scale is not None, "vLLM's MLA backend passes the layer's scales"
     fp8 = k_buffer.dtype == torch.float8_e4m3fn
