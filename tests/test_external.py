@@ -5,6 +5,7 @@ conventions) passes the conformance sweep on CPU."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -104,6 +105,30 @@ def test_vllm_splits_follow_vllm_033_rule():
     assert _kv_splits(131072, 132) == 256 and _kv_splits(1 << 20, 132) == 264 and _kv_splits(1 << 20, 2) == 4
 
 
+def test_vllm_plan_takes_vllm_033_split_count(fake_packages, monkeypatch):
+    """With ``is_mla`` the kernel gets vLLM's split count for the batch's longest request, not the old fixed 4: on the
+    CPU (one SM, at most two splits) 1100 keys ask for 2, 700 for 1."""
+    import importlib
+
+    from mla_bench.problem import build_problem
+    from mla_bench.workload import Workload
+
+    module = importlib.import_module("vllm.v1.attention.ops.triton_decode_attention")
+    current, calls = module.decode_attention_fwd, []
+
+    @functools.wraps(current)  # the adapter reads the API from the signature
+    def recording(*args, **kwargs):
+        calls.append(args[8])
+        current(*args, **kwargs)
+
+    monkeypatch.setattr(module, "decode_attention_fwd", recording)
+    impl = resolve("vllm_triton_mla").load()
+    impl.capabilities = dataclasses.replace(impl.capabilities, devices=frozenset({"cpu"}))
+    for kv_lens, splits in (((1100, 40), 2), ((700, 40), 1)):
+        verdict = judge(impl, build_problem(Workload(mode="decode", preset="tiny", q_lens=(1, 1), kv_lens=kv_lens)))
+        assert verdict.status == "passed" and calls[-1] == splits, (verdict.violations, calls)
+
+
 def test_vllm_before_is_mla_runs_as_that_backend_did(fake_packages, monkeypatch):
     """A vLLM whose kernel has no ``is_mla``: 4 splits, ``k_scale`` only with an fp8 cache, one query per request
     (uniform multi-token decode refused), and the adapter's plumbing still passes conformance."""
@@ -117,10 +142,9 @@ def test_vllm_before_is_mla_runs_as_that_backend_did(fake_packages, monkeypatch)
                page_size=1, logit_cap=0.0, k_scale=None):
         assert (k_scale is not None) == (k_buffer.dtype == torch.float8_e4m3fn), "k_scale goes with an fp8 cache"
         calls.append(num_kv_splits)
-        one = torch.tensor(1.0)
+        scale = k_scale if k_scale is not None else torch.tensor(1.0)
         current(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale,
-                page_size, logit_cap, k_scale if k_scale is not None else one, k_scale if k_scale is not None else one,
-                is_mla=True)
+                page_size, logit_cap, scale, scale, is_mla=True)
 
     monkeypatch.setattr(module, "decode_attention_fwd", legacy)
     impl = resolve("vllm_triton_mla").load()
