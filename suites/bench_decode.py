@@ -295,9 +295,11 @@ PROFILES: dict[str, list[tuple[Shape, list]]] = {
         + [(Shape(16, 64, 16384, layout=layout), [None]) for layout in ("fp8_e4m3", "fp8_ds_mla", "nvfp4")]
         + [(Shape(128, 32, 4096, layout=layout), [None]) for layout in ("fp8_ds_mla", "fp8_e4m3", "nvfp4")]
     ),
-    "wide": (  # 128 heads, FP4: the 128-row default against 64-row blocks (H100 b32 nvfp4: 215.4 / 190.0 us)
-        [(Shape(128, batch, ctx, layout=layout), [None, _cfg(64, 64, 8, 2)])
-         for layout in FP4_LAYOUTS for batch, ctx in ((32, 4096), (128, 4096), (16, 8192))]
+    "wide": (  # 128 heads: 128-row blocks against each layout's 64-row ones (WIDE_ROWS_MIN_GBPS_PER_SM)
+        [(Shape(128, batch, ctx, layout=layout), [_cfg(128, 64, 8, 1), _cfg(64, 64, 8, 2)])
+         for layout in FP4_LAYOUTS for batch, ctx in ((32, 4096), (64, 4096), (128, 4096), (16, 8192))]
+        + [(Shape(128, batch, ctx, layout="fp8_ds_mla"), [_cfg(128, 64, 8, 1), _cfg(64, 32, 8, 3, reread_values=True)])
+           for batch, ctx in ((32, 4096), (64, 4096), (128, 4096))]
     ),
     "ncu": [(Shape(16, 32, 4096), [None]), (Shape(128, 32, 4096), [None]),
             (Shape(16, 64, 4096, layout="fp8_ds_mla"), [None]), (Shape(16, 64, 4096, layout="nvfp4"), [None])],

@@ -204,6 +204,32 @@ def test_a_plan_runs_again_with_the_same_result():
         assert torch.equal(a, b)
 
 
+def test_128_row_blocks_where_memory_is_fast_enough_for_their_one_stage():
+    """128 rows of a wide-rows layout with many keys: 128-row blocks from the layout's bandwidth per multiprocessor
+    (H200 ~37 GB/s, H100 ~25), 64-row blocks below it and under WIDE_ROWS_MIN_KEYS_PER_SM; fp4_mx16 at any."""
+    many = decode.WIDE_ROWS_MIN_KEYS_PER_SM
+    for layout, needed in decode.WIDE_ROWS_MIN_GBPS_PER_SM.items():
+        for heads, q_len in ((128, 1), (64, 2)):
+            fast = decode.default_config(heads, q_len, layout, 64, many, hopper=True, gbps_per_sm=needed)
+            assert (fast.block_m, fast.num_stages) == (128, 1)
+            few = decode.default_config(heads, q_len, layout, 64, many - 1, hopper=True, gbps_per_sm=needed)
+            assert few.block_m == 64
+            if needed > 0:
+                slow = decode.default_config(heads, q_len, layout, 64, many, hopper=True, gbps_per_sm=needed - 1)
+                assert slow.block_m == 64
+    assert decode.WIDE_ROWS_MIN_GBPS_PER_SM["fp8_ds_mla"] > 25.4 > decode.WIDE_ROWS_MIN_GBPS_PER_SM["fp4_mx16"]
+    assert decode.default_config(128, 1, "fp8_e4m3", 64, many, hopper=True, gbps_per_sm=1e9).block_m == 64
+
+
+def test_a_batch_config_takes_the_devices_bandwidth_per_multiprocessor(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode.common, "has_wgmma", lambda device: True)
+    for gbps, rows in ((3352.3, 64), (4915.2, 128)):  # an H100 SXM's and an H200's peaks
+        monkeypatch.setattr(decode.triton.testing, "get_dram_gbps", lambda index, gbps=gbps: gbps)
+        assert decode.batch_config(128, [1] * 32, [4096] * 32, "nvfp4", 64, gpu).block_m == rows
+
+
 # ---- the Gluon split kernel (Hopper only) ----------------------------------------------------------------------
 
 def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():

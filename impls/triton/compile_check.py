@@ -128,9 +128,9 @@ def _drive_impls() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for layout in LAYOUTS:
         for page_size in DECODE_PAGE_SIZES:
-            configs = {decode.default_config(heads, q_len, layout, page_size, keys_per_sm, hopper)
+            configs = {decode.default_config(heads, q_len, layout, page_size, keys_per_sm, hopper, gbps_per_sm)
                        for heads in (16, 32, 64, 128) for q_len in (1, 2, 4) for keys_per_sm in (0.0, 1e9)
-                       for hopper in (False, True)}
+                       for hopper in (False, True) for gbps_per_sm in (0.0, 1e9)}
             if layout in decode.FP8_DS_MLA:  # no default, still selectable
                 configs.add(decode.MMA_FP8_CONFIG)
             problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, layout=layout,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import triton.testing
 from triton.runtime.interpreter import InterpretedFunction
 
 from impls.triton import common
@@ -58,6 +59,13 @@ FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 # ctx4096, b16 ctx8192) they cut fp8_ds_mla and FP4 decode by 2-12%, at 3972 (b128) by 9-20%; at 496 (b8 ctx8192)
 # -1% to +3%; at 62 (b1 ctx8192) +36-45% (NOTES.md, round 7).
 WIDE_ROWS_MIN_KEYS_PER_SM = 512
+# Peak DRAM bandwidth per multiprocessor (GB/s) from which 128-row blocks pay, by layout. Their one stage leaves each
+# step's loads exposed, which only a fast memory covers: H200 (37 GB/s per SM) ran them faster (round 7, above);
+# an H100 SXM (25) ran the 64-row blocks faster at 993-3972 keys per SM, us 128 -> 64 rows: fp8_ds_mla b32 397 ->
+# 335, b128 1419 -> 1273; nvfp4 b32 209 -> 188, b128 702 -> 665; mxfp4_nsa b32 203 -> 193, b128 684 -> 686;
+# fp4_mx16 (the fewest bytes, the most decoding) b32 200 -> 199, b128 655 -> 732 (NOTES.md, session 28).
+WIDE_ROWS_MIN_GBPS_PER_SM = {"fp8_ds_mla": 30.0, "fp8_ds_mla_pow2": 30.0, "nvfp4": 30.0, "mxfp4_nsa": 30.0,
+                             "fp4_mx16": 0.0}
 # Keys of a batch per multiprocessor from which 16-row blocks on Hopper run the warp-specialized kernel (one program
 # per multiprocessor), by layout; H200, 16 heads, sessions 19 and 21 (NOTES.md). fp8_ds_mla, against decode_mma_fp8
 # (two), since session 21's bulk prefetch: at 124 (b4 ctx4096, pages of 64, 16 and 1) 20.5 -> 16.0, 21.8 -> 20.1
@@ -157,14 +165,16 @@ WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
-                   keys_per_sm: float = 0.0, hopper: bool = False) -> DecodeConfig:
+                   keys_per_sm: float = 0.0, hopper: bool = False, gbps_per_sm: float = 0.0) -> DecodeConfig:
     """Parameters for a workload, chosen from the H100/H200 sweeps in NOTES.md; ``keys_per_sm`` is the batch's keys
-    over the GPU's multiprocessors; ``hopper``: the device runs wgmma (compute capability 9).
+    over the GPU's multiprocessors; ``hopper``: the device runs wgmma (compute capability 9); ``gbps_per_sm``: the
+    device's peak DRAM bandwidth over its multiprocessors.
 
     Query rows per request (heads x new tokens) set the row block. 128 rows or more of a quantized layout other than
-    fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys per multiprocessor: 128-row blocks, one stage of 64
-    keys, tiles decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still
-    faster; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128 heads, or 16
+    fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys and ``WIDE_ROWS_MIN_GBPS_PER_SM`` of bandwidth per
+    multiprocessor: 128-row blocks, one stage of 64 keys, tiles decoded once (each decoded tile serves twice the
+    rows; the accumulators spill and it is still faster where memory is fast; at batch 1 every split program would
+    load all 128 query rows for a few keys). 64 rows (128 heads, or 16
     heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper runs
     the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6
     -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded once, its float16
@@ -190,7 +200,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     only the former use it.
     """
     rows = num_heads * max_q_len
-    wide_rows = layout.startswith("fp8_ds_mla") or layout in FP4_LAYOUTS
+    wide_rows = layout in WIDE_ROWS_MIN_GBPS_PER_SM and gbps_per_sm >= WIDE_ROWS_MIN_GBPS_PER_SM[layout]
     if rows >= 128 and wide_rows and keys_per_sm >= WIDE_ROWS_MIN_KEYS_PER_SM:
         return DecodeConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
@@ -220,9 +230,11 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
 
 def batch_config(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int], layout: str, page_size: int,
                  device: torch.device) -> DecodeConfig:
-    """``default_config`` for a batch on ``device``: its longest query, and its keys per multiprocessor."""
-    return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / _sm_count(device),
-                          common.has_wgmma(device))
+    """``default_config`` for a batch on ``device``: its longest query, its keys and the device's bandwidth per
+    multiprocessor."""
+    sms = _sm_count(device)
+    return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / sms, common.has_wgmma(device),
+                          _dram_gbps(device) / sms)
 
 
 @dataclass
@@ -536,6 +548,13 @@ def _partials_fit_l2(workspace_bytes: int, device: torch.device) -> bool:
     most ``PARTIALS_L2_SHARE`` of it."""
     return (device.type == "cuda" and 0 < workspace_bytes
             <= PARTIALS_L2_SHARE * torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def _dram_gbps(device: torch.device) -> float:
+    """Peak DRAM bandwidth in GB/s as Triton reads it from the driver (memory clock and bus width); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    return triton.testing.get_dram_gbps(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _sm_count(device: torch.device) -> int:
