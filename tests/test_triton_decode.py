@@ -19,6 +19,7 @@ from impls.triton import common, decode
 from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
+from impls.triton.decode_wgmma_fp8_rows import _decode_split_kernel_fp8_rows
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.errors import UnsupportedConfig
@@ -210,15 +211,19 @@ def test_128_row_blocks_where_memory_is_fast_enough_for_their_one_stage():
     many = decode.WIDE_ROWS_MIN_KEYS_PER_SM
     for layout, needed in decode.WIDE_ROWS_MIN_GBPS_PER_SM.items():
         for heads, q_len in ((128, 1), (64, 2)):
-            fast = decode.default_config(heads, q_len, layout, 64, many, hopper=True, gbps_per_sm=needed)
-            assert (fast.block_m, fast.num_stages) == (128, 1)
-            few = decode.default_config(heads, q_len, layout, 64, many - 1, hopper=True, gbps_per_sm=needed)
-            assert few.block_m == 64
-            if needed > 0:
-                slow = decode.default_config(heads, q_len, layout, 64, many, hopper=True, gbps_per_sm=needed - 1)
-                assert slow.block_m == 64
+            for hopper in (False, True) if layout not in decode.FP8_DS_MLA else (False,):
+                fast = decode.default_config(heads, q_len, layout, 64, many, hopper=hopper, gbps_per_sm=needed)
+                assert (fast.block_m, fast.num_stages) == (128, 1)
+                few = decode.default_config(heads, q_len, layout, 64, many - 1, hopper=hopper, gbps_per_sm=needed)
+                assert few.block_m == 64
+                if needed > 0:
+                    slow = decode.default_config(heads, q_len, layout, 64, many, hopper=hopper,
+                                                 gbps_per_sm=needed - 1)
+                    assert slow.block_m == 64
     assert decode.WIDE_ROWS_MIN_GBPS_PER_SM["fp8_ds_mla"] > 25.4 > decode.WIDE_ROWS_MIN_GBPS_PER_SM["fp4_mx16"]
     assert decode.default_config(128, 1, "fp8_e4m3", 64, many, hopper=True, gbps_per_sm=1e9).block_m == 64
+    # fp8_ds_mla on Hopper: decode_wgmma_fp8_rows' 64 rows whatever the memory
+    assert decode.default_config(128, 1, "fp8_ds_mla", 64, many, hopper=True, gbps_per_sm=1e9) == decode.FP8_ROWS_CONFIG
 
 
 def test_a_batch_config_takes_the_devices_bandwidth_per_multiprocessor(monkeypatch):
@@ -254,6 +259,13 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
             off_hopper = decode.default_config(heads, 1, layout, page_size, keys_per_sm=keys_per_sm, hopper=False)
             assert not off_hopper.gluon
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
+
+
+def test_64_row_fp8_ds_mla_blocks_take_the_gluon_kernel_on_hopper_only():
+    for heads, q_len, layout in ((128, 1, "fp8_ds_mla"), (64, 1, "fp8_ds_mla_pow2"), (16, 4, "fp8_ds_mla")):
+        config = decode.default_config(heads, q_len, layout, 64, hopper=True)
+        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_fp8_rows
+        assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16"])
@@ -302,7 +314,8 @@ def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
         decode._check_gluon(bf16, torch.device("cpu"), wgmma)
     with pytest.raises(UnsupportedConfig, match="need a Hopper GPU"):
         decode._check_gluon(ds_mla, torch.device("cpu"), fp8_wgmma)
-    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) read bf16 caches, not 'fp8_e4m3'"):
+    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) read bf16, fp8_ds_mla, fp8_ds_mla_pow2 caches, "
+                                                r"not 'fp8_e4m3'"):
         decode._check_gluon(fp8, torch.device("cpu"), wgmma)
     with pytest.raises(UnsupportedConfig, match="read fp8_ds_mla, fp8_ds_mla_pow2 caches, not 'bf16'"):
         decode._check_gluon(bf16, torch.device("cpu"), fp8_wgmma)
@@ -375,6 +388,31 @@ def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix,
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
     verdict = judge(Configured(_fp8_wgmma(rows, num_splits=splits, keep_partials=keep)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+FP8_ROWS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in L2): 64-row blocks
+    ("fp8_ds_mla", 64, SINGLE, 128, None, None), ("fp8_ds_mla", 1, UNIFORM, 16, None, None),
+    ("fp8_ds_mla", 48, VARLEN, 16, 3, False), ("fp8_ds_mla_pow2", 16, VARLEN, 64, 2, True),
+    ("fp8_ds_mla", 128, UNIFORM, 20, 5, True), ("fp8_ds_mla", 7, SINGLE, 40, 2, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", FP8_ROWS_CASES,
+                         ids=["ps64-h128", "ps1-mtp-h16", "ps48-q4-split3", "pow2-ps16-h64-kept", "ps128-h20-q3-split5",
+                              "ps7-h40-split2"])
+def test_the_64_row_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
+    """As the other Gluon kernels' cases, through decode_wgmma_fp8_rows (64-row blocks of fp8_ds_mla: rows across
+    tokens, causal between them, padded heads, empty and one-key requests, pages that cut steps)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
+    config = (TritonDecode().checked_plan(problem).config if splits is None  # the default: no early merge
+              else _fp8_wgmma(64, num_splits=splits, keep_partials=keep))
+    assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_fp8_rows
+    verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
@@ -467,11 +505,13 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
 @pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
+                                            (_fp8_wgmma(64, num_splits=2), "fp8_ds_mla"),
                                             (_fp8_mma(num_splits=2), "fp8_ds_mla"),
                                             (_ws(num_splits=2), "fp8_ds_mla"), (_ws(num_splits=2), "nvfp4"),
                                             (_ws(num_splits=2), "mxfp4_nsa"), (_ws(num_splits=2), "fp4_mx16"),
                                             (_ws(num_splits=2), "fp8_e4m3")],
-                         ids=["wgmma32", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16", "ws16-e4m3"])
+                         ids=["wgmma32", "wgmma64", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16",
+                              "ws16-e4m3"])
 def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
     """Tile scales (fp8_ds_mla), layer scales (nvfp4, fp8_e4m3) or block exponents (mxfp4_nsa, fp4_mx16) and
     queries beyond float16's range and far below it."""
@@ -619,9 +659,10 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
+                                                       (_fp8_wgmma(64), "fp8_ds_mla", 16),
                                                        (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
-                         ids=["fp8-wgmma32", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1", "narrow32"])
+                         ids=["fp8-wgmma32", "fp8-wgmma64", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1", "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):

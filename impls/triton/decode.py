@@ -7,7 +7,8 @@ launches kernels: no allocation, no host synchronization, so it can be captured 
 after the caller updates ``q``, the cache and the block table in place.
 
 On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score product
-once across both warpgroups, where Triton's layout rule computes it in each), 16 and 32 (``decode_wgmma_narrow``:
+once across both warpgroups, where Triton's layout rule computes it in each), 64 of fp8_ds_mla
+(``decode_wgmma_fp8_rows``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``:
 keys on wgmma's M side, tiles copied straight into its operands), 16 rows of the quantized layouts (``decode_ws``:
 warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
 keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes
@@ -38,6 +39,7 @@ from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
 from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
+from impls.triton.decode_wgmma_fp8_rows import _decode_split_kernel_fp8_rows
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from impls.triton import decode_ws
 from impls.triton.decode_ws import _decode_split_kernel_ws
@@ -90,12 +92,13 @@ MERGE_VALUES = 2048
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
-# The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's
-# 64-row bf16 kernel, decode_wgmma_narrow's 16- and 32-row bf16 one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla
-# one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in two partitions) 16-row fp8_ds_mla,
-# fp8_e4m3 and FP4 one.
+# The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's 64-row
+# bf16 kernel, decode_wgmma_fp8_rows' 64-row fp8_ds_mla one, decode_wgmma_narrow's 16- and 32-row bf16 one,
+# decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in
+# two partitions) 16-row fp8_ds_mla, fp8_e4m3 and FP4 one.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
+    **{((64, 64, 8), layout): _decode_split_kernel_fp8_rows for layout in FP8_DS_MLA},
     **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
     **{((rows, 64, 8), layout): _decode_split_kernel_fp8 for rows in (16, 32) for layout in FP8_DS_MLA},
     **{((16, 64, 4), layout): _decode_split_kernel_mma_fp8 for layout in FP8_DS_MLA},
@@ -123,8 +126,9 @@ class DecodeConfig:
     store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
     ``gluon``: the split step runs one of the Gluon kernels for Hopper (``GLUON_SPLITS``), chosen by the tile and
     the cache layout: bf16 in 64 rows ``decode_wgmma`` (the score product once across its two warpgroups), in 16
-    or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 16 or 32 rows with 8
-    warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
+    or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla in 64 rows
+    ``decode_wgmma_fp8_rows`` (rows on wgmma's M side, each tile decoded once for both products), in 16 or 32 rows
+    with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps ``decode_mma_fp8`` (mma.sync:
     codes decoded straight into operand registers), in 16 rows with 12 warps ``decode_ws`` (warp-specialized:
     8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and the FP4 layouts in 16 rows."""
 
@@ -160,6 +164,11 @@ class DecodeConfig:
 # every size (NOTES.md session 21); a config can still ask for it.
 MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
                               gluon=True)
+# decode_wgmma_fp8_rows' tile (64 rows of fp8_ds_mla), the default on Hopper for more than 32 rows at every size:
+# H100, 128 heads, us (Triton 64 rows / 128 rows -> this): b32 ctx4096 335 / 398 -> 155, b128 1283 / 1420 -> 563, b8
+# ctx8192 178 -> 88, b1 ctx8192 40.7 -> 33.0; 64 heads b32 177 -> 92; 16 heads x 4 tokens b32 177 -> 92 (NOTES.md,
+# session 28).
+FP8_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 # decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
 WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 
@@ -170,36 +179,39 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     over the GPU's multiprocessors; ``hopper``: the device runs wgmma (compute capability 9); ``gbps_per_sm``: the
     device's peak DRAM bandwidth over its multiprocessors.
 
-    Query rows per request (heads x new tokens) set the row block. 128 rows or more of a quantized layout other than
-    fp8_e4m3, with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys and ``WIDE_ROWS_MIN_GBPS_PER_SM`` of bandwidth per
-    multiprocessor: 128-row blocks, one stage of 64 keys, tiles decoded once (each decoded tile serves twice the
-    rows; the accumulators spill and it is still faster where memory is fast; at batch 1 every split program would
-    load all 128 query rows for a few keys). 64 rows (128 heads, or 16
-    heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16 on Hopper runs
-    the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128 heads b32: 158.6
-    -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded once, its float16
-    path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side
-    (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
+    Query rows per request (heads x new tokens) set the row block. More than 32 rows of fp8_ds_mla on Hopper: 64-row
+    blocks through ``decode_wgmma_fp8_rows`` (``FP8_ROWS_CONFIG``). 128 rows or more of another quantized layout
+    than fp8_e4m3 (of fp8_ds_mla too off Hopper), with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys and
+    ``WIDE_ROWS_MIN_GBPS_PER_SM`` of bandwidth per multiprocessor: 128-row blocks, one stage of 64 keys, tiles
+    decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still faster where
+    memory is fast; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128
+    heads, or 16 heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16
+    on Hopper runs the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128
+    heads b32: 158.6 -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded
+    once, its float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's
+    M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
     fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
     ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19, and faster at every
-    batch since session 21); 16 rows of nvfp4 on Hopper from
-    ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 ->
-    78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 ->
-    148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 ->
-    131.5, NOTES.md session 19). bf16 on Hopper in 32 rows, and in 16 rows in pages smaller than a 64-key step:
-    the Gluon kernel with keys on wgmma's M side (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2
-    us, 16 heads page 1 b128 158.1 -> 149.2, NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path
-    of the Triton kernel. 16 rows of bf16 or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in
-    page 1 off Hopper: 64-key steps, one program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory;
-    page 1 since its block-table lines are prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the
-    instructions it did (NOTES.md session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4:
-    105.8 -> 92.8 us); FP4 and fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2 tokens b32: nvfp4
-    119.8 -> 78.6, fp8_e4m3 114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two
-    programs of 32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early
-    merge helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so
-    only the former use it.
+    batch since session 21); 16 rows of nvfp4 on Hopper from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the
+    same warp-specialized kernel (H200, 16 heads b64: 91.9 -> 78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and
+    19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0)
+    and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on Hopper in 32 rows, and in
+    16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
+    (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
+    NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
+    or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one
+    program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table
+    lines are prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the instructions it did
+    (NOTES.md session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4: 105.8 -> 92.8
+    us); FP4 and fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2 tokens b32: nvfp4 119.8 ->
+    78.6, fp8_e4m3 114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two programs
+    of 32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
+    helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only
+    the former use it.
     """
     rows = num_heads * max_q_len
+    if rows > 32 and hopper and layout in FP8_DS_MLA:
+        return FP8_ROWS_CONFIG
     wide_rows = layout in WIDE_ROWS_MIN_GBPS_PER_SM and gbps_per_sm >= WIDE_ROWS_MIN_GBPS_PER_SM[layout]
     if rows >= 128 and wide_rows and keys_per_sm >= WIDE_ROWS_MIN_KEYS_PER_SM:
         return DecodeConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
@@ -310,8 +322,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    if plan.work.shape[0] and cfg.gluon and cfg.block_m < 64:  # the 16- and 32-row Gluon kernels: same arguments
-        kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name]
+    kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
+    if plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws decodes more than one
         # layout, nvfp4's with layer scales.
         specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}

@@ -200,8 +200,8 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
                                  PAGE_SIZE, COPY_LAYOUT)
 
     # Rows in the score layout: the causal frontier of each row, clipped to the item's range.
-    rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS,
-                                      gl.SliceLayout(1, SCORE_LAYOUT))
+    _, _, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS,
+                              gl.SliceLayout(1, SCORE_LAYOUT))
     key_cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, SCORE_LAYOUT))
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))
@@ -246,21 +246,32 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
     async_copy.wait_group(0)
     _cta_barrier()  # the next item's copies reuse the buffers
 
+    _store_item(m_i, l_part, 1.0, acc0, acc1, acc2, acc3, row_block, slot_out, q_first, q_len, num_heads,
+                out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, ROWS, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _store_item(m_i, l_part, unit, acc0, acc1, acc2, acc3, row_block, slot_out, q_first, q_len, num_heads,
+                out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, ROWS: gl.constexpr,
+                KEEP_PARTIALS: gl.constexpr):
+    """An item's result from its running maximum and sums (rows along ``SCORE_LAYOUT``) and its accumulators
+    (``OUT_LAYOUT``, in units of ``unit``): the final output and lse where the item covers its rows' whole range
+    (``slot_out < 0``), else a normalized partial for ``decode_kernel._merge_splits_kernel``."""
     l_i = gl.sum(l_part, 1)
     seen = l_i > 0.0
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-    inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), gl.SliceLayout(1, OUT_LAYOUT))
+    factor = gl.convert_layout(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), gl.SliceLayout(1, OUT_LAYOUT))
+    rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
     rows_o = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
-    ok_o = rows_o < q_len * num_heads
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))
-    if slot_out < 0:  # the item covers its rows' whole range: the final result
+    if slot_out < 0:
         out_row = _row_at(out, rows_o, q_first, num_heads, stride_ot, stride_oh)
-        _store_out(out_row, cols, ok_o, acc0, acc1, acc2, acc3, inv_l)
-        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=ok_s)
-    else:  # one split of several: a normalized partial for decode_kernel._merge_splits_kernel
+        _store_out(out_row, cols, rows_o < q_len * num_heads, acc0, acc1, acc2, acc3, factor)
+        gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=rows_s < q_len * num_heads)
+    else:
         part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
-        _store_partial(part_out + part_rows * NOPE, cols, acc0, acc1, acc2, acc3, inv_l, policy)
+        _store_partial(part_out + part_rows * NOPE, cols, acc0, acc1, acc2, acc3, factor, policy)
         lse_at = part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
         gl.store(lse_at, lse2, eviction_policy=policy)
 

@@ -135,19 +135,27 @@ def _prefetch_rows(rows, idx, num_rows):
 
 @gluon.jit
 def _copy_step(rows, num_rows, idx_codes, idx_scales, idx_rope, codes, scales, rope, stage):
-    """Issue the copies of a step's rows: codes into ``codes``, scales and rope into stage ``stage``."""
-    base, ok = _row_bytes(rows, idx_codes, num_rows)
+    """Issue the copies of a step's rows named by indices (``_indices`` along each copy's keys)."""
+    code_rows, code_ok = _row_bytes(rows, idx_codes, num_rows)
+    scale_rows, scale_ok = _row_bytes(rows, idx_scales, num_rows)
+    rope_rows, rope_ok = _row_bytes(rows, idx_rope, num_rows)
+    _copy_rows_of_step(code_rows, code_ok, scale_rows, scale_ok, rope_rows, rope_ok, codes, scales, rope, stage)
+
+
+@gluon.jit
+def _copy_rows_of_step(code_rows, code_ok, scale_rows, scale_ok, rope_rows, rope_ok, codes, scales, rope, stage):
+    """Issue the copies of a step's 656-byte rows (each row's first byte along the keys of ``CODE_LAYOUT``,
+    ``SCALE_LAYOUT`` and ``COPY_LAYOUT``; rows not ok become zeros): codes into ``codes``, scales and rope into
+    stage ``stage``."""
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, CODE_LAYOUT))[None, :]
     for t in gl.static_range(4):
-        _async_load(codes[t], base[:, None] + t * TILE + cols, mask=ok[:, None])
-    base, ok = _row_bytes(rows, idx_scales, num_rows)
+        _async_load(codes[t], code_rows[:, None] + t * TILE + cols, mask=code_ok[:, None])
     tiles = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_LAYOUT))[:, None]
-    _async_load(scales.index(stage), (base + SCALES_AT).to(gl.pointer_type(gl.float32))[None, :] + tiles,
-                mask=ok[None, :])
-    base, ok = _row_bytes(rows, idx_rope, num_rows)
+    _async_load(scales.index(stage), (scale_rows + SCALES_AT).to(gl.pointer_type(gl.float32))[None, :] + tiles,
+                mask=scale_ok[None, :])
     rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    _async_load(rope.index(stage), (base + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None] + rope_cols,
-                mask=ok[:, None])
+    _async_load(rope.index(stage), (rope_rows + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None] + rope_cols,
+                mask=rope_ok[:, None])
 
 
 @gluon.jit
@@ -165,19 +173,99 @@ def _decode_tile(codes, keys, t: gl.constexpr):
 
 
 @gluon.jit
+def _step_buffers(ROWS: gl.constexpr):
+    """The shared memory of the step for ``ROWS`` query rows: the query (float16 latent tiles, bf16 rope), the codes,
+    two stages of tile scales and rope, the decoded keys and P. One buffer per 128-column tile, not one buffer of
+    four: Triton orders every two accesses to one buffer with a barrier, so four tiles in one buffer cost a barrier
+    between each tile's copy, decode and store."""
+    q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
+    codes = _tiles(gl.uint8, [KEYS, TILE], PLAIN)
+    scales = gl.allocate_shared_memory(gl.float32, [2, 4, KEYS], PLAIN)
+    rope = gl.allocate_shared_memory(gl.bfloat16, [2, KEYS, ROPE], SWIZZLED)
+    return q_nope, q_rope, codes, scales, rope, _tiles(gl.float16, [KEYS, TILE], SWIZZLED), _tiles(
+        gl.float16, [ROWS, KEYS], SWIZZLED)
+
+
+@gluon.jit
+def _initial_state(ROWS: gl.constexpr):
+    """The running state of ``ROWS`` query rows before any key: maximum, each warpgroup's sums, the unit ``u`` (the
+    smallest normal float32, below any scale), a zero score tile and the four value accumulators."""
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))
+    zero = gl.zeros([ROWS, KEYS], gl.float32, SCORE_LAYOUT)
+    acc = gl.zeros([ROWS, TILE], gl.float32, OUT_LAYOUT)
+    return m_i, zero, gl.to_tensor(2.0 ** -126), zero, acc, acc, acc, acc
+
+
+@gluon.jit
+def _wait_and_decode(q_rope, step_rope, codes, keys, zero):
+    """Wait for a step's copies, issue its rope scores (bf16; they run during the decode) and decode its codes into
+    ``keys``, visible to the tensor cores and the codes buffer free once this returns; returns the rope product."""
+    async_copy.wait_group(0)
+    hopper.fence_async_shared()
+    _cta_barrier()
+    s_rope = hopper.warpgroup_mma(q_rope, step_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
+    for t in gl.static_range(4):  # decode once: e4m3 -> float16 is exact
+        _decode_tile(codes, keys, t)
+    hopper.fence_async_shared()
+    _cta_barrier()
+    return s_rope
+
+
+@gluon.jit
+def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
+    """A step's scores in log2 units: the rope product ``s_rope`` (issued) plus the four code tiles' products, each
+    scaled by its per-key float32 scale as it completes, the query rows' factor ``q_down`` undone."""
+    part = hopper.warpgroup_mma(q_nope[0], keys[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_rope = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s_rope])
+    nope = zero
+    for t in gl.static_range(4):
+        if t < 3:
+            following = hopper.warpgroup_mma(q_nope[t + 1], keys[t + 1].permute((1, 0)), zero,
+                                             use_acc=False, is_async=True)
+            part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[part])
+        else:
+            part = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[part])
+        nope = nope + part * step_scales.slice(t, 1).load(SCORE_LAYOUT)
+        if t < 3:
+            part = following
+    return (s_rope + nope * q_down[:, None]) * qk_scale
+
+
+@gluon.jit
+def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, acc1, acc2, acc3):
+    """The online softmax of a step's masked scores ``s`` and its value products: ``P * scale_t / u`` per tile in
+    float16 (``u`` grows to the step's largest tile scale), warpgroup ``w`` taking 64 of each tile's 128 columns.
+    Returns the running maximum, sums, unit and accumulators; every warp is done with ``keys`` and ``probs``."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    l_part = l_part * alpha[:, None] + p
+
+    new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
+    per_unit = 1.0 / new_unit
+    for t in gl.static_range(4):
+        weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
+        probs[t].store((p * weight).to(gl.float16))
+    hopper.fence_async_shared()
+    _cta_barrier()
+    alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+    acc0 = hopper.warpgroup_mma(probs[0], keys[0], acc0 * alpha_o, is_async=True)
+    acc1 = hopper.warpgroup_mma(probs[1], keys[1], acc1 * alpha_o, is_async=True)
+    acc2 = hopper.warpgroup_mma(probs[2], keys[2], acc2 * alpha_o, is_async=True)
+    acc3 = hopper.warpgroup_mma(probs[3], keys[3], acc3 * alpha_o, is_async=True)
+    acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
+    _cta_barrier()  # both warpgroups are done with the decoded keys and P
+    return m_new, l_part, new_unit, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows, topk,
                          out, stride_ot, stride_oh, lse, stride_lt, stride_lh, qk_scale, num_heads):
     """Program (token, 64-head block): ``out``/``lse`` of those heads over the token's ``topk`` indices into
     ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the softmax scale times log2(e)."""
-    # One buffer per 128-column tile, not one buffer of four: Triton orders every two accesses to one buffer with a
-    # barrier, so four tiles in one buffer cost a barrier between each tile's copy, decode and store.
-    q_nope = _tiles(gl.float16, [HEADS, TILE], SWIZZLED)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [HEADS, ROPE], SWIZZLED)
-    codes = _tiles(gl.uint8, [KEYS, TILE], PLAIN)
-    scales = gl.allocate_shared_memory(gl.float32, [2, 4, KEYS], PLAIN)
-    rope = gl.allocate_shared_memory(gl.bfloat16, [2, KEYS, ROPE], SWIZZLED)
-    keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
-    probs = _tiles(gl.float16, [HEADS, KEYS], SWIZZLED)
+    q_nope, q_rope, codes, scales, rope, keys, probs = _step_buffers(HEADS)
 
     token = gl.program_id(1).to(gl.int64)  # a token's head blocks run side by side: the second reads its rows from L2
     head0 = gl.program_id(0) * HEADS
@@ -198,14 +286,7 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
         _stage_query(q + token * stride_qt + heads.to(gl.int64) * stride_qh, heads < num_heads, q_nope, q_rope,
                      COPY_LAYOUT), gl.SliceLayout(1, SCORE_LAYOUT))
 
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, SCORE_LAYOUT))
-    l_part = gl.zeros([HEADS, KEYS], gl.float32, SCORE_LAYOUT)  # each warpgroup's running sums
-    unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (the smallest normal float32 before any scale)
-    zero = gl.zeros([HEADS, KEYS], gl.float32, SCORE_LAYOUT)
-    acc0 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
-    acc1 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
-    acc2 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
-    acc3 = gl.zeros([HEADS, TILE], gl.float32, OUT_LAYOUT)
+    m_i, l_part, unit, zero, acc0, acc1, acc2, acc3 = _initial_state(HEADS)
     ahead = _indices(idx_row, KEYS, topk, gl.SliceLayout(1, LINES_LAYOUT))
     for j in range(gl.cdiv(topk, KEYS)):
         stage = j % 2
@@ -219,58 +300,15 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
         _prefetch_rows(rows, ahead, num_rows)
         ahead = _indices(idx_row, first + 2 * KEYS, topk, gl.SliceLayout(1, LINES_LAYOUT))
         valid = _valid(_indices(idx_row, first, topk, SCORE_KEYS), num_rows)
-        async_copy.wait_group(0)
-        hopper.fence_async_shared()
-        _cta_barrier()
-        step_scales = scales.index(stage)
-        # Scores: rope in bf16 (issued now: it runs during the decode), then each code tile's product scaled by
-        # its per-key scale as it completes.
-        s_rope = hopper.warpgroup_mma(q_rope, rope.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-        for t in gl.static_range(4):  # decode once: e4m3 -> float16 is exact
-            _decode_tile(codes, keys, t)
-        hopper.fence_async_shared()
-        _cta_barrier()  # the codes buffer is free and the decoded keys visible to the products
+        s_rope = _wait_and_decode(q_rope, rope.index(stage), codes, keys, zero)
         if first + KEYS < topk:
             _copy_step(rows, num_rows, next_codes, next_scales, next_rope, codes, scales, rope, 1 - stage)
         async_copy.commit_group()
-        part = hopper.warpgroup_mma(q_nope[0], keys[0].permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_rope = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s_rope])
-        nope = zero
-        for t in gl.static_range(4):
-            if t < 3:
-                following = hopper.warpgroup_mma(q_nope[t + 1], keys[t + 1].permute((1, 0)), zero,
-                                                 use_acc=False, is_async=True)
-                part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[part])
-            else:
-                part = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[part])
-            nope = nope + part * step_scales.slice(t, 1).load(SCORE_LAYOUT)
-            if t < 3:
-                part = following
-        s = (s_rope + nope * q_down[:, None]) * qk_scale
-        s = gl.where(valid[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-
-        # Values: P * scale_t / u per tile, in float16; u grows to this step's largest scale.
-        new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
-        per_unit = 1.0 / new_unit
-        for t in gl.static_range(4):
-            weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
-            probs[t].store((p * weight).to(gl.float16))
-        hopper.fence_async_shared()
-        _cta_barrier()
-        alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
-        unit = new_unit
-        acc0 = hopper.warpgroup_mma(probs[0], keys[0], acc0 * alpha_o, is_async=True)
-        acc1 = hopper.warpgroup_mma(probs[1], keys[1], acc1 * alpha_o, is_async=True)
-        acc2 = hopper.warpgroup_mma(probs[2], keys[2], acc2 * alpha_o, is_async=True)
-        acc3 = hopper.warpgroup_mma(probs[3], keys[3], acc3 * alpha_o, is_async=True)
-        acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
-        _cta_barrier()  # both warpgroups are done with the decoded keys and P
+        step_scales = scales.index(stage)
+        s = gl.where(valid[None, :], _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero),
+                     float("-inf"))
+        m_i, l_part, unit, acc0, acc1, acc2, acc3 = _softmax_and_values(s, step_scales, probs, keys, m_i, l_part,
+                                                                        unit, acc0, acc1, acc2, acc3)
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_part, 1)
