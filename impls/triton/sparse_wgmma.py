@@ -183,8 +183,9 @@ def _step_buffers(ROWS: gl.constexpr):
     codes = _tiles(gl.uint8, [KEYS, TILE], PLAIN)
     scales = gl.allocate_shared_memory(gl.float32, [2, 4, KEYS], PLAIN)
     rope = gl.allocate_shared_memory(gl.bfloat16, [2, KEYS, ROPE], SWIZZLED)
-    return q_nope, q_rope, codes, scales, rope, _tiles(gl.float16, [KEYS, TILE], SWIZZLED), _tiles(
-        gl.float16, [ROWS, KEYS], SWIZZLED)
+    keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
+    probs = _tiles(gl.float16, [ROWS, KEYS], SWIZZLED)
+    return q_nope, q_rope, codes, scales, rope, keys, probs
 
 
 @gluon.jit
