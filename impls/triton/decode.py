@@ -563,10 +563,11 @@ def _partials_fit_l2(workspace_bytes: int, device: torch.device) -> bool:
 
 
 def _dram_gbps(device: torch.device) -> float:
-    """Peak DRAM bandwidth in GB/s as Triton reads it from the driver (memory clock and bus width); 0 off CUDA."""
+    """Peak DRAM bandwidth in GB/s as Triton reads it from the driver (memory clock and bus width; an index of None
+    is the current device); 0 off CUDA."""
     if device.type != "cuda":
         return 0.0
-    return triton.testing.get_dram_gbps(device.index if device.index is not None else torch.cuda.current_device())
+    return triton.testing.get_dram_gbps(device.index)
 
 
 def _sm_count(device: torch.device) -> int:
