@@ -241,7 +241,6 @@ def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():
     assert decode.default_config(128, 1, "bf16", 64, hopper=True).gluon
     assert decode.default_config(16, 4, "bf16", 1, hopper=True).gluon  # 16 heads x 4 tokens: 64 rows
     assert not decode.default_config(128, 1, "bf16", 64, hopper=False).gluon
-    assert not decode.default_config(128, 1, "fp8_e4m3", 64, hopper=True).gluon
     assert not decode.default_config(16, 1, "bf16", 64, hopper=True).gluon  # 16 rows: the mma.sync path
     assert not decode.batch_config(128, [1], [4096], "bf16", 64, torch.device("cpu")).gluon
 
@@ -261,8 +260,9 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
 
 
-def test_64_row_fp8_ds_mla_blocks_take_the_gluon_kernel_on_hopper_only():
-    for heads, q_len, layout in ((128, 1, "fp8_ds_mla"), (64, 1, "fp8_ds_mla_pow2"), (16, 4, "fp8_ds_mla")):
+def test_64_row_fp8_blocks_take_the_gluon_kernel_on_hopper_only():
+    for heads, q_len, layout in ((128, 1, "fp8_ds_mla"), (64, 1, "fp8_ds_mla_pow2"), (16, 4, "fp8_ds_mla"),
+                                 (128, 1, "fp8_e4m3"), (16, 3, "fp8_e4m3")):
         config = decode.default_config(heads, q_len, layout, 64, hopper=True)
         assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_fp8_rows
         assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
@@ -314,9 +314,9 @@ def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
         decode._check_gluon(bf16, torch.device("cpu"), wgmma)
     with pytest.raises(UnsupportedConfig, match="need a Hopper GPU"):
         decode._check_gluon(ds_mla, torch.device("cpu"), fp8_wgmma)
-    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) read bf16, fp8_ds_mla, fp8_ds_mla_pow2 caches, "
-                                                r"not 'fp8_e4m3'"):
-        decode._check_gluon(fp8, torch.device("cpu"), wgmma)
+    with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) read bf16, fp8_ds_mla, fp8_ds_mla_pow2, "
+                                                r"fp8_e4m3 caches, not 'nvfp4'"):
+        decode._check_gluon(build_problem(workload("nvfp4", 64, SINGLE)).cache, torch.device("cpu"), wgmma)
     with pytest.raises(UnsupportedConfig, match="read fp8_ds_mla, fp8_ds_mla_pow2 caches, not 'bf16'"):
         decode._check_gluon(bf16, torch.device("cpu"), fp8_wgmma)
     with pytest.raises(UnsupportedConfig, match=r"tile \(16, 64, 4\) read bf16, fp8_ds_mla, .* not 'fp8_e4m3'"):
@@ -395,16 +395,20 @@ FP8_ROWS_CASES = [  # (layout, page size, mix, heads, forced splits, partials ke
     ("fp8_ds_mla", 64, SINGLE, 128, None, None), ("fp8_ds_mla", 1, UNIFORM, 16, None, None),
     ("fp8_ds_mla", 48, VARLEN, 16, 3, False), ("fp8_ds_mla_pow2", 16, VARLEN, 64, 2, True),
     ("fp8_ds_mla", 128, UNIFORM, 20, 5, True), ("fp8_ds_mla", 7, SINGLE, 40, 2, None),
+    ("fp8_e4m3", 64, SINGLE, 128, None, None), ("fp8_e4m3", 1, UNIFORM, 16, None, None),
+    ("fp8_e4m3", 48, VARLEN, 16, 3, False), ("fp8_e4m3", 7, SINGLE, 40, 2, True),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", FP8_ROWS_CASES,
                          ids=["ps64-h128", "ps1-mtp-h16", "ps48-q4-split3", "pow2-ps16-h64-kept", "ps128-h20-q3-split5",
-                              "ps7-h40-split2"])
+                              "ps7-h40-split2", "e4m3-ps64-h128", "e4m3-ps1-mtp-h16", "e4m3-ps48-q4-split3",
+                              "e4m3-ps7-h40-kept"])
 def test_the_64_row_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
-    """As the other Gluon kernels' cases, through decode_wgmma_fp8_rows (64-row blocks of fp8_ds_mla: rows across
-    tokens, causal between them, padded heads, empty and one-key requests, pages that cut steps)."""
+    """As the other Gluon kernels' cases, through decode_wgmma_fp8_rows (64-row blocks of fp8_ds_mla and fp8_e4m3:
+    rows across tokens, causal between them, padded heads, empty and one-key requests, pages that cut steps;
+    fp8_e4m3's layer scale on the direct outputs and through the merge)."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
@@ -506,12 +510,13 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
                          ids=["beyond-float16-max", "below-float16-min"])
 @pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
                                             (_fp8_wgmma(64, num_splits=2), "fp8_ds_mla"),
+                                            (_fp8_wgmma(64), "fp8_e4m3"),
                                             (_fp8_mma(num_splits=2), "fp8_ds_mla"),
                                             (_ws(num_splits=2), "fp8_ds_mla"), (_ws(num_splits=2), "nvfp4"),
                                             (_ws(num_splits=2), "mxfp4_nsa"), (_ws(num_splits=2), "fp4_mx16"),
                                             (_ws(num_splits=2), "fp8_e4m3")],
-                         ids=["wgmma32", "wgmma64", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16",
-                              "ws16-e4m3"])
+                         ids=["wgmma32", "wgmma64", "wgmma64-e4m3", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4",
+                              "ws16-mx16", "ws16-e4m3"])
 def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
     """Tile scales (fp8_ds_mla), layer scales (nvfp4, fp8_e4m3) or block exponents (mxfp4_nsa, fp4_mx16) and
     queries beyond float16's range and far below it."""
@@ -660,9 +665,11 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
                                                        (_fp8_wgmma(64), "fp8_ds_mla", 16),
+                                                       (_fp8_wgmma(64), "fp8_e4m3", 64),
                                                        (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
-                         ids=["fp8-wgmma32", "fp8-wgmma64", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1", "narrow32"])
+                         ids=["fp8-wgmma32", "fp8-wgmma64", "e4m3-wgmma64", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1",
+                              "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):

@@ -246,17 +246,18 @@ def _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible
     async_copy.wait_group(0)
     _cta_barrier()  # the next item's copies reuse the buffers
 
-    _store_item(m_i, l_part, 1.0, acc0, acc1, acc2, acc3, row_block, slot_out, q_first, q_len, num_heads,
+    _store_item(m_i, l_part, 1.0, 1.0, acc0, acc1, acc2, acc3, row_block, slot_out, q_first, q_len, num_heads,
                 out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, ROWS, KEEP_PARTIALS)
 
 
 @gluon.jit
-def _store_item(m_i, l_part, unit, acc0, acc1, acc2, acc3, row_block, slot_out, q_first, q_len, num_heads,
+def _store_item(m_i, l_part, unit, out_scale, acc0, acc1, acc2, acc3, row_block, slot_out, q_first, q_len, num_heads,
                 out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, ROWS: gl.constexpr,
                 KEEP_PARTIALS: gl.constexpr):
     """An item's result from its running maximum and sums (rows along ``SCORE_LAYOUT``) and its accumulators
-    (``OUT_LAYOUT``, in units of ``unit``): the final output and lse where the item covers its rows' whole range
-    (``slot_out < 0``), else a normalized partial for ``decode_kernel._merge_splits_kernel``."""
+    (``OUT_LAYOUT``, in units of ``unit``): the final output, times the layer scale ``out_scale``, and lse where the
+    item covers its rows' whole range (``slot_out < 0``), else a normalized partial for
+    ``decode_kernel._merge_splits_kernel`` (which applies the layer scale)."""
     l_i = gl.sum(l_part, 1)
     seen = l_i > 0.0
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
@@ -266,7 +267,7 @@ def _store_item(m_i, l_part, unit, acc0, acc1, acc2, acc3, row_block, slot_out, 
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))
     if slot_out < 0:
         out_row = _row_at(out, rows_o, q_first, num_heads, stride_ot, stride_oh)
-        _store_out(out_row, cols, rows_o < q_len * num_heads, acc0, acc1, acc2, acc3, factor)
+        _store_out(out_row, cols, rows_o < q_len * num_heads, acc0, acc1, acc2, acc3, factor * out_scale)
         gl.store(_row_at(lse, rows_s, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=rows_s < q_len * num_heads)
     else:
         part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))

@@ -216,7 +216,8 @@ def _wait_and_decode(q_rope, step_rope, codes, keys, zero):
 @gluon.jit
 def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
     """A step's scores in log2 units: the rope product ``s_rope`` (issued) plus the four code tiles' products, each
-    scaled by its per-key float32 scale as it completes, the query rows' factor ``q_down`` undone."""
+    scaled by its per-key float32 scale as it completes (``step_scales`` None: codes without tile scales), the
+    query rows' factor ``q_down`` undone."""
     part = hopper.warpgroup_mma(q_nope[0], keys[0].permute((1, 0)), zero, use_acc=False, is_async=True)
     s_rope = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s_rope])
     nope = zero
@@ -227,7 +228,10 @@ def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
             part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[part])
         else:
             part = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[part])
-        nope = nope + part * step_scales.slice(t, 1).load(SCORE_LAYOUT)
+        if step_scales is None:
+            nope = nope + part
+        else:
+            nope = nope + part * step_scales.slice(t, 1).load(SCORE_LAYOUT)
         if t < 3:
             part = following
     return (s_rope + nope * q_down[:, None]) * qk_scale
@@ -236,26 +240,35 @@ def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
 @gluon.jit
 def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, acc1, acc2, acc3):
     """The online softmax of a step's masked scores ``s`` and its value products: ``P * scale_t / u`` per tile in
-    float16 (``u`` grows to the step's largest tile scale), warpgroup ``w`` taking 64 of each tile's 128 columns.
-    Returns the running maximum, sums, unit and accumulators; every warp is done with ``keys`` and ``probs``."""
+    float16 (``u`` grows to the step's largest tile scale), warpgroup ``w`` taking 64 of each tile's 128 columns;
+    ``step_scales`` None (codes without tile scales): ``P`` in one buffer ``probs`` for all four tiles, ``u``
+    unchanged. Returns the running maximum, sums, unit and accumulators; every warp is done with ``keys`` and
+    ``probs``."""
     m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     p = gl.exp2(s - m_use[:, None])
     l_part = l_part * alpha[:, None] + p
 
-    new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
-    per_unit = 1.0 / new_unit
-    for t in gl.static_range(4):
-        weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
-        probs[t].store((p * weight).to(gl.float16))
+    if step_scales is None:
+        new_unit = unit
+        p0, p1, p2, p3 = probs, probs, probs, probs
+        probs.store(p.to(gl.float16))
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+    else:
+        new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
+        per_unit = 1.0 / new_unit
+        p0, p1, p2, p3 = probs
+        for t in gl.static_range(4):
+            weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
+            probs[t].store((p * weight).to(gl.float16))
+        alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
     hopper.fence_async_shared()
     _cta_barrier()
-    alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
-    acc0 = hopper.warpgroup_mma(probs[0], keys[0], acc0 * alpha_o, is_async=True)
-    acc1 = hopper.warpgroup_mma(probs[1], keys[1], acc1 * alpha_o, is_async=True)
-    acc2 = hopper.warpgroup_mma(probs[2], keys[2], acc2 * alpha_o, is_async=True)
-    acc3 = hopper.warpgroup_mma(probs[3], keys[3], acc3 * alpha_o, is_async=True)
+    acc0 = hopper.warpgroup_mma(p0, keys[0], acc0 * alpha_o, is_async=True)
+    acc1 = hopper.warpgroup_mma(p1, keys[1], acc1 * alpha_o, is_async=True)
+    acc2 = hopper.warpgroup_mma(p2, keys[2], acc2 * alpha_o, is_async=True)
+    acc3 = hopper.warpgroup_mma(p3, keys[3], acc3 * alpha_o, is_async=True)
     acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
     _cta_barrier()  # both warpgroups are done with the decoded keys and P
     return m_new, l_part, new_unit, acc0, acc1, acc2, acc3
