@@ -301,13 +301,16 @@ PROFILES: dict[str, list[tuple[Shape, list]]] = {
         + [(Shape(128, batch, ctx, layout="fp8_ds_mla"), [_cfg(128, 64, 8, 1), _cfg(64, 32, 8, 3, reread_values=True)])
            for batch, ctx in ((32, 4096), (64, 4096), (128, 4096))]
     ),
-    "rows64": (  # 64 rows and more of FP8: decode_wgmma_fp8_rows against the Triton kernel's blocks
+    "rows64": (  # 64 rows and more of the quantized layouts: decode_wgmma_quantized against the Triton kernel's blocks
         [(Shape(heads, batch, ctx, q_len=q_len, layout="fp8_ds_mla"),
           [None, _cfg(64, 64, 8, 1, gluon=True, early_merge=True), _cfg(64, 32, 8, 3, reread_values=True)]
           + ([_cfg(128, 64, 8, 1)] if heads * q_len >= 128 and batch >= 16 else []))
          for heads, batch, ctx, q_len in ((128, 32, 4096, 1), (128, 64, 4096, 1), (128, 128, 4096, 1),
                                           (128, 1, 8192, 1), (128, 8, 8192, 1), (64, 32, 4096, 1), (16, 32, 4096, 4))]
-        + [(Shape(heads, batch, ctx, q_len=q_len, layout="fp8_e4m3"), [None, _cfg(64, 64, 8, 2)])
+        + [(Shape(heads, batch, ctx, q_len=q_len, layout=layout),
+            [None, _cfg(64, 64, 8, 2)]
+            + ([_cfg(128, 64, 8, 1)] if layout != "fp8_e4m3" and heads * q_len >= 128 and batch >= 16 else []))
+           for layout in ("fp8_e4m3", "nvfp4", "mxfp4_nsa")
            for heads, batch, ctx, q_len in ((128, 32, 4096, 1), (128, 128, 4096, 1), (128, 1, 8192, 1),
                                             (128, 8, 8192, 1), (16, 32, 4096, 4))]
     ),

@@ -19,7 +19,8 @@ from impls.triton import common, decode
 from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
-from impls.triton.decode_wgmma_fp8_rows import _decode_split_kernel_fp8_rows
+from impls.triton import decode_wgmma_quantized
+from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.errors import UnsupportedConfig
@@ -211,7 +212,7 @@ def test_128_row_blocks_where_memory_is_fast_enough_for_their_one_stage():
     many = decode.WIDE_ROWS_MIN_KEYS_PER_SM
     for layout, needed in decode.WIDE_ROWS_MIN_GBPS_PER_SM.items():
         for heads, q_len in ((128, 1), (64, 2)):
-            for hopper in (False, True) if layout not in decode.FP8_DS_MLA else (False,):
+            for hopper in (False, True) if layout not in decode_wgmma_quantized.LAYOUTS else (False,):
                 fast = decode.default_config(heads, q_len, layout, 64, many, hopper=hopper, gbps_per_sm=needed)
                 assert (fast.block_m, fast.num_stages) == (128, 1)
                 few = decode.default_config(heads, q_len, layout, 64, many - 1, hopper=hopper, gbps_per_sm=needed)
@@ -222,14 +223,15 @@ def test_128_row_blocks_where_memory_is_fast_enough_for_their_one_stage():
                     assert slow.block_m == 64
     assert decode.WIDE_ROWS_MIN_GBPS_PER_SM["fp8_ds_mla"] > 25.4 > decode.WIDE_ROWS_MIN_GBPS_PER_SM["fp4_mx16"]
     assert decode.default_config(128, 1, "fp8_e4m3", 64, many, hopper=True, gbps_per_sm=1e9).block_m == 64
-    # fp8_ds_mla on Hopper: decode_wgmma_fp8_rows' 64 rows whatever the memory
-    assert decode.default_config(128, 1, "fp8_ds_mla", 64, many, hopper=True, gbps_per_sm=1e9) == decode.FP8_ROWS_CONFIG
+    for layout in decode_wgmma_quantized.LAYOUTS:  # on Hopper: decode_wgmma_quantized's 64 rows whatever the memory
+        config = decode.default_config(128, 1, layout, 64, many, hopper=True, gbps_per_sm=1e9)
+        assert config == decode.QUANTIZED_ROWS_CONFIG
 
 
 def test_a_batch_config_takes_the_devices_bandwidth_per_multiprocessor(monkeypatch):
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(decode.common, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(decode.common, "has_wgmma", lambda device: False)  # Hopper reads nvfp4 in 64-row Gluon blocks
     for gbps, rows in ((3352.3, 64), (4915.2, 128)):  # an H100 SXM's and an H200's peaks
         monkeypatch.setattr(decode.triton.testing, "get_dram_gbps", lambda index, gbps=gbps: gbps)
         assert decode.batch_config(128, [1] * 32, [4096] * 32, "nvfp4", 64, gpu).block_m == rows
@@ -260,12 +262,19 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
     assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
 
 
-def test_64_row_fp8_blocks_take_the_gluon_kernel_on_hopper_only():
+def test_64_row_quantized_blocks_take_the_gluon_kernel_on_hopper_only():
+    """From each layout's QUANTIZED_ROWS_MIN_KEYS_PER_SM (mxfp4_nsa's above 0: the Triton kernel below it)."""
     for heads, q_len, layout in ((128, 1, "fp8_ds_mla"), (64, 1, "fp8_ds_mla_pow2"), (16, 4, "fp8_ds_mla"),
-                                 (128, 1, "fp8_e4m3"), (16, 3, "fp8_e4m3")):
-        config = decode.default_config(heads, q_len, layout, 64, hopper=True)
-        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_fp8_rows
-        assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
+                                 (128, 1, "fp8_e4m3"), (16, 3, "fp8_e4m3"), (128, 1, "nvfp4"), (64, 1, "mxfp4_nsa"),
+                                 (16, 4, "nvfp4")):
+        many = decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM[layout]
+        config = decode.default_config(heads, q_len, layout, 64, many, hopper=True)
+        assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_quantized
+        assert not decode.default_config(heads, q_len, layout, 64, many, hopper=False).gluon
+        if many > 0:
+            assert not decode.default_config(heads, q_len, layout, 64, many - 1, hopper=True).gluon
+    assert decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM["mxfp4_nsa"] > 0
+    assert "fp4_mx16" not in decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16"])
@@ -315,8 +324,8 @@ def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
     with pytest.raises(UnsupportedConfig, match="need a Hopper GPU"):
         decode._check_gluon(ds_mla, torch.device("cpu"), fp8_wgmma)
     with pytest.raises(UnsupportedConfig, match=r"tile \(64, 64, 8\) read bf16, fp8_ds_mla, fp8_ds_mla_pow2, "
-                                                r"fp8_e4m3 caches, not 'nvfp4'"):
-        decode._check_gluon(build_problem(workload("nvfp4", 64, SINGLE)).cache, torch.device("cpu"), wgmma)
+                                                r"fp8_e4m3, nvfp4, mxfp4_nsa caches, not 'fp4_mx16'"):
+        decode._check_gluon(build_problem(workload("fp4_mx16", 64, SINGLE)).cache, torch.device("cpu"), wgmma)
     with pytest.raises(UnsupportedConfig, match="read fp8_ds_mla, fp8_ds_mla_pow2 caches, not 'bf16'"):
         decode._check_gluon(bf16, torch.device("cpu"), fp8_wgmma)
     with pytest.raises(UnsupportedConfig, match=r"tile \(16, 64, 4\) read bf16, fp8_ds_mla, .* not 'fp8_e4m3'"):
@@ -391,31 +400,37 @@ def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix,
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
-FP8_ROWS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in L2): 64-row blocks
+QUANTIZED_ROWS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in L2): 64-row blocks
     ("fp8_ds_mla", 64, SINGLE, 128, None, None), ("fp8_ds_mla", 1, UNIFORM, 16, None, None),
     ("fp8_ds_mla", 48, VARLEN, 16, 3, False), ("fp8_ds_mla_pow2", 16, VARLEN, 64, 2, True),
     ("fp8_ds_mla", 128, UNIFORM, 20, 5, True), ("fp8_ds_mla", 7, SINGLE, 40, 2, None),
     ("fp8_e4m3", 64, SINGLE, 128, None, None), ("fp8_e4m3", 1, UNIFORM, 16, None, None),
     ("fp8_e4m3", 48, VARLEN, 16, 3, False), ("fp8_e4m3", 7, SINGLE, 40, 2, True),
+    ("nvfp4", 64, SINGLE, 128, None, None), ("nvfp4", 1, UNIFORM, 16, None, None),
+    ("nvfp4", 48, VARLEN, 16, 3, False), ("nvfp4", 7, SINGLE, 40, 2, True),
+    ("mxfp4_nsa", 64, SINGLE, 128, None, None), ("mxfp4_nsa", 1, UNIFORM, 16, None, None),
+    ("mxfp4_nsa", 48, VARLEN, 16, 3, False), ("mxfp4_nsa", 7, SINGLE, 40, 2, True),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", FP8_ROWS_CASES,
+@pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", QUANTIZED_ROWS_CASES,
                          ids=["ps64-h128", "ps1-mtp-h16", "ps48-q4-split3", "pow2-ps16-h64-kept", "ps128-h20-q3-split5",
-                              "ps7-h40-split2", "e4m3-ps64-h128", "e4m3-ps1-mtp-h16", "e4m3-ps48-q4-split3",
-                              "e4m3-ps7-h40-kept"])
-def test_the_64_row_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
-    """As the other Gluon kernels' cases, through decode_wgmma_fp8_rows (64-row blocks of fp8_ds_mla and fp8_e4m3:
-    rows across tokens, causal between them, padded heads, empty and one-key requests, pages that cut steps;
-    fp8_e4m3's layer scale on the direct outputs and through the merge)."""
+                              "ps7-h40-split2"]
+                         + [f"{name}-{case}" for name in ("e4m3", "nvfp4", "mxfp4")
+                            for case in ("ps64-h128", "ps1-mtp-h16", "ps48-q4-split3", "ps7-h40-kept")])
+def test_the_64_row_quantized_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix, heads, splits, keep):
+    """As the other Gluon kernels' cases, through decode_wgmma_quantized (64-row blocks of fp8_ds_mla, fp8_e4m3,
+    nvfp4 and mxfp4_nsa: rows across tokens, causal between them, padded heads, empty and one-key requests, pages
+    that cut steps; the layer scales of fp8_e4m3 and nvfp4 on the direct outputs and through the merge; mxfp4_nsa's
+    block exponents split into tile scales and float16 factors)."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
     config = (TritonDecode().checked_plan(problem).config if splits is None  # the default: no early merge
               else _fp8_wgmma(64, num_splits=splits, keep_partials=keep))
-    assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_fp8_rows
+    assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_quantized
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
@@ -510,13 +525,14 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
                          ids=["beyond-float16-max", "below-float16-min"])
 @pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
                                             (_fp8_wgmma(64, num_splits=2), "fp8_ds_mla"),
-                                            (_fp8_wgmma(64), "fp8_e4m3"),
+                                            (_fp8_wgmma(64), "fp8_e4m3"), (_fp8_wgmma(64, num_splits=2), "nvfp4"),
+                                            (_fp8_wgmma(64), "mxfp4_nsa"),
                                             (_fp8_mma(num_splits=2), "fp8_ds_mla"),
                                             (_ws(num_splits=2), "fp8_ds_mla"), (_ws(num_splits=2), "nvfp4"),
                                             (_ws(num_splits=2), "mxfp4_nsa"), (_ws(num_splits=2), "fp4_mx16"),
                                             (_ws(num_splits=2), "fp8_e4m3")],
-                         ids=["wgmma32", "wgmma64", "wgmma64-e4m3", "mma16", "ws16", "ws16-nvfp4", "ws16-mxfp4",
-                              "ws16-mx16", "ws16-e4m3"])
+                         ids=["wgmma32", "wgmma64", "wgmma64-e4m3", "wgmma64-nvfp4", "wgmma64-mxfp4", "mma16", "ws16",
+                              "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16", "ws16-e4m3"])
 def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout):
     """Tile scales (fp8_ds_mla), layer scales (nvfp4, fp8_e4m3) or block exponents (mxfp4_nsa, fp4_mx16) and
     queries beyond float16's range and far below it."""
@@ -531,10 +547,11 @@ def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_
 
 
 @pytest.mark.gpu
-def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_warp_specialized_kernel():
-    """decode_ws holds an mxfp4_nsa tile in float16 relative to its largest block: one block of each tile 2^-30
-    below the others (its exponents 30 lower) loses bits there, far below what the judge can see; a NaN block
-    exponent (0xFF) still makes its keys' outputs NaN."""
+@pytest.mark.parametrize("config", [_ws, lambda **more: _fp8_wgmma(64, **more)], ids=["ws16", "wgmma64"])
+def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_quantized_gluon_kernels(config):
+    """decode_ws and decode_wgmma_quantized hold an mxfp4_nsa tile in float16 relative to its largest block: one
+    block of each tile 2^-30 below the others (its exponents 30 lower) loses bits there, far below what the judge
+    can see; a NaN block exponent (0xFF) still makes its keys' outputs NaN."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
@@ -542,15 +559,15 @@ def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_warp_specia
     for tile in range(4):  # values [128 t, 128 t + 32) of every token: block 0 of each tile
         problem.kv[..., 128 * tile:128 * tile + 32] *= 2.0 ** -30
     problem = magnified(problem, 1.0, 1.0)  # re-quantized
-    verdict = judge(Configured(_ws(num_splits=2)), problem)
+    verdict = judge(Configured(config(num_splits=2)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
 
-    plan = Configured(_ws()).checked_plan(problem)
+    plan = Configured(config()).checked_plan(problem)
     slot = problem.meta.token_slots[0]  # request 0's first key: every row of its first token attends it
     cache_rows = problem.cache.data.view(-1, problem.cache.layout.bytes_per_token)
     cache_rows[slot, 256 + 4 * 2 + 1] = 0xFF  # tile 2, block 1
-    out, _ = Configured(_ws()).run(plan)
+    out, _ = Configured(config()).run(plan)
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
@@ -666,10 +683,11 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 @pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
                                                        (_fp8_wgmma(64), "fp8_ds_mla", 16),
                                                        (_fp8_wgmma(64), "fp8_e4m3", 64),
+                                                       (_fp8_wgmma(64), "nvfp4", 1), (_fp8_wgmma(64), "mxfp4_nsa", 64),
                                                        (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
-                         ids=["fp8-wgmma32", "fp8-wgmma64", "e4m3-wgmma64", "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1",
-                              "narrow32"])
+                         ids=["fp8-wgmma32", "fp8-wgmma64", "e4m3-wgmma64", "nvfp4-wgmma64-ps1", "mxfp4-wgmma64",
+                              "fp8-mma16", "fp8-ws16-ps1", "narrow16-ps1", "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):

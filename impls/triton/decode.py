@@ -7,8 +7,8 @@ launches kernels: no allocation, no host synchronization, so it can be captured 
 after the caller updates ``q``, the cache and the block table in place.
 
 On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score product
-once across both warpgroups, where Triton's layout rule computes it in each), 64 of fp8_ds_mla and fp8_e4m3
-(``decode_wgmma_fp8_rows``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``:
+once across both warpgroups, where Triton's layout rule computes it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and
+mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``:
 keys on wgmma's M side, tiles copied straight into its operands), 16 rows of the quantized layouts (``decode_ws``:
 warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
 keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes
@@ -39,7 +39,8 @@ from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
 from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
-from impls.triton.decode_wgmma_fp8_rows import _decode_split_kernel_fp8_rows
+from impls.triton import decode_wgmma_quantized
+from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from impls.triton import decode_ws
 from impls.triton.decode_ws import _decode_split_kernel_ws
@@ -92,14 +93,13 @@ MERGE_VALUES = 2048
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
-FP8_ROWS_LAYOUTS = (*FP8_DS_MLA, "fp8_e4m3")  # decode_wgmma_fp8_rows' layouts
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's 64-row
-# bf16 kernel, decode_wgmma_fp8_rows' 64-row fp8_ds_mla and fp8_e4m3 one, decode_wgmma_narrow's 16- and 32-row bf16 one,
-# decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in
+# bf16 kernel, decode_wgmma_quantized's 64-row one (fp8 and two FP4 layouts), decode_wgmma_narrow's 16- and 32-row bf16
+# one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in
 # two partitions) 16-row fp8_ds_mla, fp8_e4m3 and FP4 one.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
-    **{((64, 64, 8), layout): _decode_split_kernel_fp8_rows for layout in FP8_ROWS_LAYOUTS},
+    **{((64, 64, 8), layout): _decode_split_kernel_quantized for layout in decode_wgmma_quantized.LAYOUTS},
     **{((rows, 64, 4), "bf16"): _decode_split_kernel_narrow for rows in (16, 32)},
     **{((rows, 64, 8), layout): _decode_split_kernel_fp8 for rows in (16, 32) for layout in FP8_DS_MLA},
     **{((16, 64, 4), layout): _decode_split_kernel_mma_fp8 for layout in FP8_DS_MLA},
@@ -127,8 +127,9 @@ class DecodeConfig:
     store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
     ``gluon``: the split step runs one of the Gluon kernels for Hopper (``GLUON_SPLITS``), chosen by the tile and
     the cache layout: bf16 in 64 rows ``decode_wgmma`` (the score product once across its two warpgroups), in 16
-    or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla and fp8_e4m3 in 64 rows
-    ``decode_wgmma_fp8_rows`` (rows on wgmma's M side, each tile decoded once for both products); fp8_ds_mla in 16
+    or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and
+    mxfp4_nsa in 64 rows ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both
+    products); fp8_ds_mla in 16
     or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps
     ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12 warps
     ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
@@ -166,12 +167,15 @@ class DecodeConfig:
 # every size (NOTES.md session 21); a config can still ask for it.
 MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, programs_per_sm=2, early_merge=True,
                               gluon=True)
-# decode_wgmma_fp8_rows' tile (64 rows of fp8_ds_mla or fp8_e4m3), the default on Hopper for more than 32 rows at
-# every size (fp8_e4m3 not yet measured: NOTES.md, session 28). fp8_ds_mla:
-# H100, 128 heads, us (Triton 64 rows / 128 rows -> this): b32 ctx4096 335 / 398 -> 155, b128 1283 / 1420 -> 563, b8
-# ctx8192 178 -> 88, b1 ctx8192 40.7 -> 33.0; 64 heads b32 177 -> 92; 16 heads x 4 tokens b32 177 -> 92 (NOTES.md,
-# session 28).
-FP8_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
+# decode_wgmma_quantized's tile (64 rows of its layouts), the default on Hopper for more than 32 rows from
+# QUANTIZED_ROWS_MIN_KEYS_PER_SM keys per multiprocessor. H100, 128 heads, us (NOTES.md, sessions 28 and 29), the
+# Triton kernel's 64 rows (128 rows) -> this: fp8_ds_mla b32 ctx4096 335 (398) -> 155, b128 1283 (1420) -> 563, b8
+# ctx8192 178 -> 88, b1 ctx8192 40.7 -> 33.0, 64 heads b32 177 -> 92, 16 heads x 4 tokens b32 177 -> 92; fp8_e4m3
+# b32 185 -> 130, b128 659 -> 461, b8 101 -> 75, b1 32.7 -> 31.3, 16 x 4 b32 105 -> 78; nvfp4 b32 189 (207) -> 139,
+# b128 672 (688) -> 501, b8 103 -> 78, b1 32.4 -> 30.9, 16 x 4 b32 108 -> 81; mxfp4_nsa b32 192 (205) -> 174, b128
+# 688 (691) -> 641, b8 (496 keys per SM) 103.5 -> 96.2, 16 x 4 b32 109 -> 99, and b1 (62 keys per SM) 30.7 -> 33.4.
+QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
+QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
 # decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
 WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 
@@ -182,9 +186,10 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     over the GPU's multiprocessors; ``hopper``: the device runs wgmma (compute capability 9); ``gbps_per_sm``: the
     device's peak DRAM bandwidth over its multiprocessors.
 
-    Query rows per request (heads x new tokens) set the row block. More than 32 rows of fp8_ds_mla or fp8_e4m3 on
-    Hopper: 64-row blocks through ``decode_wgmma_fp8_rows`` (``FP8_ROWS_CONFIG``). 128 rows or more of another
-    quantized layout than fp8_e4m3 (of fp8_ds_mla too off Hopper), with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys
+    Query rows per request (heads x new tokens) set the row block. More than 32 rows of fp8_ds_mla, fp8_e4m3, nvfp4
+    or mxfp4_nsa on Hopper (mxfp4_nsa from ``QUANTIZED_ROWS_MIN_KEYS_PER_SM``): 64-row blocks through
+    ``decode_wgmma_quantized`` (``QUANTIZED_ROWS_CONFIG``). 128 rows or more of another quantized layout than
+    fp8_e4m3 (of those layouts too off Hopper), with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys
     and ``WIDE_ROWS_MIN_GBPS_PER_SM`` of bandwidth per multiprocessor: 128-row blocks, one stage of 64 keys, tiles
     decoded once (each decoded tile serves twice the rows; the accumulators spill and it is still faster where
     memory is fast; at batch 1 every split program would load all 128 query rows for a few keys). 64 rows (128
@@ -213,8 +218,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     the former use it.
     """
     rows = num_heads * max_q_len
-    if rows > 32 and hopper and layout in FP8_ROWS_LAYOUTS:
-        return FP8_ROWS_CONFIG
+    if rows > 32 and hopper and keys_per_sm >= QUANTIZED_ROWS_MIN_KEYS_PER_SM.get(layout, math.inf):
+        return QUANTIZED_ROWS_CONFIG
     wide_rows = layout in WIDE_ROWS_MIN_GBPS_PER_SM and gbps_per_sm >= WIDE_ROWS_MIN_GBPS_PER_SM[layout]
     if rows >= 128 and wide_rows and keys_per_sm >= WIDE_ROWS_MIN_KEYS_PER_SM:
         return DecodeConfig(block_m=128, block_n=64, num_warps=8, num_stages=1)
@@ -332,8 +337,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
         if kernel is _decode_split_kernel_ws:
             specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
-        if kernel is _decode_split_kernel_fp8_rows:
-            specific.update(out_scale=plan.out_scale, LAYOUT=cache.layout.name)
+        if kernel is _decode_split_kernel_quantized:
+            specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
         options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
         kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
