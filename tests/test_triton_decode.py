@@ -428,8 +428,12 @@ def test_the_64_row_quantized_wgmma_kernel_passes_the_judge_on_hopper(layout, pa
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
-    config = (TritonDecode().checked_plan(problem).config if splits is None  # the default: no early merge
-              else _fp8_wgmma(64, num_splits=splits, keep_partials=keep))
+    if splits is not None:
+        config = _fp8_wgmma(64, num_splits=splits, keep_partials=keep)
+    elif decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM[layout] == 0:
+        config = TritonDecode().checked_plan(problem).config  # the default: no early merge
+    else:  # the default from more keys per multiprocessor than these problems have
+        config = decode.QUANTIZED_ROWS_CONFIG
     assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_quantized
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message

@@ -172,8 +172,8 @@ MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1,
 # Triton kernel's 64 rows (128 rows) -> this: fp8_ds_mla b32 ctx4096 335 (398) -> 155, b128 1283 (1420) -> 563, b8
 # ctx8192 178 -> 88, b1 ctx8192 40.7 -> 33.0, 64 heads b32 177 -> 92, 16 heads x 4 tokens b32 177 -> 92; fp8_e4m3
 # b32 185 -> 130, b128 659 -> 461, b8 101 -> 75, b1 32.7 -> 31.3, 16 x 4 b32 105 -> 78; nvfp4 b32 189 (207) -> 139,
-# b128 672 (688) -> 501, b8 103 -> 78, b1 32.4 -> 30.9, 16 x 4 b32 108 -> 81; mxfp4_nsa b32 192 (205) -> 174, b128
-# 688 (691) -> 641, b8 (496 keys per SM) 103.5 -> 96.2, 16 x 4 b32 109 -> 99, and b1 (62 keys per SM) 30.7 -> 33.4.
+# b128 672 (688) -> 501, b8 103 -> 78, b1 32.4 -> 30.9, 16 x 4 b32 108 -> 81; mxfp4_nsa b32 194 (204) -> 150, b128
+# 693 (682) -> 540, b8 (496 keys per SM) 104.7 -> 83.9, 16 x 4 b32 109 -> 86, and b1 (62 keys per SM) 30.6 -> 31.2.
 QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
 # decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.

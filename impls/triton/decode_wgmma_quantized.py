@@ -11,12 +11,13 @@
   bulk request in pages of whole steps);
 - the codes are decoded once into the float16 keys both products read: e4m3 -> float16 (exact); FP4 through
   ``decode_ws``'s PTX on packed words, nvfp4's values times their e4m3 block scales (exact), mxfp4_nsa's times
-  ``2^(k - kmax)`` with each key's tile scale ``2^kmax`` stored beside (float32, as fp8_ds_mla's); fp8_e4m3's rope
-  e4m3 -> bf16 (exact). Warpgroup ``w`` scores keys ``[32 w, 32 w + 32)``, the code tiles of the layouts with tile
-  scales each scaled by its per-key scale as it completes;
-- ``P`` goes to shared memory in float16 (with tile scales: ``P * scale_t / u`` per value tile, the accumulators in
-  units of ``u``, the largest tile scale seen so far; without: one ``P``), and warpgroup ``w`` multiplies it by 64
-  of each tile's 128 columns. Layer scales: fp8_e4m3's in ``qk_scale`` and ``out_scale``, nvfp4's (latent keys
+  ``2^(k - kmax)``, ``kmax`` the largest of the key's 16 block exponents, its scale ``2^kmax`` stored beside
+  (float32; blocks more than 2^-23 below the key's largest lose bits, as ``decode_ws``'s below their tile's);
+  fp8_e4m3's rope e4m3 -> bf16 (exact). Warpgroup ``w`` scores keys ``[32 w, 32 w + 32)``, fp8_ds_mla's code tiles
+  each scaled by its per-key tile scale as it completes, mxfp4_nsa's sum by its key scale;
+- ``P`` goes to shared memory in float16 (with scales: ``P * scale / u`` per value tile for fp8_ds_mla, one for
+  mxfp4_nsa, the accumulators in units of ``u``, the largest scale seen so far; without: ``P``), and warpgroup
+  ``w`` multiplies it by 64 of each tile's 128 columns. Layer scales: fp8_e4m3's in ``qk_scale`` and ``out_scale``, nvfp4's (latent keys
   only) in the query rows' factor and ``out_scale`` (the plan's).
 
 Rows' causal frontiers mask the scores (``decode_wgmma._row_limits``); work items, partials and merge are those of
@@ -36,7 +37,7 @@ from impls.triton.decode_wgmma import (COPY_LAYOUT, SCORE_LAYOUT, SWIZZLED, _asy
 from impls.triton.decode_wgmma_fp8 import _as_words, _prefetch_page_step, _slots
 from impls.triton.decode_ws import (_E2M1_WORDS_TIMES_FACTORS, _E2M1_WORDS_TIMES_SCALES, FP4_KEYS, FP4_WORDS,
                                     MXFP4_ROPE_AT, MXFP4_ROW_BYTES, MXFP4_SCALES_AT, NVFP4_ROPE_AT, NVFP4_ROW_BYTES,
-                                    NVFP4_SCALES_AT, _e2m1_words, _ue8m0_split)
+                                    NVFP4_SCALES_AT, _e2m1_words, _factor_bits, _ue8m0_scale)
 from impls.triton.sparse_wgmma import (CODE_LAYOUT, PLAIN, ROW_BYTES, SCALE_LAYOUT, _copy_rows_of_step,
                                        _decode_tile, _initial_state, _scores, _softmax_and_values, _stage_query,
                                        _step_buffers, _tiles, _wait_and_decode)
@@ -55,6 +56,10 @@ PACKED_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase
 # Block scales [64 keys, 16], copied 8 bytes (nvfp4's e4m3 pairs) or 4 bytes (mxfp4_nsa's ue8m0) a thread.
 BLOCKS_COPY = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
                                             order=[1, 0]))
+# mxfp4_nsa's block exponents [64 keys, 16], a key's 16 in each of the four threads that decode its tiles' chunks
+# (FP4_WORDS' lanes: eight keys, then four chunks): its largest needs no exchange between threads.
+KEY_BLOCKS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[8, 1],
+                                           order=[0, 1]))
 # The cache layouts this kernel reads.
 LAYOUTS = ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4", "mxfp4_nsa")
 
@@ -124,19 +129,26 @@ def _copy(cache, pages, start, kv_end, codes, side, scales, rope, stage, PAGE_SI
 
 
 @gluon.jit
-def _decode_fp4_tile(packed, blocks, tile_scales, keys, t: gl.constexpr, LAYOUT: gl.constexpr):
+def _key_exponents(blocks, key_scales):
+    """mxfp4_nsa: each key's largest block exponent ``kmax`` over its 16 blocks, along ``FP4_KEYS``; its scale
+    ``2^kmax`` (float32) into ``key_scales`` ``[1, 64]``."""
+    kmax = gl.max(blocks.load(KEY_BLOCKS).to(gl.int32), 1)
+    key_scales.permute((1, 0)).store(_ue8m0_scale(kmax)[:, None])
+    return gl.convert_layout(kmax, FP4_KEYS)  # the same threads hold each key: no data moves
+
+
+@gluon.jit
+def _decode_fp4_tile(packed, blocks, kmax, keys, t: gl.constexpr, LAYOUT: gl.constexpr):
     """FP4 tile ``t`` of the step into the keys both products read, float16 (``decode_ws``'s PTX): nvfp4's values
-    times their e4m3 block scales (exact); mxfp4_nsa's times ``2^(k - kmax)``, each key's tile scale ``2^kmax``
-    (float32) into row ``t`` of ``tile_scales``."""
+    times their e4m3 block scales (exact); mxfp4_nsa's times ``2^(k - kmax)``, ``kmax`` the key's largest block
+    exponent (``_key_exponents``)."""
     codes = packed[t].load(FP4_WORDS)
     if LAYOUT == "nvfp4":
         pairs = blocks.slice(4 * t, 4, 1).load(gl.SliceLayout(2, FP4_WORDS))
         words = _e2m1_words(codes, pairs[:, :, None], _E2M1_WORDS_TIMES_SCALES, "r,r")
     else:
-        exponents = blocks.slice(4 * t, 4, 1).load(gl.SliceLayout(2, FP4_WORDS)).to(gl.int32)
-        tile_scale, factors = _ue8m0_split(exponents, exponents)
-        tile_scales.slice(t, 1).permute((1, 0)).store(tile_scale[:, None])  # [64 keys, 1]: no layout change
-        words = _e2m1_words(codes, factors[:, :, None], _E2M1_WORDS_TIMES_FACTORS, "r,r,r,r")
+        factor = _factor_bits(blocks.slice(4 * t, 4, 1).load(gl.SliceLayout(2, FP4_WORDS)).to(gl.int32), kmax)
+        words = _e2m1_words(codes, (factor | (factor << 16))[:, :, None], _E2M1_WORDS_TIMES_FACTORS, "r,r,r,r")
     _as_words(keys[t]).store(words)
 
 
@@ -157,8 +169,9 @@ def _wait_and_decode_step(q_rope, codes, side, scales, rope, keys, zero, LAYOUT:
                 _decode_tile(codes, keys, t)
         else:
             s_rope = hopper.warpgroup_mma(q_rope, rope.permute((1, 0)), zero, use_acc=False, is_async=True)
+            kmax = _key_exponents(side, scales) if LAYOUT == "mxfp4_nsa" else 0
             for t in gl.static_range(4):
-                _decode_fp4_tile(codes, side, scales, keys, t, LAYOUT)
+                _decode_fp4_tile(codes, side, kmax, keys, t, LAYOUT)
         hopper.fence_async_shared()
         _cta_barrier()
         if LAYOUT == "fp8_e4m3":
@@ -182,10 +195,10 @@ def _decode_split_kernel_quantized(
     if EARLY_MERGE:
         _launch_dependents()
     # The step's shared memory (sparse_wgmma._step_buffers' for fp8_ds_mla): the query, the latent codes (four
-    # tiles), the side bytes (fp8_e4m3's rope codes, the FP4 layouts' block scales), the tile scales (fp8_ds_mla's two
-    # stages as copied, mxfp4_nsa's as decoded; none where the decoded keys carry their scales), the bf16 rope (two
-    # stages where it is copied, one where decoded), the decoded keys and P (one buffer for all four value tiles
-    # without tile scales).
+    # tiles), the side bytes (fp8_e4m3's rope codes, the FP4 layouts' block scales), the scales (fp8_ds_mla's tile
+    # scales in two stages as copied, mxfp4_nsa's key scales as decoded; none where the decoded keys carry their
+    # scales), the bf16 rope (two stages where it is copied, one where decoded), the decoded keys and P (one buffer
+    # for all four value tiles but fp8_ds_mla's).
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
         q_nope, q_rope, codes, scales, rope, keys, probs = _step_buffers(ROWS)
         side = None
@@ -206,8 +219,7 @@ def _decode_split_kernel_quantized(
                 side = gl.allocate_shared_memory(gl.int16, [KEYS, 16], PLAIN)
             else:
                 side = gl.allocate_shared_memory(gl.uint8, [KEYS, 16], PLAIN)
-                scales = gl.allocate_shared_memory(gl.float32, [4, KEYS], PLAIN)
-                probs = _tiles(gl.float16, [ROWS, KEYS], SWIZZLED)
+                scales = gl.allocate_shared_memory(gl.float32, [1, KEYS], PLAIN)
     table, items = _program_items(work, items_stride, item_counts)
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,

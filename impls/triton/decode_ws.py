@@ -359,9 +359,14 @@ def _ue8m0_split(first, second):
     Blocks more than 2^-23 below the largest lose bits in float16: their values lie below 2^-22 of the tile's
     largest (a block's scale is set by its own largest value)."""
     kmax = gl.max(gl.maximum(first, second), 1)
-    bits = gl.where(kmax == 0, 0x400000, kmax << 23)  # 2^-127 is a float32 subnormal
-    tile_scale = gl.where(kmax == 255, 0x7FC00000, bits).to(gl.float32, bitcast=True)
-    return tile_scale, _factor_bits(first, kmax) | (_factor_bits(second, kmax) << 16)
+    return _ue8m0_scale(kmax), _factor_bits(first, kmax) | (_factor_bits(second, kmax) << 16)
+
+
+@gluon.jit
+def _ue8m0_scale(exponent):
+    """A ue8m0 exponent (int32) as its float32 scale ``2^(e - 127)``: 2^-127 as a subnormal, 0xFF as NaN."""
+    bits = gl.where(exponent == 0, 0x400000, exponent << 23)
+    return gl.where(exponent == 255, 0x7FC00000, bits).to(gl.float32, bitcast=True)
 
 
 @gluon.jit

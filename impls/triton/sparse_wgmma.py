@@ -216,8 +216,9 @@ def _wait_and_decode(q_rope, step_rope, codes, keys, zero):
 @gluon.jit
 def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
     """A step's scores in log2 units: the rope product ``s_rope`` (issued) plus the four code tiles' products, each
-    scaled by its per-key float32 scale as it completes (``step_scales`` None: codes without tile scales), the
-    query rows' factor ``q_down`` undone."""
+    scaled by its per-key float32 scale as it completes (``step_scales`` ``[4, 64]``; ``[1, 64]``: one scale per key,
+    on their sum; None: codes without scales), the query rows' factor ``q_down`` undone."""
+    PER_TILE: gl.constexpr = step_scales is not None and step_scales.shape[0] == 4
     part = hopper.warpgroup_mma(q_nope[0], keys[0].permute((1, 0)), zero, use_acc=False, is_async=True)
     s_rope = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[s_rope])
     nope = zero
@@ -228,12 +229,14 @@ def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
             part = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[part])
         else:
             part = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[part])
-        if step_scales is None:
-            nope = nope + part
-        else:
+        if PER_TILE:
             nope = nope + part * step_scales.slice(t, 1).load(SCORE_LAYOUT)
+        else:
+            nope = nope + part
         if t < 3:
             part = following
+    if step_scales is not None and not PER_TILE:
+        nope = nope * step_scales.load(SCORE_LAYOUT)
     return (s_rope + nope * q_down[:, None]) * qk_scale
 
 
@@ -241,9 +244,9 @@ def _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero):
 def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, acc1, acc2, acc3):
     """The online softmax of a step's masked scores ``s`` and its value products: ``P * scale_t / u`` per tile in
     float16 (``u`` grows to the step's largest tile scale), warpgroup ``w`` taking 64 of each tile's 128 columns;
-    ``step_scales`` None (codes without tile scales): ``P`` in one buffer ``probs`` for all four tiles, ``u``
-    unchanged. Returns the running maximum, sums, unit and accumulators; every warp is done with ``keys`` and
-    ``probs``."""
+    ``step_scales`` ``[1, 64]`` (one scale per key): ``P * scale / u`` in one buffer ``probs`` for all four tiles;
+    None (codes without scales): ``P`` there, ``u`` unchanged. Returns the running maximum, sums, unit and
+    accumulators; every warp is done with ``keys`` and ``probs``."""
     m_new = gl.maximum(m_i, gl.max(s, 1))  # across both warpgroups (through shared memory)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
@@ -255,6 +258,12 @@ def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, ac
         p0, p1, p2, p3 = probs, probs, probs, probs
         probs.store(p.to(gl.float16))
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+    elif step_scales.shape[0] == 1:
+        new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
+        per_unit = 1.0 / new_unit
+        p0, p1, p2, p3 = probs, probs, probs, probs
+        probs.store((p * (step_scales.load(SCORE_LAYOUT) * per_unit)).to(gl.float16))
+        alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
     else:
         new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
         per_unit = 1.0 / new_unit
