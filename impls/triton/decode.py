@@ -95,8 +95,8 @@ PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's 64-row
 # bf16 kernel, decode_wgmma_quantized's 64-row one (fp8 and two FP4 layouts), decode_wgmma_narrow's 16- and 32-row bf16
-# one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12 warps in
-# two partitions) 16-row fp8_ds_mla, fp8_e4m3 and FP4 one.
+# one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12
+# warps in two partitions) 16-row fp8_ds_mla, fp8_e4m3 and FP4 one.
 GLUON_SPLITS = {
     ((64, 64, 8), "bf16"): _decode_split_kernel_wgmma,
     **{((64, 64, 8), layout): _decode_split_kernel_quantized for layout in decode_wgmma_quantized.LAYOUTS},
@@ -129,11 +129,10 @@ class DecodeConfig:
     the cache layout: bf16 in 64 rows ``decode_wgmma`` (the score product once across its two warpgroups), in 16
     or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and
     mxfp4_nsa in 64 rows ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both
-    products); fp8_ds_mla in 16
-    or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps
-    ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12 warps
-    ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
-    the FP4 layouts in 16 rows."""
+    products); fp8_ds_mla in 16 or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows
+    with 4 warps ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12
+    warps ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs
+    fp8_e4m3 and the FP4 layouts in 16 rows."""
 
     block_m: int = 16
     block_n: int = 32

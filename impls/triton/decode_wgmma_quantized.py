@@ -1,7 +1,8 @@
 """The 64-row quantized decode split step in Gluon, for Hopper: ``sparse_wgmma``'s step over the paged cache.
 
 64 query rows (64 or 128 heads, 16 heads x 4 tokens) fill wgmma's M, so the rows are on M as in ``decode_wgmma``
-(bf16), and a step of 64 keys is ``sparse_wgmma``'s (its helpers, shared), for five cache layouts (``LAYOUTS``):
+(bf16), and a step of 64 keys is ``sparse_wgmma``'s (its helpers, shared), for five cache layouts (``LAYOUTS``;
+fp4_mx16, tried on the branch ``rows64-mx16``, ran slower than the Triton kernel: NOTES.md, session 29):
 
 - the keys' rows come through the block table (``decode_wgmma_fp8._slots``) and are copied with ``cp.async``
   (masked: keys past the item's range are zeros) into buffers the decode reads once: the latent codes (fp8: 512
@@ -15,10 +16,10 @@
   (float32; blocks more than 2^-23 below the key's largest lose bits, as ``decode_ws``'s below their tile's);
   fp8_e4m3's rope e4m3 -> bf16 (exact). Warpgroup ``w`` scores keys ``[32 w, 32 w + 32)``, fp8_ds_mla's code tiles
   each scaled by its per-key tile scale as it completes, mxfp4_nsa's sum by its key scale;
-- ``P`` goes to shared memory in float16 (with scales: ``P * scale / u`` per value tile for fp8_ds_mla, one for
+- ``P`` goes to shared memory in float16 (with scales: ``P * scale / u``, per value tile for fp8_ds_mla, once for
   mxfp4_nsa, the accumulators in units of ``u``, the largest scale seen so far; without: ``P``), and warpgroup
-  ``w`` multiplies it by 64 of each tile's 128 columns. Layer scales: fp8_e4m3's in ``qk_scale`` and ``out_scale``, nvfp4's (latent keys
-  only) in the query rows' factor and ``out_scale`` (the plan's).
+  ``w`` multiplies it by 64 of each tile's 128 columns. Layer scales: fp8_e4m3's in ``qk_scale`` and
+  ``out_scale``, nvfp4's (latent keys only) in the query rows' factor and ``out_scale`` (the plan's).
 
 Rows' causal frontiers mask the scores (``decode_wgmma._row_limits``); work items, partials and merge are those of
 every decode split kernel. Measured against the Triton kernel's 64-row configuration: NOTES.md, sessions 28-29.

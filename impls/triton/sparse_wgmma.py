@@ -257,21 +257,19 @@ def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, ac
         new_unit = unit
         p0, p1, p2, p3 = probs, probs, probs, probs
         probs.store(p.to(gl.float16))
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
-    elif step_scales.shape[0] == 1:
-        new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
-        per_unit = 1.0 / new_unit
-        p0, p1, p2, p3 = probs, probs, probs, probs
-        probs.store((p * (step_scales.load(SCORE_LAYOUT) * per_unit)).to(gl.float16))
-        alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
     else:
         new_unit = gl.maximum(unit, gl.max(gl.max(step_scales.load(ALL_SCALES_LAYOUT), 1), 0))
         per_unit = 1.0 / new_unit
-        p0, p1, p2, p3 = probs
-        for t in gl.static_range(4):
-            weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
-            probs[t].store((p * weight).to(gl.float16))
-        alpha_o = gl.convert_layout(alpha * (unit * per_unit), gl.SliceLayout(1, OUT_LAYOUT))[:, None]
+        if step_scales.shape[0] == 1:
+            p0, p1, p2, p3 = probs, probs, probs, probs
+            probs.store((p * (step_scales.load(SCORE_LAYOUT) * per_unit)).to(gl.float16))
+        else:
+            p0, p1, p2, p3 = probs
+            for t in gl.static_range(4):
+                weight = step_scales.slice(t, 1).load(SCORE_LAYOUT) * per_unit
+                probs[t].store((p * weight).to(gl.float16))
+        alpha = alpha * (unit * per_unit)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, OUT_LAYOUT))[:, None]
     hopper.fence_async_shared()
     _cta_barrier()
     acc0 = hopper.warpgroup_mma(p0, keys[0], acc0 * alpha_o, is_async=True)
