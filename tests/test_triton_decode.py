@@ -367,7 +367,9 @@ FP8_WGMMA_CASES = [  # (layout, page size, mix, heads, rows, forced splits, part
 ]
 
 
-def _fp8_wgmma(rows: int, **more) -> DecodeConfig:
+def _quantized_wgmma(rows: int, **more) -> DecodeConfig:
+    """An 8-warp Gluon configuration: decode_wgmma_fp8's (32 rows of fp8_ds_mla) or decode_wgmma_quantized's (64 rows
+    of its layouts; with the early merge, which QUANTIZED_ROWS_CONFIG leaves off)."""
     return DecodeConfig(block_m=rows, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True, **more)
 
 
@@ -396,7 +398,7 @@ def test_the_fp8_wgmma_kernel_passes_the_judge_on_hopper(layout, page_size, mix,
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size), device)
-    verdict = judge(Configured(_fp8_wgmma(rows, num_splits=splits, keep_partials=keep)), problem)
+    verdict = judge(Configured(_quantized_wgmma(rows, num_splits=splits, keep_partials=keep)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
@@ -429,7 +431,7 @@ def test_the_64_row_quantized_wgmma_kernel_passes_the_judge_on_hopper(layout, pa
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
     if splits is not None:
-        config = _fp8_wgmma(64, num_splits=splits, keep_partials=keep)
+        config = _quantized_wgmma(64, num_splits=splits, keep_partials=keep)
     elif decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM[layout] == 0:
         config = TritonDecode().checked_plan(problem).config  # the default: no early merge
     else:  # the default from more keys per multiprocessor than these problems have
@@ -527,10 +529,11 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_factor, kv_factor", [(2.0 ** 20, 2.0 ** 23), (2.0 ** -30, 2.0 ** -20)],
                          ids=["beyond-float16-max", "below-float16-min"])
-@pytest.mark.parametrize("config, layout", [(_fp8_wgmma(32, num_splits=2), "fp8_ds_mla"),
-                                            (_fp8_wgmma(64, num_splits=2), "fp8_ds_mla"),
-                                            (_fp8_wgmma(64), "fp8_e4m3"), (_fp8_wgmma(64, num_splits=2), "nvfp4"),
-                                            (_fp8_wgmma(64), "mxfp4_nsa"),
+@pytest.mark.parametrize("config, layout", [(_quantized_wgmma(32, num_splits=2), "fp8_ds_mla"),
+                                            (_quantized_wgmma(64, num_splits=2), "fp8_ds_mla"),
+                                            (_quantized_wgmma(64), "fp8_e4m3"),
+                                            (_quantized_wgmma(64, num_splits=2), "nvfp4"),
+                                            (_quantized_wgmma(64), "mxfp4_nsa"),
                                             (_fp8_mma(num_splits=2), "fp8_ds_mla"),
                                             (_ws(num_splits=2), "fp8_ds_mla"), (_ws(num_splits=2), "nvfp4"),
                                             (_ws(num_splits=2), "mxfp4_nsa"), (_ws(num_splits=2), "fp4_mx16"),
@@ -551,7 +554,7 @@ def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [_ws, lambda **more: _fp8_wgmma(64, **more)], ids=["ws16", "wgmma64"])
+@pytest.mark.parametrize("config", [_ws, lambda **more: _quantized_wgmma(64, **more)], ids=["ws16", "wgmma64"])
 def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_quantized_gluon_kernels(config):
     """decode_ws and decode_wgmma_quantized hold an mxfp4_nsa tile in float16 relative to its largest block: one
     block of each tile 2^-30 below the others (its exponents 30 lower) loses bits there, far below what the judge
@@ -684,10 +687,11 @@ def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config, layout, page_size", [(_fp8_wgmma(32), "fp8_ds_mla", 64),
-                                                       (_fp8_wgmma(64), "fp8_ds_mla", 16),
-                                                       (_fp8_wgmma(64), "fp8_e4m3", 64),
-                                                       (_fp8_wgmma(64), "nvfp4", 1), (_fp8_wgmma(64), "mxfp4_nsa", 64),
+@pytest.mark.parametrize("config, layout, page_size", [(_quantized_wgmma(32), "fp8_ds_mla", 64),
+                                                       (_quantized_wgmma(64), "fp8_ds_mla", 16),
+                                                       (_quantized_wgmma(64), "fp8_e4m3", 64),
+                                                       (_quantized_wgmma(64), "nvfp4", 1),
+                                                       (_quantized_wgmma(64), "mxfp4_nsa", 64),
                                                        (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
                          ids=["fp8-wgmma32", "fp8-wgmma64", "e4m3-wgmma64", "nvfp4-wgmma64-ps1", "mxfp4-wgmma64",
