@@ -321,6 +321,20 @@ PROFILES: dict[str, list[tuple[Shape, list]]] = {
 PEER_SHAPES = {shape.label for shape in ISSUE_SHAPES}
 
 
+def select_entries(entries: list[tuple[Shape, list]], layouts: list[str] | None) -> list[tuple[Shape, list]]:
+    """A profile's entries whose shapes read one of ``layouts`` (None: all); ValueError for an unknown layout or an
+    empty selection."""
+    if layouts is None:
+        return entries
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise ValueError(f"bench_decode: unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    chosen = [(shape, configs) for shape, configs in entries if shape.layout in layouts]
+    if not chosen:
+        raise ValueError(f"bench_decode: the profile has no shape of the layouts {sorted(layouts)}")
+    return chosen
+
+
 def peer_check_workloads() -> list[Workload]:
     return [Workload(mode="decode", preset=preset, page_size=64, q_lens=(1,) * 4, kv_lens=(3000, 1, 0, 777), seed=5)
             for preset in ("deepseek-v3-tp8", "deepseek-v3")]
@@ -372,10 +386,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="time each configuration this many times")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--once", action="store_true", help="run each config once (for ncu), time nothing")
+    parser.add_argument("--layouts", nargs="+", help="keep only the profile's shapes of these cache layouts")
     args = parser.parse_args()
     start = time.time()
     device = torch.device("cuda")
-    entries = PROFILES[args.profile]
+    try:
+        entries = select_entries(PROFILES[args.profile], args.layouts)
+    except ValueError as error:
+        parser.error(str(error))
     if args.once:
         run_once(entries, device)
         return

@@ -1,12 +1,14 @@
 """The decode benchmark's own pieces that run without a GPU: its correctness sweep covers what the issue asks,
-and its device-drawn timing problems are valid inputs (the kernel on one matches float64 attention)."""
+its device-drawn timing problems are valid inputs (the kernel on one matches float64 attention), and a profile
+narrows to the layouts asked for."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from suites.bench_decode import LAYOUTS, Shape, config_check_workload, correctness_workloads, timing_problem, \
-    triton_impl
+from suites.bench_decode import LAYOUTS, PROFILES, Shape, config_check_workload, correctness_workloads, \
+    select_entries, timing_problem, triton_impl
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
 from reference.core import attend
@@ -40,3 +42,14 @@ def test_a_timing_problem_is_a_valid_input():
         ref_out, ref_lse = attend(problem.q[t:t + 1], k[:, None], k[:, None, :NOPE_DIM], None, problem.scale)
         assert torch.allclose(out[t].double(), ref_out[0], rtol=2e-2, atol=2e-2)
         assert torch.allclose(lse[t].double(), ref_lse[0], atol=1e-3)
+
+
+def test_a_profile_narrows_to_the_layouts_asked_for():
+    chosen = select_entries(PROFILES["rows64"], ["nvfp4", "mxfp4_nsa"])
+    assert {shape.layout for shape, _ in chosen} == {"nvfp4", "mxfp4_nsa"}
+    assert len(chosen) == sum(shape.layout in ("nvfp4", "mxfp4_nsa") for shape, _ in PROFILES["rows64"])
+    assert select_entries(PROFILES["rows64"], None) is PROFILES["rows64"]
+    with pytest.raises(ValueError, match=r"unknown layouts \['fp4'\]"):
+        select_entries(PROFILES["rows64"], ["nvfp4", "fp4"])
+    with pytest.raises(ValueError, match="no shape of the layouts"):
+        select_entries(PROFILES["ncu"], ["mxfp4_nsa"])
