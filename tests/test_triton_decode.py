@@ -425,7 +425,7 @@ def test_the_64_row_quantized_wgmma_kernel_passes_the_judge_on_hopper(layout, pa
     """As the other Gluon kernels' cases, through decode_wgmma_quantized (64-row blocks of fp8_ds_mla, fp8_e4m3,
     nvfp4 and mxfp4_nsa: rows across tokens, causal between them, padded heads, empty and one-key requests, pages
     that cut steps; the layer scales of fp8_e4m3 and nvfp4 on the direct outputs and through the merge; mxfp4_nsa's
-    block exponents split into tile scales and float16 factors)."""
+    block exponents split into a scale per key and float16 factors)."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
@@ -556,9 +556,9 @@ def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [_ws, lambda **more: _quantized_wgmma(64, **more)], ids=["ws16", "wgmma64"])
 def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_quantized_gluon_kernels(config):
-    """decode_ws and decode_wgmma_quantized hold an mxfp4_nsa tile in float16 relative to its largest block: one
-    block of each tile 2^-30 below the others (its exponents 30 lower) loses bits there, far below what the judge
-    can see; a NaN block exponent (0xFF) still makes its keys' outputs NaN."""
+    """decode_ws holds an mxfp4_nsa tile in float16 relative to its largest block, decode_wgmma_quantized a key
+    relative to its largest: one block of each tile 2^-30 below the others (its exponents 30 lower) loses bits there,
+    far below what the judge can see; a NaN block exponent (0xFF) still makes its keys' outputs NaN."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")

@@ -331,12 +331,10 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     early_merge = plan.early_merge
     kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
     if plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
-        # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws decodes more than one
-        # layout, nvfp4's with layer scales.
+        # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and
+        # decode_wgmma_quantized decode more than one layout, some with layer scales.
         specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
-        if kernel is _decode_split_kernel_ws:
-            specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
-        if kernel is _decode_split_kernel_quantized:
+        if kernel is _decode_split_kernel_ws or kernel is _decode_split_kernel_quantized:
             specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
         options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
         kernel[(plan.work.shape[0],)](

@@ -39,9 +39,9 @@ from impls.triton.decode_wgmma_fp8 import _as_words, _prefetch_page_step, _slots
 from impls.triton.decode_ws import (_E2M1_WORDS_TIMES_FACTORS, _E2M1_WORDS_TIMES_SCALES, FP4_KEYS, FP4_WORDS,
                                     MXFP4_ROPE_AT, MXFP4_ROW_BYTES, MXFP4_SCALES_AT, NVFP4_ROPE_AT, NVFP4_ROW_BYTES,
                                     NVFP4_SCALES_AT, _e2m1_words, _factor_bits, _ue8m0_scale)
-from impls.triton.sparse_wgmma import (CODE_LAYOUT, PLAIN, ROW_BYTES, SCALE_LAYOUT, _copy_rows_of_step,
-                                       _decode_tile, _initial_state, _scores, _softmax_and_values, _stage_query,
-                                       _step_buffers, _tiles, _wait_and_decode)
+from impls.triton.sparse_wgmma import (CODE_LAYOUT, PLAIN, ROW_BYTES, SCALE_LAYOUT, _copy_bf16_rope, _copy_codes,
+                                       _copy_rows_of_step, _decode_tile, _initial_state, _scores, _softmax_and_values,
+                                       _stage_query, _step_buffers, _tiles, _wait_and_decode)
 
 KEYS = gl.constexpr(64)  # keys per step
 E4M3_ROW = gl.constexpr(576)  # fp8_e4m3: 512 latent | 64 rope codes
@@ -81,9 +81,7 @@ def _copy_e4m3_step(cache, pages, start, kv_end, codes, rope_codes, PAGE_SIZE: g
     """Issue the fp8_e4m3 copies of keys ``[start, start + 64)``: the latent codes into ``codes``, the rope codes
     into ``rope_codes``."""
     code_at, code_ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, CODE_LAYOUT), E4M3_ROW)
-    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, CODE_LAYOUT))[None, :]
-    for t in gl.static_range(4):
-        _async_load(codes[t], (cache + code_at)[:, None] + t * TILE + cols, mask=code_ok[:, None])
+    _copy_codes(cache + code_at, code_ok, codes)
     rope_at, rope_ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, ROPE_CODE_LAYOUT), E4M3_ROW)
     rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_CODE_LAYOUT))[None, :]
     _async_load(rope_codes, (cache + rope_at + NOPE)[:, None] + rope_cols, mask=rope_ok[:, None])
@@ -111,10 +109,7 @@ def _copy_fp4_step(cache, pages, start, kv_end, packed, blocks, rope, stage, PAG
         block_first = cache + block_at + MXFP4_SCALES_AT
     _async_load(blocks, block_first[:, None] + block_cols, mask=block_ok[:, None])
     rope_at, rope_ok = _slots(pages, start, kv_end, PAGE_SIZE, gl.SliceLayout(1, COPY_LAYOUT), ROW)
-    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    ROPE_BYTE: gl.constexpr = NVFP4_ROPE_AT if NV else MXFP4_ROPE_AT
-    _async_load(rope.index(stage), (cache + rope_at + ROPE_BYTE).to(gl.pointer_type(gl.bfloat16))[:, None] + rope_cols,
-                mask=rope_ok[:, None])
+    _copy_bf16_rope(cache + rope_at + (NVFP4_ROPE_AT if NV else MXFP4_ROPE_AT), rope_ok, rope.index(stage))
 
 
 @gluon.jit

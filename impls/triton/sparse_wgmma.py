@@ -147,15 +147,28 @@ def _copy_rows_of_step(code_rows, code_ok, scale_rows, scale_ok, rope_rows, rope
     """Issue the copies of a step's 656-byte rows (each row's first byte along the keys of ``CODE_LAYOUT``,
     ``SCALE_LAYOUT`` and ``COPY_LAYOUT``; rows not ok become zeros): codes into ``codes``, scales and rope into
     stage ``stage``."""
-    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, CODE_LAYOUT))[None, :]
-    for t in gl.static_range(4):
-        _async_load(codes[t], code_rows[:, None] + t * TILE + cols, mask=code_ok[:, None])
+    _copy_codes(code_rows, code_ok, codes)
     tiles = gl.arange(0, 4, layout=gl.SliceLayout(1, SCALE_LAYOUT))[:, None]
     _async_load(scales.index(stage), (scale_rows + SCALES_AT).to(gl.pointer_type(gl.float32))[None, :] + tiles,
                 mask=scale_ok[None, :])
+    _copy_bf16_rope(rope_rows + ROPE_AT, rope_ok, rope.index(stage))
+
+
+@gluon.jit
+def _copy_codes(code_rows, code_ok, codes):
+    """Issue the copies of a step's 512 e4m3 codes (each row's first code along the keys of ``CODE_LAYOUT``; rows not
+    ok become zeros) into the four tile buffers ``codes``."""
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, CODE_LAYOUT))[None, :]
+    for t in gl.static_range(4):
+        _async_load(codes[t], code_rows[:, None] + t * TILE + cols, mask=code_ok[:, None])
+
+
+@gluon.jit
+def _copy_bf16_rope(rope_first, rope_ok, buffer):
+    """Issue the copies of a step's 64 bf16 rope values (each row's first rope byte along the keys of
+    ``COPY_LAYOUT``; rows not ok become zeros) into ``buffer``."""
     rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    _async_load(rope.index(stage), (rope_rows + ROPE_AT).to(gl.pointer_type(gl.bfloat16))[:, None] + rope_cols,
-                mask=rope_ok[:, None])
+    _async_load(buffer, rope_first.to(gl.pointer_type(gl.bfloat16))[:, None] + rope_cols, mask=rope_ok[:, None])
 
 
 @gluon.jit
