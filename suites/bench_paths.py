@@ -54,7 +54,7 @@ PREFILL_CONFIGS = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4), P
 SPARSE_CONFIGS = {  # per layout, the default first (--quick times it alone); NOTES.md, part 2, has the rounds
     "fp8_ds_mla": [WGMMA_CONFIG, SparseConfig(128, 64, 8, 1), SparseConfig(128, 32, 8, 1),
                    SparseConfig(64, 64, 8, 2)],
-    "fp8_ds_mla_pow2": [SparseConfig(64, 128, 8, 1, prefetch=True), WGMMA_CONFIG, SparseConfig(64, 128, 8, 1),
+    "fp8_ds_mla_pow2": [WGMMA_CONFIG, SparseConfig(64, 128, 8, 1, prefetch=True), SparseConfig(64, 128, 8, 1),
                         SparseConfig(64, 64, 8, 2, prefetch=True), SparseConfig(64, 64, 8, 2)],
     "bf16": [SparseConfig(32, 64, 4, 2), SparseConfig(64, 64, 8, 2)],
 }

@@ -578,6 +578,30 @@ def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_quantized_g
     assert out[0].isnan().all() and not out[1:].isnan().any()
 
 
+@pytest.mark.gpu
+def test_power_of_two_tiles_far_below_their_keys_largest_pass_through_the_64_row_kernel():
+    """decode_wgmma_quantized decodes an fp8_ds_mla_pow2 tile relative to its key's largest tile scale, in float16
+    (exact within 2^15 of it): tile 0 of every key 2^-20 below the others loses its smallest codes' bits, far below
+    what the judge can see; a NaN tile scale still makes its key's outputs NaN, and no other's."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload("fp8_ds_mla_pow2", 16, VARLEN, heads=16, seed=23), device)
+    problem.kv[..., :128] *= 2.0 ** -20
+    problem = magnified(problem, 1.0, 1.0)  # re-quantized
+    config = _quantized_wgmma(64)
+    verdict = judge(Configured(dataclasses.replace(config, num_splits=2)), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    assert verdict.kernel.rel_l2 < 4e-3
+
+    plan = Configured(config).checked_plan(problem)
+    slot = problem.meta.token_slots[0]  # request 0's first key: every row of its first token attends it
+    cache_rows = problem.cache.data.view(-1, problem.cache.layout.bytes_per_token)
+    cache_rows[slot, 512 + 4 * 2:512 + 4 * 3] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # tile 2: NaN
+    out, _ = Configured(config).run(plan)
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+
+
 # ---- planted bugs: each must fail the judge --------------------------------------------------------------------
 
 def _item_rows(plan):

@@ -173,6 +173,7 @@ MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1,
 # b32 185 -> 130, b128 659 -> 461, b8 101 -> 75, b1 32.7 -> 31.3, 16 x 4 b32 105 -> 78; nvfp4 b32 189 (207) -> 139,
 # b128 672 (688) -> 501, b8 103 -> 78, b1 32.4 -> 30.9, 16 x 4 b32 108 -> 81; mxfp4_nsa b32 194 (204) -> 150, b128
 # 693 (682) -> 540, b8 (496 keys per SM) 104.7 -> 83.9, 16 x 4 b32 109 -> 86, and b1 (62 keys per SM) 30.6 -> 31.2.
+# fp8_ds_mla_pow2 with one scale per key since session 30: b32 154 -> 141, b128 557 -> 505, 16 x 4 b32 91 -> 84.
 QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
 # decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.

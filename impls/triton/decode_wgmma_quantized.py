@@ -10,15 +10,16 @@ fp4_mx16, tried on the branch ``rows64-mx16``, ran slower than the Triton kernel
   rope and fp8_ds_mla's tile scales, read by the products, into two stages. Step ``j + 1``'s copies are issued once
   step ``j``'s codes are decoded and run behind its products; its rows were requested into L2 a step before (one
   bulk request in pages of whole steps);
-- the codes are decoded once into the float16 keys both products read: e4m3 -> float16 (exact); FP4 through
+- the codes are decoded once into the float16 keys both products read: e4m3 -> float16 (exact; fp8_ds_mla_pow2's
+  times each tile's ratio to its key's largest tile scale, a power of two: ``sparse_wgmma._key_scales``); FP4 through
   ``decode_ws``'s PTX on packed words, nvfp4's values times their e4m3 block scales (exact), mxfp4_nsa's times
   ``2^(k - kmax)``, ``kmax`` the largest of the key's 16 block exponents, its scale ``2^kmax`` stored beside
   (float32; blocks more than 2^-23 below the key's largest lose bits, as ``decode_ws``'s below their tile's);
   fp8_e4m3's rope e4m3 -> bf16 (exact). Warpgroup ``w`` scores keys ``[32 w, 32 w + 32)``, fp8_ds_mla's code tiles
-  each scaled by its per-key tile scale as it completes, mxfp4_nsa's sum by its key scale;
+  each scaled by its per-key tile scale as it completes, fp8_ds_mla_pow2's and mxfp4_nsa's sum by the key scale;
 - ``P`` goes to shared memory in float16 (with scales: ``P * scale / u``, per value tile for fp8_ds_mla, once for
-  mxfp4_nsa, the accumulators in units of ``u``, the largest scale seen so far; without: ``P``), and warpgroup
-  ``w`` multiplies it by 64 of each tile's 128 columns. Layer scales: fp8_e4m3's in ``qk_scale`` and
+  the key-scaled layouts, the accumulators in units of ``u``, the largest scale seen so far; without: ``P``), and
+  warpgroup ``w`` multiplies it by 64 of each tile's 128 columns. Layer scales: fp8_e4m3's in ``qk_scale`` and
   ``out_scale``, nvfp4's (latent keys only) in the query rows' factor and ``out_scale`` (the plan's).
 
 Rows' causal frontiers mask the scores (``decode_wgmma._row_limits``); work items, partials and merge are those of
@@ -149,12 +150,15 @@ def _decode_fp4_tile(packed, blocks, kmax, keys, t: gl.constexpr, LAYOUT: gl.con
 
 
 @gluon.jit
-def _wait_and_decode_step(q_rope, codes, side, scales, rope, keys, zero, LAYOUT: gl.constexpr):
+def _wait_and_decode_step(q_rope, codes, side, step_scales, key_scales, rope, keys, zero, LAYOUT: gl.constexpr):
     """``sparse_wgmma._wait_and_decode`` for every layout: wait for the step's copies, issue the rope product (bf16
     rope: before the decode, which it runs behind; fp8_e4m3's rope codes are decoded first, e4m3 -> bf16, exact)
-    and decode the latent codes into ``keys``; returns the rope product."""
+    and decode the latent codes into ``keys`` (fp8_ds_mla_pow2's and mxfp4_nsa's relative to each key's scale,
+    stored into ``key_scales``: from the copied tile scales ``step_scales``, from the block exponents); returns the
+    rope product."""
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
-        s_rope = _wait_and_decode(q_rope, rope, codes, keys, zero)
+        s_rope = _wait_and_decode(q_rope, rope, codes, step_scales, key_scales, keys, zero,
+                                  LAYOUT == "fp8_ds_mla_pow2")
     else:
         async_copy.wait_group(0)
         hopper.fence_async_shared()
@@ -165,7 +169,7 @@ def _wait_and_decode_step(q_rope, codes, side, scales, rope, keys, zero, LAYOUT:
                 _decode_tile(codes, keys, t)
         else:
             s_rope = hopper.warpgroup_mma(q_rope, rope.permute((1, 0)), zero, use_acc=False, is_async=True)
-            kmax = _key_exponents(side, scales) if LAYOUT == "mxfp4_nsa" else 0
+            kmax = _key_exponents(side, key_scales) if LAYOUT == "mxfp4_nsa" else 0
             for t in gl.static_range(4):
                 _decode_fp4_tile(codes, side, kmax, keys, t, LAYOUT)
         hopper.fence_async_shared()
@@ -191,18 +195,19 @@ def _decode_split_kernel_quantized(
     if EARLY_MERGE:
         _launch_dependents()
     # The step's shared memory (sparse_wgmma._step_buffers' for fp8_ds_mla): the query, the latent codes (four
-    # tiles), the side bytes (fp8_e4m3's rope codes, the FP4 layouts' block scales), the scales (fp8_ds_mla's tile
-    # scales in two stages as copied, mxfp4_nsa's key scales as decoded; none where the decoded keys carry their
-    # scales), the bf16 rope (two stages where it is copied, one where decoded), the decoded keys and P (one buffer
-    # for all four value tiles but fp8_ds_mla's).
+    # tiles), the side bytes (fp8_e4m3's rope codes, the FP4 layouts' block scales), fp8_ds_mla's tile scales in two
+    # stages as copied, the key scales (fp8_ds_mla_pow2's and mxfp4_nsa's as decoded), the bf16 rope (two stages
+    # where it is copied, one where decoded), the decoded keys and P (one buffer for all four value tiles but
+    # fp8_ds_mla's).
     if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
-        q_nope, q_rope, codes, scales, rope, keys, probs = _step_buffers(ROWS)
+        q_nope, q_rope, codes, scales, key_scales, rope, keys, probs = _step_buffers(ROWS, LAYOUT == "fp8_ds_mla_pow2")
         side = None
     else:
         q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
         q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
         keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
         scales = None
+        key_scales = None
         probs = gl.allocate_shared_memory(gl.float16, [ROWS, KEYS], SWIZZLED)
         if LAYOUT == "fp8_e4m3":
             codes = _tiles(gl.uint8, [KEYS, TILE], PLAIN)
@@ -215,19 +220,19 @@ def _decode_split_kernel_quantized(
                 side = gl.allocate_shared_memory(gl.int16, [KEYS, 16], PLAIN)
             else:
                 side = gl.allocate_shared_memory(gl.uint8, [KEYS, 16], PLAIN)
-                scales = gl.allocate_shared_memory(gl.float32, [1, KEYS], PLAIN)
+                key_scales = gl.allocate_shared_memory(gl.float32, [1, KEYS], PLAIN)
     table, items = _program_items(work, items_stride, item_counts)
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-                     nope_scale, out_scale, q_nope, q_rope, codes, side, scales, rope, keys, probs, ROWS, PAGE_SIZE,
-                     KEEP_PARTIALS, LAYOUT)
+                     nope_scale, out_scale, q_nope, q_rope, codes, side, scales, key_scales, rope, keys, probs, ROWS,
+                     PAGE_SIZE, KEEP_PARTIALS, LAYOUT)
 
 
 @gluon.jit
 def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
                  out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale,
-                 out_scale, q_nope, q_rope, codes, side, scales, rope, keys, probs, ROWS: gl.constexpr,
+                 out_scale, q_nope, q_rope, codes, side, scales, key_scales, rope, keys, probs, ROWS: gl.constexpr,
                  PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
     """One work item (``_item_fields``): 64 query rows of one request over keys ``[kv_start, kv_end)``."""
     ROW: gl.constexpr = (E4M3_ROW if LAYOUT == "fp8_e4m3" else NVFP4_ROW_BYTES if LAYOUT == "nvfp4"
@@ -249,8 +254,8 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     key_cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, SCORE_LAYOUT))
 
     m_i, l_part, unit, zero, acc0, acc1, acc2, acc3 = _initial_state(ROWS)
-    if scales is None:
-        unit = gl.to_tensor(1.0)  # no tile scales: the accumulators in plain units
+    if scales is None and key_scales is None:
+        unit = gl.to_tensor(1.0)  # no scales: the accumulators in plain units
     for j in range(gl.cdiv(kv_end - kv_start, KEYS)):
         start = kv_start + j * KEYS
         stage = j % 2
@@ -259,14 +264,18 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
             step_rope = rope.index(stage)
         else:
             step_rope = rope
-        s_rope = _wait_and_decode_step(q_rope, codes, side, scales, step_rope, keys, zero, LAYOUT)
+        if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
+            copied_scales = scales.index(stage)
+        else:
+            copied_scales = scales
+        s_rope = _wait_and_decode_step(q_rope, codes, side, copied_scales, key_scales, step_rope, keys, zero, LAYOUT)
         if start + KEYS < kv_end:
             _copy(cache, pages, start + KEYS, kv_end, codes, side, scales, rope, 1 - stage, PAGE_SIZE, LAYOUT)
         async_copy.commit_group()
-        if LAYOUT == "fp8_ds_mla" or LAYOUT == "fp8_ds_mla_pow2":
-            step_scales = scales.index(stage)
+        if LAYOUT == "fp8_ds_mla":  # per tile; per key where the decode folded them (key_scales), or none
+            step_scales = copied_scales
         else:
-            step_scales = scales
+            step_scales = key_scales
         s = gl.where((start + key_cols)[None, :] < limit[:, None],
                      _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero), float("-inf"))
         m_i, l_part, unit, acc0, acc1, acc2, acc3 = _softmax_and_values(s, step_scales, probs, keys, m_i, l_part,

@@ -14,9 +14,9 @@ layouts enter the products as their exact codes and each tile's per-token scale 
 cache exactly, whatever its scales, instead of rounding dequantized keys to bf16. Power-of-two scales
 (``fp8_ds_mla_pow2``) dequantize exactly into bf16, so that layout takes the unscaled products like bf16.
 
-On Hopper, 64-head blocks of ``fp8_ds_mla`` with bf16 queries run ``sparse_wgmma``'s Gluon kernel instead
-(``SparseConfig.wgmma``, which also reads ``fp8_ds_mla_pow2``): same arguments and results, the serial chain of
-this kernel's step shortened.
+On Hopper, 64-head blocks of ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` with bf16 queries run ``sparse_wgmma``'s Gluon
+kernel instead (``SparseConfig.wgmma``): same arguments and results, the serial chain of this kernel's step shortened
+(power-of-two scales through one scale per key, exact).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def default_config(device: torch.device, heads: int, layout_code: int = 0,
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     hopper = common.has_wgmma(device) if hopper is None else hopper
-    if hopper and layout_code == LAYOUT_CODES["fp8_ds_mla"] and heads >= 64 and query_dtype == torch.bfloat16:
+    if hopper and layout_code in WGMMA_LAYOUTS and heads >= 64 and query_dtype == torch.bfloat16:
         # 64-head blocks (fewer heads would pad them); H200, 128 heads b128 top-k 2048: 0.505 -> 0.334 ms. Power-of-
-        # two scales keep the Triton kernel, as fast there (NOTES.md, part 2, session 12).
+        # two scales since their one scale per key (H100: 0.341 -> 0.305 ms; NOTES.md, part 2, session 30).
         return WGMMA_CONFIG
     if layout_code in SCALED_CODES:  # one program per token reads each key once; 64-key steps: fewer loop trips
         best = SparseConfig(128, 64, 8, 1)
@@ -215,7 +215,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
         _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), tokens)](
             q, q.stride(0), q.stride(1), indices, indices.stride(0), rows, rows.shape[0], indices.shape[1],
             out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), scale * LOG2E, heads,
-            num_warps=config.num_warps)
+            PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"], num_warps=config.num_warps)
     elif tokens:
         grid = (tokens, triton.cdiv(heads, config.block_h))
         _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],

@@ -16,10 +16,15 @@ each FP8 tile passed through float32. Here, per step of 64 indices:
 - the probabilities of each value tile, ``P * scale_t / u``, go to shared memory in float16, and warpgroup ``w``
   multiplies them by its 64 of each 128 value columns.
 
+Power-of-two scales (``fp8_ds_mla_pow2``, ``PER_KEY``) take one scale per key instead, as exactly: each key's
+largest tile scale, the codes decoded times each tile's ratio to it (a power of two: exact in float16 for tiles
+within 2^15 of the key's largest), the code products summed before that scale multiplies them, and one P buffer
+(``P * scale / u``) for the four value tiles. Non-power-of-two ratios would round the keys to float16: on the bench's
+problems that cost up to 2.6e-3 of the 5e-3 lse bound (NOTES.md, session 30), so ``fp8_ds_mla`` keeps its tiles.
+
 Float16 needs two units (NOTES.md, round 3): each query row is scaled by a power of two into ``[2^13, 2^14)``
 (exact), and the value accumulators are in units of ``u``, the largest tile scale seen so far (it only grows,
-like the running maximum of the scores). Power-of-two scales (``fp8_ds_mla_pow2``) can take the same path (the
-Triton kernel, which dequantizes them exactly into bf16, is as fast there and stays their default).
+like the running maximum of the scores).
 
 The grid runs a token's head blocks next to each other, so the second block's copies find the rows in L2.
 """
@@ -186,19 +191,49 @@ def _decode_tile(codes, keys, t: gl.constexpr):
 
 
 @gluon.jit
-def _step_buffers(ROWS: gl.constexpr):
+def _decode_scaled_tile(codes, keys, t: gl.constexpr, ratio):
+    """``_decode_tile`` times each key's ``ratio`` (float16 ``[64, 1]`` along ``DECODE_LAYOUT``: the tile's scale
+    over the key's, a power of two), exact for ratios down to 2^-15."""
+    c = codes[t].load(DECODE_LAYOUT)
+    keys[t].store(c.to(gl.float8e4nv, bitcast=True).to(gl.float16) * ratio)
+
+
+@gluon.jit
+def _key_scales(step_scales, key_scales):
+    """Power-of-two per-key tile scales of a step (``[4, 64]``, as copied) -> each key's largest into
+    ``key_scales`` (``[1, 64]``, the scale the products apply) and the four tiles' ratios to it in float16
+    (``[64, 1]`` along ``DECODE_LAYOUT``; 0 where the largest is not positive: masked keys). A NaN tile scale makes
+    its ratio NaN and stays in its key's values, as it stays in its product with ``_decode_tile``."""
+    by_key = step_scales.permute((1, 0))
+    s0 = by_key.slice(0, 1, 1).load(DECODE_LAYOUT)
+    s1 = by_key.slice(1, 1, 1).load(DECODE_LAYOUT)
+    s2 = by_key.slice(2, 1, 1).load(DECODE_LAYOUT)
+    s3 = by_key.slice(3, 1, 1).load(DECODE_LAYOUT)
+    largest = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+    key_scales.permute((1, 0)).store(largest)
+    per = gl.where(largest > 0.0, 1.0 / gl.where(largest > 0.0, largest, 1.0), 0.0)
+    return (s0 * per).to(gl.float16), (s1 * per).to(gl.float16), (s2 * per).to(gl.float16), (s3 * per).to(gl.float16)
+
+
+@gluon.jit
+def _step_buffers(ROWS: gl.constexpr, PER_KEY: gl.constexpr):
     """The shared memory of the step for ``ROWS`` query rows: the query (float16 latent tiles, bf16 rope), the codes,
-    two stages of tile scales and rope, the decoded keys and P. One buffer per 128-column tile, not one buffer of
-    four: Triton orders every two accesses to one buffer with a barrier, so four tiles in one buffer cost a barrier
-    between each tile's copy, decode and store."""
+    two stages of tile scales and rope, the key scales (``PER_KEY``), the decoded keys and P (``PER_KEY``: one buffer
+    for the four value tiles). One buffer per 128-column tile, not one buffer of four: Triton orders every two
+    accesses to one buffer with a barrier, so four tiles in one buffer cost a barrier between each tile's copy, decode
+    and store."""
     q_nope = _tiles(gl.float16, [ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
     codes = _tiles(gl.uint8, [KEYS, TILE], PLAIN)
     scales = gl.allocate_shared_memory(gl.float32, [2, 4, KEYS], PLAIN)
     rope = gl.allocate_shared_memory(gl.bfloat16, [2, KEYS, ROPE], SWIZZLED)
     keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
-    probs = _tiles(gl.float16, [ROWS, KEYS], SWIZZLED)
-    return q_nope, q_rope, codes, scales, rope, keys, probs
+    key_scales = gl.allocate_shared_memory(gl.float32, [1, KEYS], PLAIN)
+    if PER_KEY:
+        probs = gl.allocate_shared_memory(gl.float16, [ROWS, KEYS], SWIZZLED)
+    else:
+        probs = _tiles(gl.float16, [ROWS, KEYS], SWIZZLED)
+    return q_nope, q_rope, codes, scales, key_scales, rope, keys, probs
 
 
 @gluon.jit
@@ -212,15 +247,23 @@ def _initial_state(ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _wait_and_decode(q_rope, step_rope, codes, keys, zero):
+def _wait_and_decode(q_rope, step_rope, codes, step_scales, key_scales, keys, zero, PER_KEY: gl.constexpr):
     """Wait for a step's copies, issue its rope scores (bf16; they run during the decode) and decode its codes into
-    ``keys``, visible to the tensor cores and the codes buffer free once this returns; returns the rope product."""
+    ``keys`` (``PER_KEY``: relative to each key's largest tile scale, ``_key_scales``, stored into ``key_scales``),
+    visible to the tensor cores and the codes buffer free once this returns; returns the rope product."""
     async_copy.wait_group(0)
     hopper.fence_async_shared()
     _cta_barrier()
     s_rope = hopper.warpgroup_mma(q_rope, step_rope.permute((1, 0)), zero, use_acc=False, is_async=True)
-    for t in gl.static_range(4):  # decode once: e4m3 -> float16 is exact
-        _decode_tile(codes, keys, t)
+    if PER_KEY:
+        r0, r1, r2, r3 = _key_scales(step_scales, key_scales)
+        _decode_scaled_tile(codes, keys, 0, r0)
+        _decode_scaled_tile(codes, keys, 1, r1)
+        _decode_scaled_tile(codes, keys, 2, r2)
+        _decode_scaled_tile(codes, keys, 3, r3)
+    else:
+        for t in gl.static_range(4):  # decode once: e4m3 -> float16 is exact
+            _decode_tile(codes, keys, t)
     hopper.fence_async_shared()
     _cta_barrier()
     return s_rope
@@ -296,10 +339,12 @@ def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, ac
 
 @gluon.jit
 def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows, topk,
-                         out, stride_ot, stride_oh, lse, stride_lt, stride_lh, qk_scale, num_heads):
+                         out, stride_ot, stride_oh, lse, stride_lt, stride_lh, qk_scale, num_heads,
+                         PER_KEY: gl.constexpr):
     """Program (token, 64-head block): ``out``/``lse`` of those heads over the token's ``topk`` indices into
-    ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the softmax scale times log2(e)."""
-    q_nope, q_rope, codes, scales, rope, keys, probs = _step_buffers(HEADS)
+    ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the softmax scale times log2(e); ``PER_KEY``: the
+    scales are powers of two (``fp8_ds_mla_pow2``), one per key."""
+    q_nope, q_rope, codes, scales, key_scales, rope, keys, probs = _step_buffers(HEADS, PER_KEY)
 
     token = gl.program_id(1).to(gl.int64)  # a token's head blocks run side by side: the second reads its rows from L2
     head0 = gl.program_id(0) * HEADS
@@ -334,11 +379,15 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
         _prefetch_rows(rows, ahead, num_rows)
         ahead = _indices(idx_row, first + 2 * KEYS, topk, gl.SliceLayout(1, LINES_LAYOUT))
         valid = _valid(_indices(idx_row, first, topk, SCORE_KEYS), num_rows)
-        s_rope = _wait_and_decode(q_rope, rope.index(stage), codes, keys, zero)
+        s_rope = _wait_and_decode(q_rope, rope.index(stage), codes, scales.index(stage), key_scales, keys, zero,
+                                  PER_KEY)
         if first + KEYS < topk:
             _copy_step(rows, num_rows, next_codes, next_scales, next_rope, codes, scales, rope, 1 - stage)
         async_copy.commit_group()
-        step_scales = scales.index(stage)
+        if PER_KEY:
+            step_scales = key_scales
+        else:
+            step_scales = scales.index(stage)
         s = gl.where(valid[None, :], _scores(s_rope, q_nope, keys, step_scales, q_down, qk_scale, zero),
                      float("-inf"))
         m_i, l_part, unit, acc0, acc1, acc2, acc3 = _softmax_and_values(s, step_scales, probs, keys, m_i, l_part,
