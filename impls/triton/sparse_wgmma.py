@@ -228,6 +228,7 @@ def _step_buffers(ROWS: gl.constexpr, PER_KEY: gl.constexpr):
     scales = gl.allocate_shared_memory(gl.float32, [2, 4, KEYS], PLAIN)
     rope = gl.allocate_shared_memory(gl.bfloat16, [2, KEYS, ROPE], SWIZZLED)
     keys = _tiles(gl.float16, [KEYS, TILE], SWIZZLED)
+    # The key scales either way (a returned tuple holds no None); unused, the compiler drops them.
     key_scales = gl.allocate_shared_memory(gl.float32, [1, KEYS], PLAIN)
     if PER_KEY:
         probs = gl.allocate_shared_memory(gl.float16, [ROWS, KEYS], SWIZZLED)
