@@ -286,8 +286,8 @@ def _step_products(rope, keys, q_rope, q_nope, probs, x0, x1, x2, x3, step_max, 
     softmax into ``probs`` (``_scores_to_probs``) and ``O^T_t += V_t^T P_t^T`` (``_issue_values``), one after the
     other. Returns the running maximum, sums, unit and accumulators."""
     s_rope, p0, p1, p2, p3 = _issue_scores(rope, keys, q_rope, q_nope, zero)
-    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, probs, x0, x1, x2, x3, step_max,
-                                                  q_down, qk_scale, visible_keys, m_i, l_part, unit)
+    m_i, l_part, unit, alpha_o = _scores_to_probs(s_rope, p0, p1, p2, p3, 0, False, probs, x0, x1, x2, x3,
+                                                  step_max, q_down, qk_scale, visible_keys, m_i, l_part, unit)
     acc0, acc1, acc2, acc3 = _issue_values(keys, probs, alpha_o, acc0, acc1, acc2, acc3)
     acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
     return m_i, l_part, unit, acc0, acc1, acc2, acc3
@@ -306,13 +306,14 @@ def _issue_scores(rope, keys, q_rope, q_nope, zero):
 
 
 @gluon.jit
-def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1, x2, x3, step_max, q_down,
-                     qk_scale, visible_keys, m_i, l_part, unit):
+def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, ONE_P: gl.constexpr, probs, x0, x1, x2, x3,
+                     step_max, q_down, qk_scale, visible_keys, m_i, l_part, unit):
     """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
     each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
     ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores; ``u`` grows to ``step_max``, the step's
-    largest tile scale (``_read_tile_scales``). Returns the running maximum, sums, the new unit ``u`` and the factor
-    of the accumulators (``alpha_o``)."""
+    largest tile scale (``_read_tile_scales``). ``ONE_P``: every tile scale is 1, so the four tiles of P are one,
+    stored once into ``probs[0]``. Returns the running maximum, sums, the new unit ``u`` and the factor of the
+    accumulators (``alpha_o``)."""
     s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
     p1 = hopper.warpgroup_mma_wait(num_outstanding=2 + LATER, deps=[p1])
@@ -333,9 +334,10 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, probs, x0, x1,
     new_unit = gl.maximum(unit, step_max)
     per_unit = 1.0 / new_unit
     probs[0].store((p * (x0 * per_unit)[:, None]).to(gl.float16))
-    probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))
-    probs[2].store((p * (x2 * per_unit)[:, None]).to(gl.float16))
-    probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
+    if not ONE_P:
+        probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))
+        probs[2].store((p * (x2 * per_unit)[:, None]).to(gl.float16))
+        probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
     hopper.fence_async_shared()
     _cta_barrier()
     return m_new, l_part, new_unit, (alpha * (unit * per_unit))[None, :]

@@ -430,6 +430,7 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
 
     rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
     key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
+    ONE_P: gl.constexpr = LAYOUT == "nvfp4" or LAYOUT == "fp8_e4m3"  # unit tile scales (_tile_scales): one P tile
     m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
     unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (decode_wgmma_fp8)
     steps = gl.cdiv(kv_end - kv_start, KEYS)
@@ -441,7 +442,7 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
         x0, x1, x2, x3, step_max = _tile_scales(scales, stage, ACC_KEYS, LAYOUT)
         s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(stage), _each_at(keys, stage), q_rope, q_nope, zero)
         m_i, l_part, unit, alpha_o = _scores_to_probs(
-            s_rope, p0, p1, p2, p3, 0, _each_at(probs, 0), x0, x1, x2, x3, step_max, q_down, qk_scale,
+            s_rope, p0, p1, p2, p3, 0, ONE_P, _probs_at(probs, 0, ONE_P), x0, x1, x2, x3, step_max, q_down, qk_scale,
             (kv_start + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
         for j in range(steps - 1):
             stage = (g + j) % STAGES
@@ -449,17 +450,17 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
             mbarrier.wait(ready.index(after), ((g + j + 1) // STAGES) & 1)
             x0, x1, x2, x3, step_max = _tile_scales(scales, after, ACC_KEYS, LAYOUT)
             s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(after), _each_at(keys, after), q_rope, q_nope, zero)
-            acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _each_at(probs, j % 2), alpha_o, acc0,
-                                                   acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _probs_at(probs, j % 2, ONE_P), alpha_o,
+                                                   acc0, acc1, acc2, acc3)
             m_i, l_part, unit, alpha_o = _scores_to_probs(
-                s_rope, p0, p1, p2, p3, 4, _each_at(probs, (j + 1) % 2), x0, x1, x2, x3, step_max, q_down, qk_scale,
+                s_rope, p0, p1, p2, p3, 4, ONE_P, _probs_at(probs, (j + 1) % 2, ONE_P), x0, x1, x2, x3, step_max, q_down, qk_scale,
                 (kv_start + (j + 1) * KEYS + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
             acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
             _cta_barrier()  # every warp is done with this stage
             mbarrier.arrive(free.index(stage), count=1)
         stage = (g + steps - 1) % STAGES
-        acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _each_at(probs, (steps - 1) % 2), alpha_o,
-                                               acc0, acc1, acc2, acc3)
+        acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _probs_at(probs, (steps - 1) % 2, ONE_P),
+                                               alpha_o, acc0, acc1, acc2, acc3)
         acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # every warp is done with this stage and with P
         mbarrier.arrive(free.index(stage), count=1)
@@ -489,6 +490,15 @@ def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
     else:
         return _read_tile_scales(scales[0].index(stage), scales[1].index(stage), scales[2].index(stage),
                                  scales[3].index(stage), ACC_KEYS)
+
+
+@gluon.jit
+def _probs_at(probs, index, ONE_P: gl.constexpr):
+    """P's four tiles in buffer ``index`` (``_each_at``), or its first four times where they are one (``ONE_P``)."""
+    if ONE_P:
+        return probs[0].index(index), probs[0].index(index), probs[0].index(index), probs[0].index(index)
+    else:
+        return _each_at(probs, index)
 
 
 @gluon.jit
