@@ -430,7 +430,9 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
 
     rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
     key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
-    ONE_P: gl.constexpr = LAYOUT == "nvfp4" or LAYOUT == "fp8_e4m3"  # unit tile scales (_tile_scales): one P tile
+    # nvfp4's block scales are in its decoded values and fp8_e4m3 has none: their tile scales are all 1, so P is one
+    # tile for the four value products.
+    UNIT_SCALES: gl.constexpr = LAYOUT == "nvfp4" or LAYOUT == "fp8_e4m3"
     m_i, l_part, zero, acc0, acc1, acc2, acc3 = _transposed_state(ROWS, ACC)
     unit = gl.to_tensor(2.0 ** -126)  # u, the accumulators' unit (decode_wgmma_fp8)
     steps = gl.cdiv(kv_end - kv_start, KEYS)
@@ -439,27 +441,28 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
         # warps take step j + 1's softmax; P alternates between two buffers.
         stage = g % STAGES
         mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
-        x0, x1, x2, x3, step_max = _tile_scales(scales, stage, ACC_KEYS, LAYOUT)
+        x0, x1, x2, x3, step_max = _tile_scales(scales, stage, ACC_KEYS, UNIT_SCALES)
         s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(stage), _each_at(keys, stage), q_rope, q_nope, zero)
         m_i, l_part, unit, alpha_o = _scores_to_probs(
-            s_rope, p0, p1, p2, p3, 0, ONE_P, _probs_at(probs, 0, ONE_P), x0, x1, x2, x3, step_max, q_down, qk_scale,
-            (kv_start + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
+            s_rope, p0, p1, p2, p3, 0, UNIT_SCALES, _probs_at(probs, 0, UNIT_SCALES), x0, x1, x2, x3, step_max,
+            q_down, qk_scale, (kv_start + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
         for j in range(steps - 1):
             stage = (g + j) % STAGES
             after = (g + j + 1) % STAGES
             mbarrier.wait(ready.index(after), ((g + j + 1) // STAGES) & 1)
-            x0, x1, x2, x3, step_max = _tile_scales(scales, after, ACC_KEYS, LAYOUT)
+            x0, x1, x2, x3, step_max = _tile_scales(scales, after, ACC_KEYS, UNIT_SCALES)
             s_rope, p0, p1, p2, p3 = _issue_scores(rope.index(after), _each_at(keys, after), q_rope, q_nope, zero)
-            acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _probs_at(probs, j % 2, ONE_P), alpha_o,
-                                                   acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _probs_at(probs, j % 2, UNIT_SCALES),
+                                                   alpha_o, acc0, acc1, acc2, acc3)
             m_i, l_part, unit, alpha_o = _scores_to_probs(
-                s_rope, p0, p1, p2, p3, 4, ONE_P, _probs_at(probs, (j + 1) % 2, ONE_P), x0, x1, x2, x3, step_max, q_down, qk_scale,
+                s_rope, p0, p1, p2, p3, 4, UNIT_SCALES, _probs_at(probs, (j + 1) % 2, UNIT_SCALES), x0, x1, x2, x3,
+                step_max, q_down, qk_scale,
                 (kv_start + (j + 1) * KEYS + key_ids)[:, None] < limit[None, :], m_i, l_part, unit)
             acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
             _cta_barrier()  # every warp is done with this stage
             mbarrier.arrive(free.index(stage), count=1)
         stage = (g + steps - 1) % STAGES
-        acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _probs_at(probs, (steps - 1) % 2, ONE_P),
+        acc0, acc1, acc2, acc3 = _issue_values(_each_at(keys, stage), _probs_at(probs, (steps - 1) % 2, UNIT_SCALES),
                                                alpha_o, acc0, acc1, acc2, acc3)
         acc0, acc1, acc2, acc3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1, acc2, acc3])
         _cta_barrier()  # every warp is done with this stage and with P
@@ -480,11 +483,10 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
 
 
 @gluon.jit
-def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, LAYOUT: gl.constexpr):
-    """The four per-key tile scales of ``stage`` along the keys of the products' layout, and their maximum (nvfp4: ones,
-    its block scales are in the decoded values; fp8_e4m3: ones). Each warp reads all 256 for the maximum, so that it
-    needs no exchange between warps."""
-    if LAYOUT == "nvfp4" or LAYOUT == "fp8_e4m3":
+def _tile_scales(scales, stage, ACC_KEYS: gl.constexpr, UNIT_SCALES: gl.constexpr):
+    """The four per-key tile scales of ``stage`` along the keys of the products' layout, and their maximum (ones
+    where ``UNIT_SCALES``). Each warp reads all 256 for the maximum, so that it needs no exchange between warps."""
+    if UNIT_SCALES:
         ones = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
         return ones, ones, ones, ones, gl.to_tensor(1.0)
     else:
