@@ -237,6 +237,27 @@ def test_a_batch_config_takes_the_devices_bandwidth_per_multiprocessor(monkeypat
         assert decode.batch_config(128, [1] * 32, [4096] * 32, "nvfp4", 64, gpu).block_m == rows
 
 
+def test_short_batches_take_64_key_splits_where_those_fill_at_most_half_the_program_slots(monkeypatch):
+    """At most SHORT_SPLIT_KEYS_PER_SLOT keys per program slot: 64-key splits (more programs stream the keys); above,
+    for 64-row blocks and for bf16's 32-row ones, 128; a kernel of two programs a multiprocessor has twice the slots."""
+    per_slot = decode.SHORT_SPLIT_KEYS_PER_SLOT
+    for hopper in (False, True):
+        assert decode.default_config(16, 1, "bf16", 64, per_slot, hopper=hopper).min_split == 64
+        assert decode.default_config(16, 1, "bf16", 64, per_slot + 1, hopper=hopper).min_split == 128
+        assert decode.default_config(16, 2, "fp8_ds_mla", 64, per_slot, hopper=hopper).min_split == 64  # 32 rows
+        assert decode.default_config(16, 2, "bf16", 64, per_slot, hopper=hopper).min_split == 128
+        assert decode.default_config(128, 1, "bf16", 64, 1.0, hopper=hopper).min_split == 128
+    fp4 = decode.default_config(16, 1, "nvfp4", 64, 2 * per_slot, hopper=True)
+    assert fp4.programs_per_sm == 2 and fp4.min_split == 64
+    assert decode.default_config(16, 1, "nvfp4", 64, 2 * per_slot + 1, hopper=True).min_split == 128
+    # One request of 4096 keys on a GPU of 132 multiprocessors (31 keys each): 64 programs of 64 keys, not 32 of 128.
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    problem = build_problem(workload("bf16", 64, ((1,), (4096,)), heads=16))
+    meta = problem.meta
+    plan = plan_decode(problem.q, problem.cache, meta.block_table, meta.q_lens, meta.kv_lens, problem.scale)
+    assert plan.config.min_split == 64 and plan.schedule.num_programs == 64
+
+
 # ---- the Gluon split kernel (Hopper only) ----------------------------------------------------------------------
 
 def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():

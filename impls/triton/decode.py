@@ -25,6 +25,7 @@ keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -62,6 +63,19 @@ FP4_LAYOUTS = ("fp4_mx16", "mxfp4_nsa", "nvfp4")
 # ctx4096, b16 ctx8192) they cut fp8_ds_mla and FP4 decode by 2-12%, at 3972 (b128) by 9-20%; at 496 (b8 ctx8192)
 # -1% to +3%; at 62 (b1 ctx8192) +36-45% (NOTES.md, round 7).
 WIDE_ROWS_MIN_KEYS_PER_SM = 512
+# Batches too short to fill the GPU with 128-key splits (DecodeConfig.min_split): 64-key splits for 16-row blocks, and
+# 32-row blocks of the quantized layouts, where those fill at most half the program slots (multiprocessors times
+# programs each): at most SHORT_SPLIT_KEYS_PER_SLOT keys per slot. 16 heads, us, min_split 128 -> 64 (NOTES.md, session
+# 33), H200 / H100: bf16 page 64 b1 ctx1024 9.5-9.9 -> 8.3 / 9.6-10.0 -> 8.2-8.3, ctx2048 10.5 -> 9.2 / 10.5-10.6 ->
+# 9.3-9.4, ctx4096 11.5 -> 10.2 / 11.6 -> 10.5, b2 ctx2048 11.3 -> 10.4 / 11.3 -> 10.7, page 1 b1 ctx4096 11.0 -> 10.3 /
+# 11.2 -> 10.7-10.8; b1 ctx4096 fp8_e4m3 11.8 -> 10.9 / 11.8-11.9 -> 11.0, fp8_ds_mla 12.5 -> 11.3 / 12.4-12.5 -> 11.3,
+# fp4_mx16 12.7 -> 11.8 (H200), 16 x 2 tokens fp8_ds_mla 16.8 -> 15.9 / 16.8 -> 16.5; the FP4 layouts' Triton kernel
+# (two programs a multiprocessor) b1 ctx8192 nvfp4 15.6 -> 13.7 / 15.5-15.7 -> 14.1, mxfp4_nsa 15.8 -> 13.6 / 15.6-15.7
+# -> 13.9. Not for bf16's 32-row blocks: 16 x 2 tokens b2 ctx2048 13.1 -> 13.3 / 13.6 -> 14.0. More 64-key splits than
+# half the slots were slower (H200): bf16 b3 ctx2048 (96 programs) 11.8 -> 12.1, b1 ctx8192 (128) 12.7 -> 12.8, b2
+# ctx4096 12.8 -> 13.2; b1 ctx8192 fp8_e4m3 13.1 -> 14.3, fp8_ds_mla 13.8 -> 14.6.
+SHORT_SPLIT_KEYS_PER_SLOT = 32
+SHORT_MIN_SPLIT = 64
 # Peak DRAM bandwidth per multiprocessor (GB/s) from which 128-row blocks pay, by layout. Their one stage leaves each
 # step's loads exposed, which only a fast memory covers: H200 (37 GB/s per SM) ran them faster (round 7, above);
 # an H100 SXM (25) ran the 64-row blocks faster at 993-3972 keys per SM, us 128 -> 64 rows: fp8_ds_mla b32 397 ->
@@ -215,8 +229,20 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     78.6, fp8_e4m3 114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two programs
     of 32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
     helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only
-    the former use it.
+    the former use it. 16-row blocks, and 32-row blocks of the quantized layouts, in batches of at most
+    ``SHORT_SPLIT_KEYS_PER_SLOT`` keys per program slot: splits of 64 keys, not 128, so that more multiprocessors
+    stream the keys.
     """
+    config = _tile_config(num_heads, max_q_len, layout, page_size, keys_per_sm, hopper, gbps_per_sm)
+    short_rows = config.block_m == 16 or (config.block_m == 32 and layout != "bf16")
+    if short_rows and keys_per_sm <= SHORT_SPLIT_KEYS_PER_SLOT * config.programs_per_sm:
+        return dataclasses.replace(config, min_split=SHORT_MIN_SPLIT)
+    return config
+
+
+def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, keys_per_sm: float, hopper: bool,
+                 gbps_per_sm: float) -> DecodeConfig:
+    """``default_config``'s choice of kernel and tile, before its split size."""
     rows = num_heads * max_q_len
     if rows > 32 and hopper and keys_per_sm >= QUANTIZED_ROWS_MIN_KEYS_PER_SM.get(layout, math.inf):
         return QUANTIZED_ROWS_CONFIG
