@@ -25,9 +25,8 @@ keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -236,7 +235,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     config = _tile_config(num_heads, max_q_len, layout, page_size, keys_per_sm, hopper, gbps_per_sm)
     short_rows = config.block_m == 16 or (config.block_m == 32 and layout != "bf16")
     if short_rows and keys_per_sm <= SHORT_SPLIT_KEYS_PER_SLOT * config.programs_per_sm:
-        return dataclasses.replace(config, min_split=SHORT_MIN_SPLIT)
+        return replace(config, min_split=SHORT_MIN_SPLIT)
     return config
 
 
