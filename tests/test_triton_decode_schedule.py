@@ -116,3 +116,31 @@ def test_whole_requests_are_packed_longest_first_when_that_costs_no_more():
 def test_a_batch_half_the_size_of_the_gpu_is_still_cut():
     schedule = build_schedule([1] * 64, [4096] * 64, 16, 16, 64, programs=132, min_split=128)
     assert coverage(schedule, [1] * 64, [4096] * 64, 16, 16) == {(b, 0): 2 for b in range(64)}
+
+
+@pytest.mark.parametrize("q_lens, kv_lens, heads, block_m, programs", [
+    ((1,) * 64, (16384,) * 64, 128, 64, 132),
+    ((1,) * 32, (4096,) * 32, 128, 64, 132),
+    ((1,), (8192,), 128, 64, 132),
+    ((1, 1, 1, 1), (300, 9000, 0, 4096), 128, 64, 131),
+    ((2,) * 5, (700, 50, 3000, 64, 1), 16, 16, 8),
+])
+def test_the_row_blocks_of_a_request_run_side_by_side_over_the_same_keys(q_lens, kv_lens, heads, block_m, programs):
+    """Where every request has the same number of row blocks (two here), programs come in pairs whose items are the
+    same pieces of the same requests, one program per row block: both read each key tile at about the same time, so
+    the second read hits L2 (NOTES.md, session 34)."""
+    schedule = build_schedule(list(q_lens), list(kv_lens), heads, block_m, 64, programs=programs, min_split=128)
+    coverage(schedule, q_lens, kv_lens, heads, block_m)
+    assert schedule.num_programs % 2 == 0 and schedule.num_programs <= programs
+    for p in range(0, schedule.num_programs, 2):
+        pair = [schedule.items[schedule.program_items[p + k]:schedule.program_items[p + k + 1]] for k in (0, 1)]
+        assert [(r, start, end) for r, _, start, end, _ in pair[0]] == [(r, start, end) for r, _, start, end, _ in pair[1]]
+        assert {rb for _, rb, *_ in pair[0]} == {0} and {rb for _, rb, *_ in pair[1]} == {1}
+
+
+def test_requests_of_different_row_block_counts_are_cut_group_by_group():
+    """Mixed token counts (one and three tokens of 16 heads in 16-row blocks) keep the cut of every group on its own,
+    which still covers every key once."""
+    q_lens, kv_lens = [1, 3, 1], [5000, 2000, 64]
+    schedule = build_schedule(q_lens, kv_lens, 16, 16, 64, programs=16, min_split=128)
+    assert coverage(schedule, q_lens, kv_lens, 16, 16)[(0, 0)] > 1

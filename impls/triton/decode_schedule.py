@@ -12,6 +12,13 @@ partials' traffic and a merge that waits for the last program. So where whole gr
 (longest first) take at most ``SPLIT_PENALTY_KEYS`` longer than the balanced cut, nothing is cut (a batch about
 as large as the GPU: 16 heads, 128 requests on 132 multiprocessors, 159 -> 147 us on an H200, NOTES.md round 5).
 
+A request of several row blocks (128 heads in 64-row blocks, or MTP tokens) is cut once, and its row blocks' items
+run side by side on neighbouring programs over the same keys, so that the second read of each key tile hits L2. A
+cut of the groups one after another staggers them (at 128 heads b64 ctx16384 each program took the end of one row
+block and the start of the next), and the cache was read about twice: 128 heads ctx16384, bf16, us, four timings
+each, staggered / side by side: b16 221-224 / 195-196, b32 436-446 / 371-382, b64 822-853 / 718-800 (H100, NOTES.md
+session 34).
+
 Pure host code on plain lists, so it is unit-tested without a kernel.
 """
 
@@ -98,11 +105,32 @@ def _cost(assignment: list[list[tuple[int, int, int]]], overhead: int) -> int:
     return max((sum(end - first + overhead for _, first, end in pieces) for pieces in assignment), default=0)
 
 
+def _assign(blocks: list[int], programs: int, block_n: int, min_split: int) -> list[list[tuple[int, int, int]]]:
+    """Groups of ``blocks`` key blocks onto at most ``programs`` programs: the balanced cut, or whole groups where
+    they take at most ``SPLIT_PENALTY_KEYS`` longer (no partials, no merge)."""
+    overhead = _ceil_div(OVERHEAD_KEYS, block_n)
+    assignment = _balanced(blocks, programs, overhead, _ceil_div(min_split, block_n))
+    if sum(map(len, assignment)) > len(blocks):  # the balanced assignment cuts a group
+        whole = _whole(blocks, programs, overhead)
+        if _cost(whole, overhead) <= _cost(assignment, overhead) + _ceil_div(SPLIT_PENALTY_KEYS, block_n):
+            assignment = whole
+    return assignment
+
+
+def _side_by_side(q_lens: list[int], num_heads: int, block_m: int, programs: int) -> int:
+    """How many programs run each piece of a request side by side: its row blocks where every request has the
+    same number of them and the programs are at least as many; else 1 (each group cut on its own)."""
+    counts = {_ceil_div(q * num_heads, block_m) for q in q_lens}
+    side = counts.pop() if len(counts) == 1 else 1
+    return side if 1 < side <= programs else 1
+
+
 def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_m: int, block_n: int,
                    programs: int, min_split: int, num_splits: int | None = None) -> Schedule:
     """The work of a batch for at most ``programs`` persistent programs, each given at least ``min_split`` keys (a
-    group's last split may be shorter). ``num_splits`` instead cuts every group into that many splits, one program
-    each (tests and sweeps)."""
+    group's last split may be shorter), a request's row blocks side by side where all requests have as many
+    (``_side_by_side``). ``num_splits`` instead cuts every group into that many splits, one program each (tests and
+    sweeps)."""
     groups = [(request, row_block) for request, q in enumerate(q_lens)
               for row_block in range(_ceil_div(q * num_heads, block_m))]
     blocks = [_ceil_div(kv_lens[request], block_n) for request, _ in groups]
@@ -113,12 +141,12 @@ def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_
             cuts = list(range(0, n, per_split)) if n else [0]
             assignment += [[(g, first, min(n, first + per_split) if n else 0)] for first in cuts]
     else:
-        overhead = _ceil_div(OVERHEAD_KEYS, block_n)
-        assignment = _balanced(blocks, programs, overhead, _ceil_div(min_split, block_n))
-        if sum(map(len, assignment)) > len(blocks):  # the balanced assignment cuts a group
-            whole = _whole(blocks, programs, overhead)
-            if _cost(whole, overhead) <= _cost(assignment, overhead) + _ceil_div(SPLIT_PENALTY_KEYS, block_n):
-                assignment = whole
+        side = _side_by_side(q_lens, num_heads, block_m, programs)
+        # Requests are cut for programs // side program slots; each slot's pieces then run once per row block, on
+        # neighbouring programs (groups are numbered request by request, row blocks fastest).
+        shares = _assign(blocks[::side], programs // side, block_n, min_split)
+        assignment = [[(request * side + row_block, first, end) for request, first, end in pieces]
+                      for pieces in shares for row_block in range(side)]
 
     pieces_of: dict[int, int] = {}
     for pieces in assignment:
