@@ -364,21 +364,45 @@ WGMMA_CASES = [  # (page size, mix, heads, forced splits, partials kept in L2)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma_loader", [True, False], ids=["ws", "cp-async"])
 @pytest.mark.parametrize("page_size, mix, heads, splits, keep", WGMMA_CASES,
                          ids=["ps64", "ps1-mtp", "ps48-split3", "ps16-h20-kept", "ps128-h16-q3"])
-def test_the_wgmma_kernel_passes_the_judge_on_hopper(page_size, mix, heads, splits, keep):
+def test_the_wgmma_kernels_pass_the_judge_on_hopper(page_size, mix, heads, splits, keep, tma_loader):
     """Empty and one-key requests, MTP and varlen rows across tokens, padded head counts, page sizes that cut
-    tiles, forced splits merged by LSE; the judge poisons outputs and unused cache slots (NaN: masked copies must
-    keep them out of the products)."""
+    tiles, forced splits merged by LSE; the judge poisons outputs and unused cache slots (NaN: masked copies and the
+    zeroed tail of a TMA tile must keep them out of the products). Pages of whole 64-key tiles run decode_wgmma_ws
+    unless ``tma_loader`` is off; the others decode_wgmma."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size), device)
-    config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, gluon=True)
-    verdict = judge(Configured(config), problem)
+    config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, gluon=True,
+                          tma_loader=tma_loader)
+    impl = Configured(config)
+    assert (impl.checked_plan(problem).descriptors is not None) == (tma_loader and page_size % 64 == 0)
+    verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     if heads == 128:
         assert TritonDecode().checked_plan(problem).config.gluon  # the default there
+
+
+def test_the_warp_specialized_64_row_kernel_takes_pages_of_whole_tiles_and_a_contiguous_query():
+    """decode_wgmma_ws's TMA descriptors are made where it can run (64 rows of bf16 in Gluon, pages of whole 64-key
+    tiles, a contiguous query, ``tma_loader`` on), and nowhere else: there decode_wgmma copies key by key."""
+    wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
+    for page_size, runs in [(64, True), (128, True), (16, False), (48, False), (1, False)]:
+        problem = build_problem(workload("bf16", page_size, UNIFORM, heads=64))
+        descriptors = decode._tma_descriptors(problem.q, problem.cache, wgmma)
+        assert (descriptors is not None) == runs, page_size
+    problem = build_problem(workload("bf16", 64, UNIFORM, heads=64))
+    strided = torch.zeros(*problem.q.shape[:2], 2 * problem.q.shape[2], dtype=problem.q.dtype)[..., :576]
+    strided.copy_(problem.q)  # the same query, rows 1152 values apart: no TMA rows
+    assert not strided.is_contiguous()
+    assert decode._tma_descriptors(strided, problem.cache, wgmma) is None
+    assert decode._tma_descriptors(problem.q, problem.cache, dataclasses.replace(wgmma, tma_loader=False)) is None
+    assert decode._tma_descriptors(problem.q, problem.cache, DecodeConfig(block_m=64, block_n=64, num_warps=8)) is None
+    fp8 = build_problem(workload("fp8_ds_mla", 64, UNIFORM, heads=64))
+    assert decode._tma_descriptors(fp8.q, fp8.cache, wgmma) is None
 
 
 FP8_WGMMA_CASES = [  # (layout, page size, mix, heads, rows, forced splits, partials kept in L2)
@@ -716,15 +740,16 @@ def test_a_planted_bug_through_the_fp4_ptx_decode_fails_the_judge(config):
 
 
 @pytest.mark.gpu
-def test_a_planted_bug_through_the_wgmma_kernel_fails_the_judge():
-    """The wgmma kernel must honour each item's key range inside a page (its copies read whole tiles): an item
+@pytest.mark.parametrize("tma_loader", [True, False], ids=["ws", "cp-async"])
+def test_a_planted_bug_through_the_wgmma_kernels_fails_the_judge(tma_loader):
+    """The wgmma kernels must honour each item's key range inside a page (their copies read whole tiles): an item
     ending one key early must change the answer."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
 
     class WgmmaSkipsTheLastKey(SkipsTheLastKey):
-        config = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
+        config = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True, tma_loader=tma_loader)
 
     verdict = judge(WgmmaSkipsTheLastKey(), build_problem(workload("bf16", 64, SINGLE, heads=128, seed=11), device))
     assert verdict.status == "failed", "the wgmma kernel ignored the item's end"

@@ -6,8 +6,10 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
-On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma``: the score product
-once across both warpgroups, where Triton's layout rule computes it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and
+On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma_ws`` where pages hold
+whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores and one multiplies values; ``decode_wgmma``
+in other pages: the score product once across both warpgroups, where Triton's layout rule computes it in each), 64
+of fp8_ds_mla, fp8_e4m3, nvfp4 and
 mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``:
 keys on wgmma's M side, tiles copied straight into its operands), 16 rows of the quantized layouts (``decode_ws``:
 warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
@@ -31,13 +33,16 @@ from typing import Sequence
 
 import torch
 import triton.testing
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 
 from impls.triton import common
 from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
 from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
-from impls.triton.decode_wgmma import _decode_split_kernel_wgmma
+from impls.triton.decode_wgmma import SWIZZLED, _decode_split_kernel_wgmma
+from impls.triton import decode_wgmma_ws
+from impls.triton.decode_wgmma_ws import _decode_split_kernel_wgmma_ws
 from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
 from impls.triton import decode_wgmma_quantized
 from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
@@ -139,13 +144,16 @@ class DecodeConfig:
     products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
     store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
     ``gluon``: the split step runs one of the Gluon kernels for Hopper (``GLUON_SPLITS``), chosen by the tile and
-    the cache layout: bf16 in 64 rows ``decode_wgmma`` (the score product once across its two warpgroups), in 16
-    or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and
+    the cache layout: bf16 in 64 rows ``decode_wgmma_ws`` where ``tma_loader`` allows it (``_tma_descriptors``),
+    else ``decode_wgmma`` (the score product once across its two warpgroups), in 16 or 32 rows with 4 warps
+    ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and
     mxfp4_nsa in 64 rows ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both
     products); fp8_ds_mla in 16 or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows
     with 4 warps ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12
     warps ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs
-    fp8_e4m3 and the FP4 layouts in 16 rows."""
+    fp8_e4m3 and the FP4 layouts in 16 rows. ``tma_loader``: 64 rows of bf16 run ``decode_wgmma_ws`` (a loader
+    warpgroup copies by TMA, one warpgroup scores, one multiplies values) where pages hold whole 64-key tiles and the
+    query is contiguous; off, ``decode_wgmma`` everywhere."""
 
     block_m: int = 16
     block_n: int = 32
@@ -160,6 +168,7 @@ class DecodeConfig:
     reread_values: bool = False
     keep_partials: bool | None = None
     gluon: bool = False
+    tma_loader: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -306,6 +315,7 @@ class DecodePlan:
     merge_tile: tuple[int, int]  # (rows, columns) per merge program
     early_merge: bool            # the merge kernel runs as a programmatic dependent launch (config asks, Hopper+)
     keep_partials: bool          # the partials are stored to stay in L2 for the merge
+    descriptors: tuple | None    # decode_wgmma_ws's TMA descriptors of the query and the cache, or None
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -348,7 +358,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         merge_splits=_merge_splits(schedule.max_splits, rows * cols, config.merge_splits), merge_tile=merge_tile,
         early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device),
         keep_partials=(config.keep_partials if config.keep_partials is not None
-                       else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)))
+                       else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)),
+        descriptors=_tma_descriptors(q, cache, config))
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,6 +380,12 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
             plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
             **specific, **options)
+    elif plan.work.shape[0] and plan.descriptors:
+        _decode_split_kernel_wgmma_ws[(plan.work.shape[0],)](
+            *plan.descriptors, plan.block_table, plan.block_table.stride(0), plan.visible, plan.work,
+            plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
+            plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
+            PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, **decode_wgmma_ws.LAUNCH_OPTIONS)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
@@ -581,6 +598,18 @@ def _check_gluon(cache: PagedCache, device: torch.device, config: DecodeConfig) 
     if not common.has_wgmma(device):
         raise UnsupportedConfig(f"triton_decode: the Gluon kernels need a Hopper GPU (compute capability 9), "
                                 f"not {device}")
+
+
+def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -> tuple | None:
+    """``decode_wgmma_ws``'s TMA descriptors of the query and the cache (``[rows, 576]`` bf16 in ``[64, 64]`` boxes),
+    where the configuration runs 64 rows of bf16 in Gluon, ``tma_loader`` is on, the pages hold whole 64-key tiles and
+    the query is contiguous (its rows are TMA rows); else None (``decode_wgmma`` copies key by key)."""
+    tile = decode_wgmma_ws.KEYS.value  # keys (and query rows) per box; 64 columns: the 128-byte swizzle
+    wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
+    if not (wgmma_bf16 and config.tma_loader and cache.page_size % tile == 0 and q.is_contiguous()):
+        return None
+    rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
+    return tuple(TensorDescriptor.from_tensor(t, [tile, 64], SWIZZLED.value) for t in rows)
 
 
 def _has_dependent_launch(device: torch.device) -> bool:

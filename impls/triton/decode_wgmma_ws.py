@@ -1,0 +1,280 @@
+"""The 64-row bf16 decode split step in Gluon, warp-specialized: one warpgroup scores, one multiplies values, one loads.
+
+``decode_wgmma`` splits each 64-key tile's scores over its two warpgroups (32 keys each, so each reads the whole
+query block per tile: m64n32 products bound by shared memory, a third of its time at 128 heads) and runs the copy
+wait, scores, the maximum's exchange, P and the value products one after another in both. Here the work is divided
+as FlashInfer's Hopper MLA kernel divides it (``include/flashinfer/attention/mla_hopper.cuh``, read, not copied):
+
+- the scoring warpgroup (the default partition) takes each tile's whole score product (m64n64: the query block read
+  once per tile), its softmax (no exchange between warpgroups), writes P over the tile's rope (which only the scores
+  read) and the rescale factor beside it, then multiplies P by the values of output columns 256-511;
+- the value warpgroup multiplies each tile's P by the values of columns 0-255, rescaled by that factor, while the
+  scoring warpgroup takes the next tile's scores;
+- a loader warpgroup copies each item's query block and its key tiles by TMA into two stages: pages of whole tiles
+  (``PAGE_SIZE`` a multiple of 64; ``decode_wgmma`` copies any page key by key) and a contiguous query.
+
+H100, 128 heads, page 64, with the schedule's row blocks side by side (NOTES.md, session 34), us, against
+``decode_wgmma``: b32 ctx4096 104.1 -> 98.1, b128 366.9 -> 346.8, b32 ctx16384 365.3 -> 331.2, b64 ctx16384 717.6 ->
+642.1, b1 ctx8192 28.3 -> 26.3; b8 ctx4096 38.8 -> 39.0.
+
+Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the
+cache as ``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of the cache pointer. Launch with
+``LAUNCH_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _cta_barrier, _item_fields,
+                                       _program_items, _row_at, _row_limits, _step_page)
+
+# Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
+ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT))
+ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
+TILE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0]))
+FLAT = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+# The barriers (one allocation, by index):
+KREADY = gl.constexpr(0)   # + stage: the tile is in (TMA)
+PREADY = gl.constexpr(2)   # + stage: P and its rescale factor are in
+KFREE = gl.constexpr(4)    # + stage: both multiplying warpgroups are done with it
+QREADY = gl.constexpr(6)
+QFREE = gl.constexpr(7)    # the scoring warpgroup is done with the query block
+LREADY = gl.constexpr(8)   # the item's row sums are in (for the value warpgroup)
+LFREE = gl.constexpr(9)    # the value warpgroup has read them
+BARRIERS = gl.constexpr(10)
+LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for each multiplying warpgroup
+
+
+@gluon.jit
+def _decode_split_kernel_wgmma_ws(
+    q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse,
+    stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract); ``q_desc`` and ``k_desc``: the
+    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes."""
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KEYS, TILE], SWIZZLED)  # stage b, tile t: 4 b + t
+    k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)  # then P [64 rows, 64 keys]
+    factors = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], FLAT)
+    sums = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)
+    bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(BARRIERS):
+        mbarrier.init(bars.index(b), count=2 if (b == KFREE or b == KFREE + 1) else 1)
+    hopper.fence_async_shared()
+    gl.warp_specialize([
+        (_score, (visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out,
+                  part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS)),
+        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope,
+                  factors, sums, bars, KEEP_PARTIALS)),
+        (_load, (q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope,
+                 k_lat, k_rope, bars, PAGE_SIZE)),
+    ], [4, 4], [240, 24])
+
+
+@gluon.jit
+def _load(q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope, k_lat,
+          k_rope, bars, PAGE_SIZE: gl.constexpr):
+    """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2."""
+    table, items = _program_items(work, items_stride, item_counts)
+    nq = 0
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        if tiles > 0:
+            mbarrier.wait(bars.index(QFREE), (nq & 1) ^ 1)
+            qbar = bars.index(QREADY)
+            q_row = (q_first * num_heads + row_block * ROWS).to(gl.int32)
+            mbarrier.expect(qbar, ROWS * WIDTH * 2)
+            for t in gl.static_range(4):
+                _tma_load(q_desc, [q_row, TILE * t], qbar, q_lat.index(t).slice(0, 64, 1))
+                _tma_load(q_desc, [q_row, TILE * t + 64], qbar, q_lat.index(t).slice(64, 64, 1))
+            _tma_load(q_desc, [q_row, NOPE], qbar, q_rope.index(0))
+            nq += 1
+            pages = block_table + request.to(gl.int64) * stride_bt
+            for j in range(tiles):
+                b = g % STAGES
+                mbarrier.wait(bars.index(KFREE + b), ((g // STAGES) & 1) ^ 1)
+                bar = bars.index(KREADY + b)
+                start = kv_start + j * KEYS
+                row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
+                mbarrier.expect(bar, KEYS * WIDTH * 2)
+                for t in gl.static_range(4):
+                    _tma_load(k_desc, [row, TILE * t], bar, k_lat.index(4 * b + t).slice(0, 64, 1))
+                    _tma_load(k_desc, [row, TILE * t + 64], bar, k_lat.index(4 * b + t).slice(64, 64, 1))
+                _tma_load(k_desc, [row, NOPE], bar, k_rope.index(b))
+                g += 1
+
+
+@gluon.jit
+def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
+           qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS: gl.constexpr):
+    """The scoring warpgroup: each tile's scores and softmax, P over the tile's rope, then output columns 256-511."""
+    table, items = _program_items(work, items_stride, item_counts)
+    nq = 0
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        _, _, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ROW_S)
+        key_cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, S_LAYOUT))
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, ROW_S)
+        l_i = gl.zeros([ROWS], gl.float32, ROW_S)
+        acc0 = gl.zeros([ROWS, TILE], gl.float32, O_LAYOUT)
+        acc1 = gl.zeros([ROWS, TILE], gl.float32, O_LAYOUT)
+        if tiles > 0:
+            mbarrier.wait(bars.index(QREADY), nq & 1)
+            acc0 = hopper.warpgroup_mma_init(acc0)  # carried through the loop as in-flight products
+            acc1 = hopper.warpgroup_mma_init(acc1)
+            for j in range(tiles):
+                b = g % STAGES
+                start = kv_start + j * KEYS
+                zero = start >> 30  # a run-time 0: operand addresses made in the loop, not held in registers
+                mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
+                s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
+                s = hopper.warpgroup_mma(q_rope.index(zero), k_rope.index(b).permute((1, 0)), s, is_async=True)
+                for t in gl.static_range(4):
+                    s = hopper.warpgroup_mma(q_lat.index(t + zero), k_lat.index(4 * b + t).permute((1, 0)), s,
+                                             is_async=True)
+                # Also waits for the previous tile's value products: its stage is free after them.
+                s, acc0, acc1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s, acc0, acc1])
+                if j > 0:
+                    _cta_barrier()
+                    mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
+                if j == tiles - 1:
+                    _cta_barrier()
+                    mbarrier.arrive(bars.index(QFREE), count=1)
+                s = gl.where((start + key_cols)[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                u = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - u)
+                p = gl.exp2(s - u[:, None]).to(gl.bfloat16)
+                l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+                m_i = m_new
+                _cta_barrier()  # every warp's score products are done reading the rope P replaces
+                k_rope.index(b).store(p)
+                factors.index(b).store(alpha)
+                if start + KEYS > kv_end:
+                    _zero_past(k_lat, b, start, kv_end)
+                hopper.fence_async_shared()
+                _cta_barrier()
+                mbarrier.arrive(bars.index(PREADY + b), count=1)
+                alpha_o = gl.convert_layout(alpha, ROW_O)[:, None]
+                acc0 = hopper.warpgroup_mma(k_rope.index(b + zero), k_lat.index(4 * b + 2), acc0 * alpha_o,
+                                            is_async=True)
+                acc1 = hopper.warpgroup_mma(k_rope.index(b + zero), k_lat.index(4 * b + 3), acc1 * alpha_o,
+                                            is_async=True)
+                g += 1
+            acc0, acc1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
+            _cta_barrier()
+            mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
+            # The row sums, for the value warpgroup's normalization.
+            mbarrier.wait(bars.index(LFREE), (nq & 1) ^ 1)
+            sums.store(l_i)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(LREADY), count=1)
+            nq += 1
+        _store_columns(1, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
+                       part_out, KEEP_PARTIALS)
+        _store_lse(m_i, l_i, row_block, slot_out, q_first, q_len, num_heads, lse, stride_lt, part_lse, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope, factors,
+           sums, bars, KEEP_PARTIALS: gl.constexpr):
+    """The value warpgroup: output columns 0-255 of every tile, from the P and factor the scoring warpgroup left."""
+    table, items = _program_items(work, items_stride, item_counts)
+    nq = 0
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        l_i = gl.zeros([ROWS], gl.float32, ROW_S)
+        acc0 = gl.zeros([ROWS, TILE], gl.float32, O_LAYOUT)
+        acc1 = gl.zeros([ROWS, TILE], gl.float32, O_LAYOUT)
+        if tiles > 0:
+            for j in range(tiles):
+                b = g % STAGES
+                zero = j >> 30
+                mbarrier.wait(bars.index(PREADY + b), (g // STAGES) & 1)
+                alpha_o = factors.index(b).load(ROW_O)[:, None]
+                acc0 = hopper.warpgroup_mma(k_rope.index(b + zero), k_lat.index(4 * b), acc0 * alpha_o,
+                                            is_async=True)
+                acc1 = hopper.warpgroup_mma(k_rope.index(b + zero), k_lat.index(4 * b + 1), acc1 * alpha_o,
+                                            is_async=True)
+                acc0, acc1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
+                _cta_barrier()
+                mbarrier.arrive(bars.index(KFREE + b), count=1)
+                g += 1
+            mbarrier.wait(bars.index(LREADY), nq & 1)
+            l_i = sums.load(ROW_S)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(LFREE), count=1)
+            nq += 1
+        _store_columns(0, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
+                       part_out, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _item_tiles(table, i):
+    """The program's ``i``-th work item (``_item_fields``) and its number of key tiles, which every partition walks."""
+    request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
+    return request, row_block, kv_start, kv_end, slot_out, q_first, q_len, gl.cdiv(kv_end - kv_start, KEYS)
+
+
+@gluon.jit
+def _zero_past(k_lat, b, start, kv_end):
+    """Zero the rows at or past ``kv_end`` of stage ``b``'s four value tiles (the TMA copied the page's whole rows: a
+    slot no key was written to may hold NaN, and 0 x NaN is NaN)."""
+    ok = (start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, TILE_LAYOUT))) < kv_end
+    for t in gl.static_range(4):
+        x = k_lat.index(4 * b + t).load(TILE_LAYOUT)
+        k_lat.index(4 * b + t).store(gl.where(ok[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _store_columns(half: gl.constexpr, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot,
+                   stride_oh, part_out, KEEP_PARTIALS: gl.constexpr):
+    """Output columns ``[256 half, 256 half + 256)`` over the row sums ``l_i``: final bf16 rows where the item covers
+    its rows' whole range (``slot_out < 0``), else a float32 partial for ``_merge_splits_kernel``."""
+    seen = l_i > 0.0
+    inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), ROW_O)[:, None]
+    rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_O)
+    cols = 2 * half * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]
+    if slot_out < 0:
+        o0 = (acc0 * inv_l).to(gl.bfloat16)
+        o1 = (acc1 * inv_l).to(gl.bfloat16)
+        out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[:, None] + cols
+        ok = (rows < q_len * num_heads)[:, None]
+        gl.store(out_at, o0, mask=ok)
+        gl.store(out_at + TILE, o1, mask=ok)
+    else:
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        part_rows = slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ROW_O)
+        part_at = part_out + (part_rows * NOPE)[:, None] + cols
+        gl.store(part_at, acc0 * inv_l, eviction_policy=policy)
+        gl.store(part_at + TILE, acc1 * inv_l, eviction_policy=policy)
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, row_block, slot_out, q_first, q_len, num_heads, lse, stride_lt, part_lse,
+               KEEP_PARTIALS: gl.constexpr):
+    """The item's log-sum-exp from its running maximum and row sums (base 2): natural-log into ``lse`` where the item
+    covers its rows' whole range, else into its partial's slot."""
+    seen = l_i > 0.0
+    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+    rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_S)
+    if slot_out < 0:
+        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=rows < q_len * num_heads)
+    else:
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        gl.store(part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ROW_S), lse2,
+                 eviction_policy=policy)
