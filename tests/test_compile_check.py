@@ -103,15 +103,21 @@ def test_launches_compile_for_sm90_and_rejected_ones_fail_the_check_by_name(tmp_
     assert len(usage) == 1 and "bytes spilled" in usage[0] and "bytes shared" in usage[0], done.stdout
 
 
-def test_the_gluon_decode_kernel_is_recorded_as_on_hopper_and_compiles_for_sm90(tmp_path):
-    """The interpreter cannot run Gluon: its launch is recorded from a plan made as on a Hopper GPU, and compiled."""
-    launch = _decode_launch(DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True))
+def test_the_gluon_decode_kernels_are_recorded_as_on_hopper_and_compile_for_sm90(tmp_path):
+    """The interpreter cannot run Gluon: its launches are recorded from plans made as on a Hopper GPU, and compiled:
+    decode_wgmma_ws (TMA descriptors of the query and the cache in its signature, pages of whole tiles) and
+    decode_wgmma (``tma_loader`` off)."""
+    wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
+    ws = _decode_launch(wgmma)
+    assert ws.kernel == "_decode_split_kernel_wgmma_ws" and ws.options == {"num_warps": 4, "maxnreg": 168}
+    assert ws.signature["q_desc"].startswith("tensordesc<bf16[64, 64]") and ws.constexprs["PAGE_SIZE"] == 64
+    launch = _decode_launch(dataclasses.replace(wgmma, tma_loader=False))
     assert launch.kernel == "_decode_split_kernel_wgmma" and launch.options == {"num_warps": 8}
     assert launch.signature["cache"] == "*bf16" and launch.constexprs["PAGE_SIZE"] == 64
     path = tmp_path / "launches.json"
-    write_launches(path, [launch])
-    done = subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "1",
+    write_launches(path, [ws, launch])
+    done = subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "2",
                            "--resources"], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "1 of 1 kernel launches compile" in done.stdout
+    assert "2 of 2 kernel launches compile" in done.stdout
