@@ -388,7 +388,8 @@ def test_the_wgmma_kernels_pass_the_judge_on_hopper(page_size, mix, heads, split
 
 def test_the_warp_specialized_64_row_kernel_takes_pages_of_whole_tiles_and_a_contiguous_query():
     """decode_wgmma_ws's TMA descriptors are made where it can run (64 rows of bf16 in Gluon, pages of whole 64-key
-    tiles, a contiguous query, ``tma_loader`` on), and nowhere else: there decode_wgmma copies key by key."""
+    tiles, a query contiguous from a 16-byte boundary, ``tma_loader`` on), and nowhere else: there decode_wgmma copies
+    key by key."""
     wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
     for page_size, runs in [(64, True), (128, True), (16, False), (48, False), (1, False)]:
         problem = build_problem(workload("bf16", page_size, UNIFORM, heads=64))
@@ -399,6 +400,9 @@ def test_the_warp_specialized_64_row_kernel_takes_pages_of_whole_tiles_and_a_con
     strided.copy_(problem.q)  # the same query, rows 1152 values apart: no TMA rows
     assert not strided.is_contiguous()
     assert decode._tma_descriptors(strided, problem.cache, wgmma) is None
+    shifted = torch.empty(problem.q.numel() + 1, dtype=problem.q.dtype)[1:].view(problem.q.shape)
+    shifted.copy_(problem.q)  # contiguous, 2 bytes past a 16-byte boundary: TMA cannot address it
+    assert shifted.is_contiguous() and decode._tma_descriptors(shifted, problem.cache, wgmma) is None
     assert decode._tma_descriptors(problem.q, problem.cache, dataclasses.replace(wgmma, tma_loader=False)) is None
     assert decode._tma_descriptors(problem.q, problem.cache, DecodeConfig(block_m=64, block_n=64, num_warps=8)) is None
     fp8 = build_problem(workload("fp8_ds_mla", 64, UNIFORM, heads=64))

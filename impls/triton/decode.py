@@ -6,16 +6,16 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
-On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma_ws`` where pages hold
-whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores and one multiplies values; ``decode_wgmma``
-in other pages: the score product once across both warpgroups, where Triton's layout rule computes it in each), 64
-of fp8_ds_mla, fp8_e4m3, nvfp4 and
-mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``:
-keys on wgmma's M side, tiles copied straight into its operands), 16 rows of the quantized layouts (``decode_ws``:
-warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
-keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes
-decoded straight into mma.sync operands) is no default since decode_ws beat it at every size (NOTES.md session 21),
-and runs when a ``DecodeConfig`` asks for its tile.
+On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma_ws`` where pages
+hold whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores and one multiplies values;
+``decode_wgmma`` in other pages: the score product once across both warpgroups, where Triton's layout rule computes
+it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over
+the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, tiles copied straight into its
+operands), 16 rows of the quantized layouts (``decode_ws``: warp-specialized, eight warps decoding beside a
+warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything
+else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no
+default since decode_ws beat it at every size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its
+tile.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -146,14 +146,14 @@ class DecodeConfig:
     ``gluon``: the split step runs one of the Gluon kernels for Hopper (``GLUON_SPLITS``), chosen by the tile and
     the cache layout: bf16 in 64 rows ``decode_wgmma_ws`` where ``tma_loader`` allows it (``_tma_descriptors``),
     else ``decode_wgmma`` (the score product once across its two warpgroups), in 16 or 32 rows with 4 warps
-    ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and
-    mxfp4_nsa in 64 rows ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both
-    products); fp8_ds_mla in 16 or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows
-    with 4 warps ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12
-    warps ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs
-    fp8_e4m3 and the FP4 layouts in 16 rows. ``tma_loader``: 64 rows of bf16 run ``decode_wgmma_ws`` (a loader
-    warpgroup copies by TMA, one warpgroup scores, one multiplies values) where pages hold whole 64-key tiles and the
-    query is contiguous; off, ``decode_wgmma`` everywhere."""
+    ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa in 64 rows
+    ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both products); fp8_ds_mla in 16
+    or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps
+    ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12 warps
+    ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
+    the FP4 layouts in 16 rows. ``tma_loader``: 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies
+    by TMA, one warpgroup scores, one multiplies values) where pages hold whole 64-key tiles and the query is
+    contiguous; off, ``decode_wgmma`` everywhere."""
 
     block_m: int = 16
     block_n: int = 32
@@ -603,10 +603,12 @@ def _check_gluon(cache: PagedCache, device: torch.device, config: DecodeConfig) 
 def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -> tuple | None:
     """``decode_wgmma_ws``'s TMA descriptors of the query and the cache (``[rows, 576]`` bf16 in ``[64, 64]`` boxes),
     where the configuration runs 64 rows of bf16 in Gluon, ``tma_loader`` is on, the pages hold whole 64-key tiles and
-    the query is contiguous (its rows are TMA rows); else None (``decode_wgmma`` copies key by key)."""
+    the query and the cache are contiguous from a 16-byte boundary (their rows are TMA rows); else None
+    (``decode_wgmma`` copies key by key)."""
     tile = decode_wgmma_ws.KEYS.value  # keys (and query rows) per box; 64 columns: the 128-byte swizzle
     wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
-    if not (wgmma_bf16 and config.tma_loader and cache.page_size % tile == 0 and q.is_contiguous()):
+    tma_rows = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, cache.data))  # TMA's alignment
+    if not (wgmma_bf16 and config.tma_loader and cache.page_size % tile == 0 and tma_rows):
         return None
     rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
     return tuple(TensorDescriptor.from_tensor(t, [tile, 64], SWIZZLED.value) for t in rows)
