@@ -13,12 +13,13 @@ as FlashInfer's Hopper MLA kernel divides it (``include/flashinfer/attention/mla
 - a loader warpgroup copies each item's query block and its key tiles by TMA into two stages: pages of whole tiles
   (``PAGE_SIZE`` a multiple of 64; ``decode_wgmma`` copies any page key by key) and a contiguous query.
 
-H100, 128 heads, page 64, with the schedule's row blocks side by side (NOTES.md, session 34), us, against
-``decode_wgmma``: b32 ctx4096 104.1 -> 98.1, b128 366.9 -> 346.8, b32 ctx16384 365.3 -> 331.2, b64 ctx16384 717.6 ->
-642.1, b1 ctx8192 28.3 -> 26.3; b8 ctx4096 38.8 -> 39.0.
+128 heads, page 64, with the schedule's row blocks side by side, us, best of three (NOTES.md, session 34),
+``decode_wgmma`` -> this kernel: H100 b1 ctx8192 27.7 -> 26.2, b32 ctx4096 104.7 -> 99.0, b128 376.7 -> 345.7, b32
+ctx16384 372.0 -> 343.6, b64 ctx16384 723.6 -> 648.7, b8 ctx4096 38.4 both; H200 b32 100.4 -> 92.9, b128 362.3 ->
+327.4, b64 ctx16384 718.7 -> 636.0.
 
-Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the
-cache as ``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of the cache pointer. Launch with
+Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the cache as
+``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of their pointers and strides. Launch with
 ``LAUNCH_OPTIONS``.
 """
 
