@@ -67,8 +67,8 @@ def _decode_split_kernel_wgmma_ws(
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KEYS, TILE], SWIZZLED)  # stage b, tile t: 4 b + t
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)  # then P [64 rows, 64 keys]
-    factors = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], FLAT)
-    sums = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)
+    factors = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], FLAT)  # each stage's P: the output's rescale
+    sums = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)  # an item's row sums, for the value warpgroup
     bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(BARRIERS):
         mbarrier.init(bars.index(b), count=2 if (b == KFREE or b == KFREE + 1) else 1)
