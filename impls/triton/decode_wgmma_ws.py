@@ -30,9 +30,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
+from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _cta_barrier, _item_fields,
                                        _program_items, _row_at, _row_limits, _step_page)
+from impls.triton.decode_wgmma_narrow import _store_lse
 
 # Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -186,7 +187,11 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
             nq += 1
         _store_columns(1, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
                        part_out, KEEP_PARTIALS)
-        _store_lse(m_i, l_i, row_block, slot_out, q_first, q_len, num_heads, lse, stride_lt, part_lse, KEEP_PARTIALS)
+        seen = l_i > 0.0
+        rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_S)
+        _store_lse(gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf")), rows,
+                   rows < q_len * num_heads, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+                   KEEP_PARTIALS)
 
 
 @gluon.jit
@@ -263,19 +268,3 @@ def _store_columns(half: gl.constexpr, l_i, acc0, acc1, row_block, slot_out, q_f
         part_at = part_out + (part_rows * NOPE)[:, None] + cols
         gl.store(part_at, acc0 * inv_l, eviction_policy=policy)
         gl.store(part_at + TILE, acc1 * inv_l, eviction_policy=policy)
-
-
-@gluon.jit
-def _store_lse(m_i, l_i, row_block, slot_out, q_first, q_len, num_heads, lse, stride_lt, part_lse,
-               KEEP_PARTIALS: gl.constexpr):
-    """The item's log-sum-exp from its running maximum and row sums (base 2): natural-log into ``lse`` where the item
-    covers its rows' whole range, else into its partial's slot."""
-    seen = l_i > 0.0
-    lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
-    rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_S)
-    if slot_out < 0:
-        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), lse2 * LN2, mask=rows < q_len * num_heads)
-    else:
-        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
-        gl.store(part_lse + slot_out.to(gl.int64) * ROWS + gl.arange(0, ROWS, layout=ROW_S), lse2,
-                 eviction_policy=policy)
