@@ -14,8 +14,9 @@ with the GPU machine's 3.6). So this check:
    and the page sizes that change a kernel; each launch's argument types, constexprs, 16-aligned arguments (as
    Triton's launcher specializes them: the aligned loads are what pipelines through shared memory) and launch options
    are recorded and its execution skipped. Gluon kernels (``decode_wgmma``, ``decode_wgmma_ws``,
-   ``decode_wgmma_narrow``, ``decode_wgmma_fp8``, ``decode_mma_fp8``, ``decode_ws``, ``sparse_wgmma``), which the
-   interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the same way;
+   ``decode_wgmma_narrow``, ``decode_wgmma_fp8``, ``decode_mma_fp8``, ``decode_ws``, ``decode_rs_fp8``,
+   ``sparse_wgmma``), which the interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the
+   same way;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
    than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each

@@ -11,8 +11,10 @@ hold whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores 
 ``decode_wgmma`` in other pages: the score product once across both warpgroups, where Triton's layout rule computes
 it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over
 the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, tiles copied straight into its
-operands), 16 rows of the quantized layouts (``decode_ws``: warp-specialized, eight warps decoding beside a
-warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything
+operands), 16 rows of fp8_ds_mla in pages of whole 64-key steps (``decode_rs_fp8``: warp-specialized, copied by TMA,
+the codes decoded into wgmma's register operands), 16 rows of the quantized layouts elsewhere (``decode_ws``:
+warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
+keys on wgmma's M side); the merge and everything
 else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no
 default since decode_ws beat it at every size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its
 tile.
@@ -37,7 +39,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 
 from impls.triton import common
-from impls.triton.decode_kernel import ITEM_FIELDS, LOG2E, NOPE, _decode_split_kernel, _merge_splits_kernel
+from impls.triton.decode_kernel import (ITEM_FIELDS, LOG2E, NOPE, ROPE, TILE, _decode_split_kernel,
+                                       _merge_splits_kernel)
 from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import SWIZZLED, _decode_split_kernel_wgmma
@@ -47,7 +50,8 @@ from impls.triton.decode_wgmma_fp8 import _decode_split_kernel_fp8
 from impls.triton import decode_wgmma_quantized
 from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
-from impls.triton import decode_ws
+from impls.triton import decode_rs_fp8, decode_ws
+from impls.triton.decode_rs_fp8 import _decode_split_kernel_rs_fp8
 from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
@@ -151,9 +155,11 @@ class DecodeConfig:
     or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps
     ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12 warps
     ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
-    the FP4 layouts in 16 rows. ``tma_loader``: 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies
-    by TMA, one warpgroup scores, one multiplies values) where pages hold whole 64-key tiles and the query is
-    contiguous; off, ``decode_wgmma`` everywhere."""
+    the FP4 layouts in 16 rows. ``tma_loader``: where pages hold whole 64-key tiles and the cache (and for bf16 the
+    query) is contiguous, 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, one warpgroup
+    scores, one multiplies values) and decode_ws's tile of fp8_ds_mla runs ``decode_rs_fp8`` (the same division,
+    the codes decoded into wgmma's register operands, no decoded tile in shared memory); off, ``decode_wgmma`` and
+    ``decode_ws`` everywhere."""
 
     block_m: int = 16
     block_n: int = 32
@@ -367,7 +373,14 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
     kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
-    if plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
+    if plan.work.shape[0] and plan.descriptors and cache.layout.name in FP8_DS_MLA:
+        _decode_split_kernel_rs_fp8[(plan.work.shape[0],)](
+            plan.q, plan.q.stride(0), plan.q.stride(1), *plan.descriptors, plan.block_table, plan.block_table.stride(0),
+            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
+            plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
+            **decode_rs_fp8.LAUNCH_OPTIONS)
+    elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and
         # decode_wgmma_quantized decode more than one layout, some with layer scales.
         specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
@@ -601,17 +614,32 @@ def _check_gluon(cache: PagedCache, device: torch.device, config: DecodeConfig) 
 
 
 def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -> tuple | None:
-    """``decode_wgmma_ws``'s TMA descriptors of the query and the cache (``[rows, 576]`` bf16 in ``[64, 64]`` boxes),
-    where the configuration runs 64 rows of bf16 in Gluon, ``tma_loader`` is on, the pages hold whole 64-key tiles and
-    the query and the cache are contiguous from a 16-byte boundary (their rows are TMA rows); else None
-    (``decode_wgmma`` copies key by key)."""
+    """The TMA descriptors of the kernels that copy by TMA, where ``tma_loader`` is on, the pages hold whole 64-key
+    tiles and the cache is contiguous from a 16-byte boundary (its rows are TMA rows): ``decode_wgmma_ws``'s of the
+    query and the cache (``[rows, 576]`` bf16 in ``[64, 64]`` boxes) for 64 rows of bf16 in Gluon with a query
+    contiguous alike; ``decode_rs_fp8``'s of the cache's codes, rope and tile scales for decode_ws's tile of
+    fp8_ds_mla. Else None (``decode_wgmma`` copies key by key, ``decode_ws`` decodes through registers)."""
     tile = decode_wgmma_ws.KEYS.value  # keys (and query rows) per box; 64 columns: the 128-byte swizzle
     wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
-    tma_rows = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, cache.data))  # TMA's alignment
-    if not (wgmma_bf16 and config.tma_loader and cache.page_size % tile == 0 and tma_rows):
+    rs_fp8 = (config.gluon and cache.layout.name in FP8_DS_MLA
+              and (config.block_m, config.block_n, config.num_warps) == (16, tile, decode_ws.WARPS))
+    if not (config.tma_loader and cache.page_size % tile == 0 and _tma_rows(cache.data)):
         return None
-    rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
-    return tuple(TensorDescriptor.from_tensor(t, [tile, 64], SWIZZLED.value) for t in rows)
+    if wgmma_bf16 and _tma_rows(q):
+        rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
+        return tuple(TensorDescriptor.from_tensor(t, [tile, 64], SWIZZLED.value) for t in rows)
+    if rs_fp8:
+        slots = cache.data.reshape(-1, cache.layout.bytes_per_token)
+        return (TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn), [tile, TILE.value],
+                                             decode_rs_fp8.CODES_SMEM.value),
+                TensorDescriptor.from_tensor(slots.view(torch.bfloat16), [tile, ROPE.value], SWIZZLED.value),
+                TensorDescriptor.from_tensor(slots.view(torch.float32), [tile, 4], decode_rs_fp8.SCALES_SMEM.value))
+    return None
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows can be TMA rows: contiguous from a 16-byte boundary."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
 def _has_dependent_launch(device: torch.device) -> bool:

@@ -307,13 +307,14 @@ def _issue_scores(rope, keys, q_rope, q_nope, zero):
 
 @gluon.jit
 def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, ONE_P: gl.constexpr, probs, x0, x1, x2, x3,
-                     step_max, q_down, qk_scale, visible_keys, m_i, l_part, unit):
+                     step_max, q_down, qk_scale, visible_keys, m_i, l_part, unit, factors=None):
     """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
     each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
     ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores; ``u`` grows to ``step_max``, the step's
     largest tile scale (``_read_tile_scales``). ``ONE_P``: every tile scale is 1, so the four tiles of P are one,
     stored once into ``probs[0]``. Returns the running maximum, sums, the new unit ``u`` and the factor of the
-    accumulators (``alpha_o``)."""
+    accumulators (``alpha_o``), which also goes into ``factors`` (a ``[ROWS]`` buffer) where given, under the same
+    barrier as P."""
     s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
     p1 = hopper.warpgroup_mma_wait(num_outstanding=2 + LATER, deps=[p1])
@@ -338,9 +339,12 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, ONE_P: gl.cons
         probs[1].store((p * (x1 * per_unit)[:, None]).to(gl.float16))
         probs[2].store((p * (x2 * per_unit)[:, None]).to(gl.float16))
         probs[3].store((p * (x3 * per_unit)[:, None]).to(gl.float16))
+    alpha_o = alpha * (unit * per_unit)
+    if factors is not None:
+        factors.store(alpha_o)
     hopper.fence_async_shared()
     _cta_barrier()
-    return m_new, l_part, new_unit, (alpha * (unit * per_unit))[None, :]
+    return m_new, l_part, new_unit, alpha_o[None, :]
 
 
 @gluon.jit

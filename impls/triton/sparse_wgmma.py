@@ -73,10 +73,11 @@ def _pow2(biased_exponent):
 
 
 @gluon.jit
-def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr):
+def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr, OPERAND_ORDER: gl.constexpr = False):
     """Store query rows to shared memory (``base``: each row's first element along ``SliceLayout(1, LAYOUT)``; rows
     not ``ok`` become zeros), the 512 latent columns in float16 scaled per row by a power of two and the rope
-    columns as they are; returns the factor that undoes the scaling, per row."""
+    columns as they are; returns the factor that undoes the scaling, per row. ``OPERAND_ORDER``: the columns in the
+    contraction order of ``decode_rs_fp8``'s register operands (``_operand_order``: e4m3 latent, bf16 rope)."""
     rows = base[:, None]
     mask = ok[:, None]
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
@@ -88,10 +89,22 @@ def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr):
     up = _pow2(127 + QUERY_TOP + 127 - exponent)[:, None]
     for t in gl.static_range(4):
         x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
-        q_nope[t].store((x * up).to(gl.float16))
+        x = (x * up).to(gl.float16)
+        q_nope[t].store(_operand_order(x, 16) if OPERAND_ORDER else x)
     rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-    q_rope.store(gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0))
+    r = gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0)
+    q_rope.store(_operand_order(r, 8) if OPERAND_ORDER else r)
     return _pow2(exponent - QUERY_TOP)
+
+
+@gluon.jit
+def _operand_order(x, CHUNK: gl.constexpr):
+    """Rows of cache-ordered columns -> the contraction order in which a thread's ``CHUNK`` contiguous columns (16
+    bytes of the cache, loaded at once) are exactly its wgmma register-operand fragment: a quad's four threads
+    hold consecutive chunks, the operand wants column pairs spread over the quad (``decode_rs_fp8``)."""
+    n: gl.constexpr = x.shape[1]
+    x = x.reshape([x.shape[0], n // (4 * CHUNK), 4, CHUNK // 2, 2]).permute((0, 1, 3, 2, 4))
+    return x.reshape([x.shape[0], n])
 
 
 @gluon.jit

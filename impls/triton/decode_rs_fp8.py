@@ -1,0 +1,354 @@
+"""The 16-row ``fp8_ds_mla`` decode split step in Gluon, warp-specialized, the codes decoded into wgmma's register
+operand: no decoded copy of a tile in shared memory.
+
+``decode_ws`` decodes each 64-key step into float16 tiles in shared memory and multiplies from there; with 16 query
+rows on wgmma's N side every m64n16k16 product reads its 2 KB key operand from shared memory, and a step moves ~337
+KB through it, which bounds the kernel (NOTES.md, session 32). Here wgmma takes the keys from registers (its "RS"
+form), decoded there from the e4m3 codes the TMA copied in; a step moves ~150 KB: the copy (41 KB), each product's
+read of the codes (32 KB each), the rope (8 KB), the query (18 KB) and P (16 KB).
+
+- the loader warpgroup copies each 64-key step by TMA (four ``[64, 128]`` code boxes, the rope and the four tile
+  scales of each key) into one of ``STAGES`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of 64);
+- the scoring warpgroup (the default partition) takes ``S^T = K Q^T`` (keys on wgmma's M side): each thread loads
+  16 contiguous code bytes of a key, converts them to float16 and hands them to wgmma as its operand fragment of a
+  permuted contraction order (``sparse_wgmma._operand_order``; the query is stored in that order), one product per
+  tile scale; then ``decode_wgmma_fp8``'s softmax and P per tile scale into shared memory;
+- the value warpgroup takes ``O^T += V^T P^T``: a tile's codes loaded transposed as 16-bit pairs of columns
+  (``ldmatrix.trans``), each pair split by a byte permute into the two columns' float16 operands, so the even and
+  odd output columns are two products of their own (``_value_operands``).
+
+Measured (NOTES.md, session 35; 16 heads, page 64, us, decode_ws -> this kernel): H200 b1 ctx8192 13.7 -> 13.3,
+b32 ctx4096 44.4 -> 40.1, b64 77.4 -> 65.8, b128 142.4 -> 114.9, b64 ctx16384 274.3 -> 228.7; H100 b1 14.1 -> 13.4,
+b32 46.3 -> 46.5, b64 79.0 -> 77.9, b128 144.4 -> 139.1, b64 ctx16384 277.5 -> 268.4. The scoring warpgroup is the
+slower partition (alone at b64 on the H100, 75.4 against the copies alone 67.1): its step is one chain of loads,
+conversions, products, a softmax with an exchange between warps and P's stores, in one warp per scheduler.
+
+Rows of the last step past the item's end are whatever the page holds (NaN in a poisoned cache): the scores mask
+them, their scales are zeroed before use and their values are zeroed in registers.
+
+Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the cache as three TMA
+descriptors (``decode._tma_descriptors``): codes ``[slots, 656]`` e4m3 in ``[64, 128]`` boxes, rope ``[slots, 328]``
+bf16 in ``[64, 64]`` boxes, scales ``[slots, 164]`` float32 in ``[64, 4]`` boxes. Launch with ``LAUNCH_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from impls.triton.decode_kernel import NOPE, ROPE, TILE
+from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at, _row_limits,
+                                       _step_page)
+from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _scores_to_probs
+from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
+from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _tma_load
+from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
+
+ROWS = gl.constexpr(16)
+STAGES = gl.constexpr(4)  # 41 KB each
+STEP_BYTES = gl.constexpr(KEYS * (NOPE + 2 * ROPE + 16))  # codes, bf16 rope, four float32 scales
+CODES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
+# S^T [64 keys, 16 rows] and each O^T half-tile [64 column pairs, 16 rows].
+ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+ACC_KEYS = gl.constexpr(gl.SliceLayout(1, ACC))
+ACC_ROWS = gl.constexpr(gl.SliceLayout(0, ACC))
+OPERAND = gl.constexpr(gl.DotOperandLayout(0, ACC, 2))
+# A code tile [64 keys, 128 columns], 16 contiguous bytes a thread: relabelled by _operand_order, OPERAND's.
+CODES_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64], [8, 0]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 128]))
+# The rope [64 keys, 64 columns] bf16, 8 contiguous a thread, likewise.
+ROPE_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [8, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 64]))
+# A step's scales [64 keys, 4 tiles]: along ACC's keys with the tiles in registers, and whole in every warp (their
+# maximum needs no exchange between warps).
+SCALES_KEYS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
+SCALES_EVERY = gl.constexpr(gl.BlockedLayout(size_per_thread=[2, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
+                                             order=[1, 0]))
+OUT_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
+                                           order=[1, 0]))
+# A 32-bit register of two 16-bit pairs (keys a, b; columns 2p, 2p + 1) -> column 2p's float16 pair (a, b) and
+# column 2p + 1's.
+SPLIT_PAIRS = gl.constexpr("""{
+    .reg .b32 t;
+    .reg .b16 even, odd;
+    prmt.b32 t, $2, 0, 0x3120;
+    mov.b32 {even, odd}, t;
+    cvt.rn.f16x2.e4m3x2 $0, even;
+    cvt.rn.f16x2.e4m3x2 $1, odd;
+}""")
+# The barriers (one allocation, by index):
+KREADY = gl.constexpr(0)   # + stage: the step is in (TMA)
+KFREE = gl.constexpr(4)    # + stage: both multiplying warpgroups are done with it
+PREADY = gl.constexpr(8)   # + buffer: P and its rescale factor are in
+PFREE = gl.constexpr(10)   # + buffer: the value warpgroup is done with them
+LREADY = gl.constexpr(12)  # the item's output factor is in (for the value warpgroup)
+LFREE = gl.constexpr(13)   # the value warpgroup has read it
+BARRIERS = gl.constexpr(14)
+LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for each multiplying warpgroup
+
+
+@gluon.jit
+def _decode_split_kernel_rs_fp8(
+    q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
+    items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
+    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+):
+    """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows.
+    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now."""
+    if EARLY_MERGE:
+        _launch_dependents()
+    q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
+    q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
+    codes = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, KEYS, TILE], CODES_SMEM)  # stage b, tile t: 4b + t
+    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+    scales = gl.allocate_shared_memory(gl.float32, [STAGES, KEYS, 4], SCALES_SMEM)
+    # One allocation per tile scale (stores to one allocation at run-time indices get a barrier after each).
+    probs = (gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
+             gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
+             gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
+             gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM))
+    factors = gl.allocate_shared_memory(gl.float32, [2, ROWS], FLAT)  # each P buffer's rescale of the outputs
+    to_out = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)  # an item's output factor, for the value warpgroup
+    bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(BARRIERS):
+        mbarrier.init(bars.index(b), count=2 if (b >= KFREE and b < KFREE + STAGES) else 1)
+    hopper.fence_async_shared()
+    gl.warp_specialize([
+        (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
+                  qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, bars,
+                  KEEP_PARTIALS)),
+        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs,
+                  factors, to_out, bars, KEEP_PARTIALS)),
+        (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
+                 rope, scales, bars, PAGE_SIZE)),
+    ], [4, 4], [240, 24])
+
+
+@gluon.jit
+def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
+          scales, bars, PAGE_SIZE: gl.constexpr):
+    """The loader: the program's step g into stage g % STAGES once both multiplying warpgroups have freed it."""
+    table, items = _program_items(work, items_stride, item_counts)
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        pages = block_table + request.to(gl.int64) * stride_bt
+        for j in range(tiles):
+            b = g % STAGES
+            mbarrier.wait(bars.index(KFREE + b), ((g // STAGES) & 1) ^ 1)  # a new barrier passes phase 1 at once
+            bar = bars.index(KREADY + b)
+            start = kv_start + j * KEYS
+            row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
+            mbarrier.expect(bar, STEP_BYTES)
+            for t in gl.static_range(4):
+                _tma_load(codes_desc, [row, TILE * t], bar, codes.index(4 * b + t))
+            _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
+            _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
+            g += 1
+
+
+@gluon.jit
+def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
+           num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr):
+    """The scoring warpgroup: each item's query, each step's scores and softmax, P per tile scale for the value
+    warpgroup; at the item's end its lse, and the output factor for the value warpgroup."""
+    table, items = _program_items(work, items_stride, item_counts)
+    nq = 0
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+        _cta_barrier()  # the previous item's products are done with the query
+        q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
+        q_down = _stage_query(q_base, rows_q < q_len * num_heads,
+                              (q_nope.index(0), q_nope.index(1), q_nope.index(2), q_nope.index(3)), q_rope.index(0),
+                              COPY_LAYOUT, OPERAND_ORDER=True)
+        q_down = gl.convert_layout(q_down, ACC_ROWS)
+        hopper.fence_async_shared()
+        _cta_barrier()
+        rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
+        key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
+        m_i, l_part, zero, _, _, _, _ = _transposed_state(ROWS, ACC)
+        unit = gl.to_tensor(2.0 ** -126)  # u, the value accumulators' unit (decode_wgmma_fp8)
+        for j in range(tiles):
+            b = g % STAGES
+            pb = g % 2
+            start = kv_start + j * KEYS
+            mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
+            s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3 = _issue_scores(codes, rope.index(b), b, start >> 30, q_nope,
+                                                                       q_rope, zero)
+            x0, x1, x2, x3, step_max = _step_scales(scales.index(b), start, kv_end)  # while the products run
+            _cta_barrier()  # every warp has the stage in registers
+            mbarrier.arrive(bars.index(KFREE + b), count=1)
+            s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3 = hopper.warpgroup_mma_wait(
+                num_outstanding=0, deps=[s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3])
+            mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
+            m_i, l_part, unit, _alpha = _scores_to_probs(
+                s_rope, p0, p1, p2, p3, 0, False, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb),
+                                                   probs[3].index(pb)),
+                x0, x1, x2, x3, step_max, q_down, qk_scale, (start + key_ids)[:, None] < limit[None, :], m_i, l_part,
+                unit, factors.index(pb))
+            mbarrier.arrive(bars.index(PREADY + pb), count=1)
+            g += 1
+        l_i = gl.sum(l_part, 0)
+        seen = l_i > 0.0
+        if tiles > 0:
+            mbarrier.wait(bars.index(LFREE), (nq & 1) ^ 1)
+            to_out.store(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0))
+            _cta_barrier()
+            mbarrier.arrive(bars.index(LREADY), count=1)
+            nq += 1
+        _store_lse(gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf")), rows_s, ok_s, lse,
+                   stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _issue_scores(codes, rope, b, zero, q_nope, q_rope, acc):
+    """A step's five ``S^T`` products from register operands, issued: the rope in bf16, then each code tile's in
+    float16; returns them and their operands (which the wait must keep: ptxas serializes the products where it may
+    reuse an operand's registers). ``zero``: a run-time 0 in the query's indices, so that its operand descriptors
+    are made in the loop, not held in registers."""
+    r = gl.convert_layout(_operand_order(rope.load(ROPE_LOAD), 8), OPERAND)
+    s_rope = hopper.warpgroup_mma(r, q_rope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k0 = _code_operand(codes.index(4 * b))
+    p0 = hopper.warpgroup_mma(k0, q_nope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k1 = _code_operand(codes.index(4 * b + 1))
+    p1 = hopper.warpgroup_mma(k1, q_nope.index(1 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k2 = _code_operand(codes.index(4 * b + 2))
+    p2 = hopper.warpgroup_mma(k2, q_nope.index(2 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k3 = _code_operand(codes.index(4 * b + 3))
+    p3 = hopper.warpgroup_mma(k3, q_nope.index(3 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    return s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3
+
+
+@gluon.jit
+def _code_operand(tile):
+    """A ``[64 keys, 128]`` code tile as the score product's float16 register operand (columns in operand order)."""
+    x = tile.load(CODES_LOAD).to(gl.float16)
+    return gl.convert_layout(_operand_order(x, 16), OPERAND)
+
+
+@gluon.jit
+def _step_scales(tile, start, kv_end):
+    """A step's four per-key tile scales along ACC's keys and their maximum, zero for keys at or past ``kv_end``
+    (their slots may hold anything)."""
+    every = tile.load(SCALES_EVERY)
+    seen = (start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_EVERY)))[:, None] < kv_end
+    largest = gl.max(gl.max(gl.where(seen, every, 0.0), 1), 0)
+    x = tile.load(SCALES_KEYS)
+    x = gl.where((start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_KEYS)))[:, None] < kv_end, x, 0.0)
+    x02, x13 = gl.split(x.reshape([KEYS, 2, 2]))
+    x0, x2 = gl.split(x02)
+    x1, x3 = gl.split(x13)
+    return (gl.convert_layout(x0, ACC_KEYS), gl.convert_layout(x1, ACC_KEYS), gl.convert_layout(x2, ACC_KEYS),
+            gl.convert_layout(x3, ACC_KEYS), largest)
+
+
+@gluon.jit
+def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs, factors,
+           to_out, bars, KEEP_PARTIALS: gl.constexpr):
+    """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each tile apart."""
+    table, items = _program_items(work, items_stride, item_counts)
+    nq = 0
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        e0 = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+        o0 = e0
+        e1 = e0
+        o1 = e0
+        e2 = e0
+        o2 = e0
+        e3 = e0
+        o3 = e0
+        factor = gl.zeros([ROWS], gl.float32, ACC_ROWS)
+        for j in range(tiles):
+            b = g % STAGES
+            pb = g % 2
+            start = kv_start + j * KEYS
+            mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
+            alpha = factors.index(pb).load(ACC_ROWS)[None, :]
+            # All four tiles' operands first: issued tile by tile, ptxas reused one tile's operand registers for the
+            # next and waited for each tile's products before loading the next.
+            ve0, vo0 = _value_operands(codes.index(4 * b), start, kv_end)
+            ve1, vo1 = _value_operands(codes.index(4 * b + 1), start, kv_end)
+            ve2, vo2 = _value_operands(codes.index(4 * b + 2), start, kv_end)
+            ve3, vo3 = _value_operands(codes.index(4 * b + 3), start, kv_end)
+            # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
+            # ptxas wait for the products in flight.
+            e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha, o2 * alpha,
+                                              e3 * alpha, o3 * alpha)
+            e0 = hopper.warpgroup_mma(ve0, probs[0].index(pb), e0, is_async=True)
+            o0 = hopper.warpgroup_mma(vo0, probs[0].index(pb), o0, is_async=True)
+            e1 = hopper.warpgroup_mma(ve1, probs[1].index(pb), e1, is_async=True)
+            o1 = hopper.warpgroup_mma(vo1, probs[1].index(pb), o1, is_async=True)
+            e2 = hopper.warpgroup_mma(ve2, probs[2].index(pb), e2, is_async=True)
+            o2 = hopper.warpgroup_mma(vo2, probs[2].index(pb), o2, is_async=True)
+            e3 = hopper.warpgroup_mma(ve3, probs[3].index(pb), e3, is_async=True)
+            o3 = hopper.warpgroup_mma(vo3, probs[3].index(pb), o3, is_async=True)
+            _cta_barrier()  # every warp has the stage in registers
+            mbarrier.arrive(bars.index(KFREE + b), count=1)
+            e0, o0, e1, o1, e2, o2, e3, o3, ve0, vo0, ve1, vo1, ve2, vo2, ve3, vo3 = hopper.warpgroup_mma_wait(
+                num_outstanding=0, deps=[e0, o0, e1, o1, e2, o2, e3, o3, ve0, vo0, ve1, vo1, ve2, vo2, ve3, vo3])
+            _cta_barrier()
+            mbarrier.arrive(bars.index(PFREE + pb), count=1)
+            g += 1
+        if tiles > 0:
+            mbarrier.wait(bars.index(LREADY), nq & 1)
+            factor = to_out.load(ACC_ROWS)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(LFREE), count=1)
+            nq += 1
+        _store_tile(0, e0, o0, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
+                    num_heads, KEEP_PARTIALS)
+        _store_tile(1, e1, o1, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
+                    num_heads, KEEP_PARTIALS)
+        _store_tile(2, e2, o2, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
+                    num_heads, KEEP_PARTIALS)
+        _store_tile(3, e3, o3, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
+                    num_heads, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _value_operands(tile, start, kv_end):
+    """A ``[64 keys, 128]`` code tile as the value products' float16 register operands: ``V^T`` of its even columns
+    and of its odd ones, ``[64 column pairs, 64 keys]`` each; keys at or past ``kv_end`` zeroed (0 x NaN is NaN)."""
+    if HAS_REINTERPRET:
+        pairs = tile.reinterpret(gl.int16, [KEYS, TILE // 2], PAIRS_SMEM)
+    else:
+        pairs = tile._reinterpret(gl.int16, [KEYS, TILE // 2], PAIRS_SMEM)
+    w = pairs.permute((1, 0)).load(OPERAND)
+    if start + KEYS > kv_end:
+        keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(0, OPERAND))
+        w = gl.where(keys[None, :] < kv_end, w, gl.zeros_like(w))
+    return gl.inline_asm_elementwise(SPLIT_PAIRS, "=r,=r,r", [w], dtype=(gl.float16, gl.float16), is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
+def _store_tile(t: gl.constexpr, even, odd, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first,
+                q_len, num_heads, KEEP_PARTIALS: gl.constexpr):
+    """Output columns ``[128 t, 128 t + 128)`` from their even and odd halves times ``factor`` (per row): final bf16
+    rows where the item covers its rows' whole range (``slot_out < 0``), else a float32 partial for the merge."""
+    o = gl.join(even * factor[None, :], odd * factor[None, :]).permute((1, 0, 2)).reshape([ROWS, TILE])
+    o = gl.convert_layout(o, OUT_LAYOUT)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+    cols = TILE * t + gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))[None, :]
+    if slot_out < 0:
+        rows = row_block * ROWS + rows
+        out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[:, None] + cols
+        gl.store(out_at, o.to(gl.bfloat16), mask=(rows < q_len * num_heads)[:, None])
+    else:
+        policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+        gl.store(part_out + (slot_out.to(gl.int64) * ROWS + rows)[:, None] * NOPE + cols, o, eviction_policy=policy)
