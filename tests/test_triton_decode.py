@@ -562,7 +562,7 @@ RS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in 
                               "ps128-h8-split5", "ps64-long"])
 def test_the_16_row_fp8_kernels_in_pages_of_whole_steps_pass_the_judge_on_hopper(layout, page_size, mix, heads,
                                                                                   splits, keep, tma_loader):
-    """16 rows of fp8_ds_mla in pages of whole steps run decode_rs_fp8 (e4m3 scores, values decoded in registers),
+    """16 rows of fp8_ds_mla in pages of whole steps run decode_rs_fp8 (keys decoded into wgmma's register operand),
     decode_ws where ``tma_loader`` is off: the last step of an item past its end (the page's unused slots hold NaN,
     in the codes, the rope and the tile scales), empty and one-key requests, MTP rows, padded heads, splits and an
     item of 65 steps."""

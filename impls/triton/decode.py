@@ -12,8 +12,7 @@ hold whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores 
 it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over
 the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, tiles copied straight into its
 operands), 16 rows of fp8_ds_mla in pages of whole 64-key steps (``decode_rs_fp8``: warp-specialized, copied by TMA,
-the scores on e4m3 tensor cores, the values from codes decoded into wgmma's register operands), 16 rows of the
-quantized layouts elsewhere (``decode_ws``:
+the codes decoded into wgmma's register operands), 16 rows of the quantized layouts elsewhere (``decode_ws``:
 warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
 keys on wgmma's M side); the merge and everything
 else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no
@@ -159,7 +158,7 @@ class DecodeConfig:
     the FP4 layouts in 16 rows. ``tma_loader``: where pages hold whole 64-key tiles and the cache (and for bf16 the
     query) is contiguous, 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, one warpgroup
     scores, one multiplies values) and decode_ws's tile of fp8_ds_mla runs ``decode_rs_fp8`` (the same division,
-    no decoded tile in shared memory: e4m3 scores, values from codes decoded in registers); off, ``decode_wgmma`` and
+    the codes decoded into wgmma's register operands, no decoded tile in shared memory); off, ``decode_wgmma`` and
     ``decode_ws`` everywhere."""
 
     block_m: int = 16

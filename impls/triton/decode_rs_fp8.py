@@ -1,26 +1,27 @@
-"""The 16-row ``fp8_ds_mla`` decode split step in Gluon, warp-specialized, with no decoded copy of a tile in shared
-memory: the scores on e4m3 tensor cores straight from the copied codes, the values from codes decoded into wgmma's
-register operand.
+"""The 16-row ``fp8_ds_mla`` decode split step in Gluon, warp-specialized, the codes decoded into wgmma's register
+operand: no decoded copy of a tile in shared memory.
 
 ``decode_ws`` decodes each 64-key step into float16 tiles in shared memory and multiplies from there; with 16 query
 rows on wgmma's N side every m64n16k16 product reads its 2 KB key operand from shared memory, and a step moves ~337
-KB through it, which bounds the kernel (NOTES.md, session 32). Here a step moves ~150 KB:
+KB through it, which bounds the kernel (NOTES.md, session 32). Here wgmma takes the keys from registers (its "RS"
+form), decoded there from the e4m3 codes the TMA copied in; a step moves ~150 KB: the copy (41 KB), each product's
+read of the codes (32 KB each), the rope (8 KB), the query (18 KB) and P (16 KB).
 
 - the loader warpgroup copies each 64-key step by TMA (four ``[64, 128]`` code boxes, the rope and the four tile
   scales of each key) into one of ``STAGES`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of 64);
-- the scoring warpgroup (the default partition) takes ``S^T = K Q^T`` (keys on wgmma's M side) with both operands
-  in shared memory: each code tile by the query's high and low e4m3 parts (``_stage_query_e4m3``: ``high + low`` is
-  the bf16 query, scaled per row by a power of two) on N = 32 (m64n32k32), one product per tile scale, the rope in
-  bf16; then ``decode_wgmma_fp8``'s softmax and P per tile scale into shared memory. The tensor cores keep about 14
-  bits of an e4m3 product's sum (128 terms per product here): the scores differ from exact ones by ~1e-3 relative,
-  as bf16's rounding of the output does;
-- the value warpgroup takes ``O^T += V^T P^T`` in float16 from registers (wgmma's "RS" form): a tile's codes loaded
-  transposed as 16-bit pairs of columns (``ldmatrix.trans``), each pair split by a byte permute into the two columns'
-  float16 operands, so the even and odd output columns are two products of their own (``_value_operands``).
+- the scoring warpgroup (the default partition) takes ``S^T = K Q^T`` (keys on wgmma's M side): each thread loads
+  16 contiguous code bytes of a key, converts them to float16 and hands them to wgmma as its operand fragment of a
+  permuted contraction order (``sparse_wgmma._operand_order``; the query is stored in that order), one product per
+  tile scale; then ``decode_wgmma_fp8``'s softmax and P per tile scale into shared memory;
+- the value warpgroup takes ``O^T += V^T P^T``: a tile's codes loaded transposed as 16-bit pairs of columns
+  (``ldmatrix.trans``), each pair split by a byte permute into the two columns' float16 operands, so the even and
+  odd output columns are two products of their own (``_value_operands``).
 
-Measured (NOTES.md, session 35; 16 heads, page 64, us, decode_ws -> this kernel): H100 b32 ctx4096 46.3 -> 42.5,
-b64 78.6 -> 72.9 (0.65x bf16's 112.5). With the scores in float16 from registers too (the first version), the
-scoring warpgroup was the slower partition (H100 b64: 77.9; alone 75.4 against the copies alone 67.1).
+Measured (NOTES.md, session 35; 16 heads, page 64, us, decode_ws -> this kernel): H200 b1 ctx8192 13.7 -> 13.3,
+b32 ctx4096 44.4 -> 40.1, b64 77.4 -> 65.8, b128 142.4 -> 114.9, b64 ctx16384 274.3 -> 228.7; H100 b1 14.1 -> 13.4,
+b32 46.3 -> 46.5, b64 79.0 -> 77.9, b128 144.4 -> 139.1, b64 ctx16384 277.5 -> 268.4. The scoring warpgroup is the
+slower partition (alone at b64 on the H100, 75.4 against the copies alone 67.1): its step is one chain of loads,
+conversions, products, a softmax with an exchange between warps and P's stores, in one warp per scheduler.
 
 Rows of the last step past the item's end are whatever the page holds (NaN in a poisoned cache): the scores mask
 them, their scales are zeroed before use and their values are zeroed in registers.
@@ -43,7 +44,7 @@ from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependent
 from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _scores_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _tma_load
-from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _latent_exponent, _pow2
+from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
 
 ROWS = gl.constexpr(16)
 STAGES = gl.constexpr(4)  # 41 KB each
@@ -56,11 +57,17 @@ PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, elem
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 ACC_KEYS = gl.constexpr(gl.SliceLayout(1, ACC))
 ACC_ROWS = gl.constexpr(gl.SliceLayout(0, ACC))
-# A code tile's e4m3 scores by the query's high and low parts, [64 keys, 32].
-ACC_WIDE = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
-E4M3_TOP = gl.constexpr(7)  # query rows are scaled into [2^7, 2^8): below e4m3's largest, 448
-# The value products' register operand, V^T [64 column pairs, 64 keys].
 OPERAND = gl.constexpr(gl.DotOperandLayout(0, ACC, 2))
+# A code tile [64 keys, 128 columns], 16 contiguous bytes a thread: relabelled by _operand_order, OPERAND's.
+CODES_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64], [8, 0]],
+    lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 128]))
+# The rope [64 keys, 64 columns] bf16, 8 contiguous a thread, likewise.
+ROPE_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [8, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+    shape=[64, 64]))
 # A step's scales [64 keys, 4 tiles]: along ACC's keys with the tiles in registers, and whole in every warp (their
 # maximum needs no exchange between warps).
 SCALES_KEYS = gl.constexpr(gl.DistributedLinearLayout(
@@ -101,7 +108,7 @@ def _decode_split_kernel_rs_fp8(
     ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now."""
     if EARLY_MERGE:
         _launch_dependents()
-    q_nope = gl.allocate_shared_memory(gl.float8e4nv, [4, 2 * ROWS, TILE], CODES_SMEM)  # per tile: high rows, low rows
+    q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     codes = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, KEYS, TILE], CODES_SMEM)  # stage b, tile t: 4b + t
     rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
@@ -164,7 +171,9 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
         rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
         _cta_barrier()  # the previous item's products are done with the query
         q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
-        q_down = _stage_query_e4m3(q_base, rows_q < q_len * num_heads, q_nope, q_rope.index(0))
+        q_down = _stage_query(q_base, rows_q < q_len * num_heads,
+                              (q_nope.index(0), q_nope.index(1), q_nope.index(2), q_nope.index(3)), q_rope.index(0),
+                              COPY_LAYOUT, OPERAND_ORDER=True)
         q_down = gl.convert_layout(q_down, ACC_ROWS)
         hopper.fence_async_shared()
         _cta_barrier()
@@ -177,15 +186,13 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             pb = g % 2
             start = kv_start + j * KEYS
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            s_rope, p0, p1, p2, p3 = _issue_scores(codes, rope.index(b), b, start >> 30, q_nope, q_rope, zero)
+            s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3 = _issue_scores(codes, rope.index(b), b, start >> 30, q_nope,
+                                                                       q_rope, zero)
             x0, x1, x2, x3, step_max = _step_scales(scales.index(b), start, kv_end)  # while the products run
-            s_rope, p0, p1, p2, p3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, p0, p1, p2, p3])
-            _cta_barrier()  # every warp's products are done with the stage
+            _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
-            p0 = _high_plus_low(p0)
-            p1 = _high_plus_low(p1)
-            p2 = _high_plus_low(p2)
-            p3 = _high_plus_low(p3)
+            s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3 = hopper.warpgroup_mma_wait(
+                num_outstanding=0, deps=[s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3])
             mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
             m_i, l_part, unit, _alpha = _scores_to_probs(
                 s_rope, p0, p1, p2, p3, 0, False, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb),
@@ -208,53 +215,28 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
 
 @gluon.jit
 def _issue_scores(codes, rope, b, zero, q_nope, q_rope, acc):
-    """A step's five ``S^T`` products from shared memory, issued: the rope in bf16, then each code tile's in e4m3 by
-    the query's high and low e4m3 parts (``[64 keys, 32]``: the high part's 16 columns, then the low part's).
-    ``zero``: a run-time 0 in the query's indices, so that its operand descriptors are made in the loop, not held
-    in registers."""
-    wide = gl.zeros([KEYS, 2 * ROWS], gl.float32, ACC_WIDE)
-    s_rope = hopper.warpgroup_mma(rope, q_rope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
-    p0 = hopper.warpgroup_mma(codes.index(4 * b), q_nope.index(zero).permute((1, 0)), wide, use_acc=False,
-                              is_async=True)
-    p1 = hopper.warpgroup_mma(codes.index(4 * b + 1), q_nope.index(1 + zero).permute((1, 0)), wide, use_acc=False,
-                              is_async=True)
-    p2 = hopper.warpgroup_mma(codes.index(4 * b + 2), q_nope.index(2 + zero).permute((1, 0)), wide, use_acc=False,
-                              is_async=True)
-    p3 = hopper.warpgroup_mma(codes.index(4 * b + 3), q_nope.index(3 + zero).permute((1, 0)), wide, use_acc=False,
-                              is_async=True)
-    return s_rope, p0, p1, p2, p3
+    """A step's five ``S^T`` products from register operands, issued: the rope in bf16, then each code tile's in
+    float16; returns them and their operands (which the wait must keep: ptxas serializes the products where it may
+    reuse an operand's registers). ``zero``: a run-time 0 in the query's indices, so that its operand descriptors
+    are made in the loop, not held in registers."""
+    r = gl.convert_layout(_operand_order(rope.load(ROPE_LOAD), 8), OPERAND)
+    s_rope = hopper.warpgroup_mma(r, q_rope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k0 = _code_operand(codes.index(4 * b))
+    p0 = hopper.warpgroup_mma(k0, q_nope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k1 = _code_operand(codes.index(4 * b + 1))
+    p1 = hopper.warpgroup_mma(k1, q_nope.index(1 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k2 = _code_operand(codes.index(4 * b + 2))
+    p2 = hopper.warpgroup_mma(k2, q_nope.index(2 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    k3 = _code_operand(codes.index(4 * b + 3))
+    p3 = hopper.warpgroup_mma(k3, q_nope.index(3 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
+    return s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3
 
 
 @gluon.jit
-def _high_plus_low(wide):
-    """A code tile's scores by the query's high part plus those by its low part: ``[64 keys, 16]`` in ACC."""
-    high, low = gl.split(wide.reshape([KEYS, 2, ROWS]).permute((0, 2, 1)))
-    return gl.convert_layout(high + low, ACC)
-
-
-@gluon.jit
-def _stage_query_e4m3(base, ok, q_nope, q_rope):
-    """The item's query rows into shared memory (``base``: each row's first element along COPY_LAYOUT's rows; rows
-    not ``ok`` become zeros): each latent tile scaled per row by a power of two (its largest in ``[2^7, 2^8)``) as
-    high and low e4m3 parts, ``high + low`` the bf16 query exactly down to 2^-9, and the rope as it is; returns the
-    factor that undoes the scaling, per row."""
-    rows = base[:, None]
-    mask = ok[:, None]
-    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    exponent = _latent_exponent(rows, mask, cols, ROWS, COPY_LAYOUT)
-    up = _pow2(127 + E4M3_TOP + 127 - exponent)[:, None]
-    for t in gl.static_range(4):
-        x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32) * up
-        # The high part rounded in float32 (to 3 mantissa bits, to nearest): e4m3 -> float32 of Triton 3.6 swapped
-        # neighbouring values here.
-        bits = x.to(gl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(gl.float32, bitcast=True)
-        high = rounded.to(gl.float8e4nv)
-        low = (x - rounded).to(gl.float8e4nv)
-        q_nope.index(t).store(gl.join(high, low).permute((2, 0, 1)).reshape([2 * ROWS, TILE]))
-    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, COPY_LAYOUT))[None, :]
-    q_rope.store(gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0))
-    return _pow2(exponent - E4M3_TOP)
+def _code_operand(tile):
+    """A ``[64 keys, 128]`` code tile as the score product's float16 register operand (columns in operand order)."""
+    x = tile.load(CODES_LOAD).to(gl.float16)
+    return gl.convert_layout(_operand_order(x, 16), OPERAND)
 
 
 @gluon.jit

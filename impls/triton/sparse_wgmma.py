@@ -73,33 +73,38 @@ def _pow2(biased_exponent):
 
 
 @gluon.jit
-def _latent_exponent(rows, mask, cols, N: gl.constexpr, LAYOUT: gl.constexpr):
-    """The biased float32 exponent ``e`` of each of ``N`` query rows' largest latent value (in ``[2^(e-127),
-    2^(e-126))``; rows at ``rows`` along ``SliceLayout(1, LAYOUT)``, ``cols`` one tile's columns): the power of two a
-    row is scaled by before its latent columns are stored in a narrower type. Rows not in ``mask`` give 2^-100's."""
-    amax = gl.full([N], 2.0 ** -100, gl.float32, gl.SliceLayout(1, LAYOUT))  # padded rows stay finite
-    for t in gl.static_range(4):
-        x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
-        amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
-    return (amax.to(gl.int32, bitcast=True) >> 23) & 255
-
-
-@gluon.jit
-def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr):
+def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr, OPERAND_ORDER: gl.constexpr = False):
     """Store query rows to shared memory (``base``: each row's first element along ``SliceLayout(1, LAYOUT)``; rows
     not ``ok`` become zeros), the 512 latent columns in float16 scaled per row by a power of two and the rope
-    columns as they are; returns the factor that undoes the scaling, per row."""
+    columns as they are; returns the factor that undoes the scaling, per row. ``OPERAND_ORDER``: the columns in the
+    contraction order of ``decode_rs_fp8``'s register operands (``_operand_order``: e4m3 latent, bf16 rope)."""
     rows = base[:, None]
     mask = ok[:, None]
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-    exponent = _latent_exponent(rows, mask, cols, q_rope.shape[0], LAYOUT)
+    amax = gl.full([q_rope.shape[0]], 2.0 ** -100, gl.float32, gl.SliceLayout(1, LAYOUT))  # padded rows stay finite
+    for t in gl.static_range(4):
+        x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
+        amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
+    exponent = (amax.to(gl.int32, bitcast=True) >> 23) & 255  # biased: amax in [2^(e-127), 2^(e-126))
     up = _pow2(127 + QUERY_TOP + 127 - exponent)[:, None]
     for t in gl.static_range(4):
         x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
-        q_nope[t].store((x * up).to(gl.float16))
+        x = (x * up).to(gl.float16)
+        q_nope[t].store(_operand_order(x, 16) if OPERAND_ORDER else x)
     rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-    q_rope.store(gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0))
+    r = gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0)
+    q_rope.store(_operand_order(r, 8) if OPERAND_ORDER else r)
     return _pow2(exponent - QUERY_TOP)
+
+
+@gluon.jit
+def _operand_order(x, CHUNK: gl.constexpr):
+    """Rows of cache-ordered columns -> the contraction order in which a thread's ``CHUNK`` contiguous columns (16
+    bytes of the cache, loaded at once) are exactly its wgmma register-operand fragment: a quad's four threads
+    hold consecutive chunks, the operand wants column pairs spread over the quad (``decode_rs_fp8``)."""
+    n: gl.constexpr = x.shape[1]
+    x = x.reshape([x.shape[0], n // (4 * CHUNK), 4, CHUNK // 2, 2]).permute((0, 1, 3, 2, 4))
+    return x.reshape([x.shape[0], n])
 
 
 @gluon.jit
