@@ -14,10 +14,9 @@ the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, ti
 operands), 16 rows of fp8_ds_mla in pages of whole 64-key steps (``decode_rs_fp8``: warp-specialized, copied by TMA,
 the codes decoded into wgmma's register operands), 16 rows of the quantized layouts elsewhere (``decode_ws``:
 warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``:
-keys on wgmma's M side); the merge and everything
-else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no
-default since decode_ws beat it at every size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its
-tile.
+keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla,
+codes decoded straight into mma.sync operands) is no default since decode_ws beat it at every size (NOTES.md session
+21), and runs when a ``DecodeConfig`` asks for its tile.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -321,7 +320,7 @@ class DecodePlan:
     merge_tile: tuple[int, int]  # (rows, columns) per merge program
     early_merge: bool            # the merge kernel runs as a programmatic dependent launch (config asks, Hopper+)
     keep_partials: bool          # the partials are stored to stay in L2 for the merge
-    descriptors: tuple | None    # decode_wgmma_ws's TMA descriptors of the query and the cache, or None
+    descriptors: tuple | None    # the TMA kernels' descriptors (``_tma_descriptors``), or None
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
