@@ -652,6 +652,7 @@ def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_
     page_size = 64 if (config, layout) == (_ws(num_splits=2), "fp8_ds_mla") else 16  # rs16: pages of whole steps
     problem = magnified(build_problem(workload(layout, page_size, VARLEN, heads=16, seed=13), device), q_factor,
                         kv_factor)
+    assert (Configured(config).checked_plan(problem).descriptors is not None) == (page_size == 64)  # rs16: TMA
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
@@ -833,7 +834,10 @@ def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, 
 
     impl = SkipsTheLastKey()
     impl.config = config
-    verdict = judge(impl, build_problem(workload(layout, page_size, SINGLE, heads=16, seed=11), device))
+    problem = build_problem(workload(layout, page_size, SINGLE, heads=16, seed=11), device)
+    rs_fp8 = (config, page_size) == (_ws(), 64)  # the one case decode_rs_fp8 runs (TMA descriptors)
+    assert (impl.checked_plan(problem).descriptors is not None) == rs_fp8
+    verdict = judge(impl, problem)
     assert verdict.status == "failed", "the Gluon kernel ignored the item's end"
     assert verdict.violations
 
