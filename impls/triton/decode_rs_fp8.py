@@ -15,7 +15,8 @@ read of the codes (32 KB each), the rope (8 KB), the query (18 KB) and P (16 KB)
   tile scale; then ``decode_wgmma_fp8``'s softmax and P per tile scale into shared memory;
 - the value warpgroup takes ``O^T += V^T P^T``: a tile's codes loaded transposed as 16-bit pairs of columns
   (``ldmatrix.trans``), each pair split by a byte permute into the two columns' float16 operands, so the even and
-  odd output columns are two products of their own (``_value_operands``).
+  odd output columns are two products of their own (``_value_operands``), made as soon as the step is in, before
+  its P.
 
 Measured (NOTES.md, session 35; 16 heads, page 64, us, decode_ws -> this kernel): H200 b1 ctx8192 13.7 -> 13.3,
 b32 ctx4096 44.4 -> 40.1, b64 77.4 -> 65.8, b128 142.4 -> 114.9, b64 ctx16384 274.3 -> 228.7; H100 b1 14.1 -> 13.4,
@@ -91,7 +92,7 @@ SPLIT_PAIRS = gl.constexpr("""{
 }""")
 # The barriers (one allocation, by index):
 KREADY = gl.constexpr(0)   # + stage: the step is in (TMA)
-KFREE = gl.constexpr(4)    # + stage: both multiplying warpgroups are done with it
+KFREE = gl.constexpr(4)    # + stage: both multiplying warpgroups have it in registers
 PREADY = gl.constexpr(8)   # + buffer: P and its rescale factor are in
 PFREE = gl.constexpr(10)   # + buffer: the value warpgroup is done with them
 LREADY = gl.constexpr(12)  # the item's output factor is in (for the value warpgroup)
@@ -279,14 +280,19 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             b = g % STAGES
             pb = g % 2
             start = kv_start + j * KEYS
-            mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
-            alpha = factors.index(pb).load(ACC_ROWS)[None, :]
+            # The step's operands before its P: their conversions run under the scorer's softmax and the stage is
+            # freed a softmax sooner (H100 16 heads b32 46.6 -> 45.4 us, b64 79.1 -> 78.0; NOTES.md, session 36).
+            mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
             # All four tiles' operands first: issued tile by tile, ptxas reused one tile's operand registers for the
             # next and waited for each tile's products before loading the next.
             ve0, vo0 = _value_operands(codes.index(4 * b), start, kv_end)
             ve1, vo1 = _value_operands(codes.index(4 * b + 1), start, kv_end)
             ve2, vo2 = _value_operands(codes.index(4 * b + 2), start, kv_end)
             ve3, vo3 = _value_operands(codes.index(4 * b + 3), start, kv_end)
+            _cta_barrier()  # every warp has the stage in registers
+            mbarrier.arrive(bars.index(KFREE + b), count=1)
+            mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
+            alpha = factors.index(pb).load(ACC_ROWS)[None, :]
             # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
             # ptxas wait for the products in flight.
             e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha, o2 * alpha,
@@ -299,8 +305,6 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             o2 = hopper.warpgroup_mma(vo2, probs[2].index(pb), o2, is_async=True)
             e3 = hopper.warpgroup_mma(ve3, probs[3].index(pb), e3, is_async=True)
             o3 = hopper.warpgroup_mma(vo3, probs[3].index(pb), o3, is_async=True)
-            _cta_barrier()  # every warp has the stage in registers
-            mbarrier.arrive(bars.index(KFREE + b), count=1)
             e0, o0, e1, o1, e2, o2, e3, o3, ve0, vo0, ve1, vo1, ve2, vo2, ve3, vo3 = hopper.warpgroup_mma_wait(
                 num_outstanding=0, deps=[e0, o0, e1, o1, e2, o2, e3, o3, ve0, vo0, ve1, vo1, ve2, vo2, ve3, vo3])
             _cta_barrier()
