@@ -5,14 +5,16 @@ operand: no decoded copy of a tile in shared memory.
 rows on wgmma's N side every m64n16k16 product reads its 2 KB key operand from shared memory, and a step moves ~337
 KB through it, which bounds the kernel (NOTES.md, session 32). Here wgmma takes the keys from registers (its "RS"
 form), decoded there from the e4m3 codes the TMA copied in; a step moves ~150 KB: the copy (41 KB), each product's
-read of the codes (32 KB each), the rope (8 KB), the query (18 KB) and P (16 KB).
+read of the codes (32 KB each), the rope (8 KB), the query (18 KB), P (16 KB) and half the scores (8 KB).
 
 - the loader warpgroup copies each 64-key step by TMA (four ``[64, 128]`` code boxes, the rope and the four tile
   scales of each key) into one of ``STAGES`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of 64);
-- the scoring warpgroup (the default partition) takes ``S^T = K Q^T`` (keys on wgmma's M side): each thread loads
-  16 contiguous code bytes of a key, converts them to float16 and hands them to wgmma as its operand fragment of a
-  permuted contraction order (``sparse_wgmma._operand_order``; the query is stored in that order), one product per
-  tile scale; then ``decode_wgmma_fp8``'s softmax and P per tile scale into shared memory;
+- two scoring warpgroups take ``S^T = K Q^T`` (keys on wgmma's M side), the first (the default partition) of the
+  rope and latent tiles 0 and 1, the second of tiles 2 and 3, which it hands to the first through shared memory
+  (``_score_half``): each thread loads 16 contiguous code bytes of a key, converts them to float16 and hands them
+  to wgmma as its operand fragment of a permuted contraction order (``sparse_wgmma._operand_order``; each
+  warpgroup stores its tiles of the query in that order), one product per tile scale. The first then runs
+  ``decode_wgmma_fp8``'s softmax and stores P per tile scale into shared memory;
 - the value warpgroup takes ``O^T += V^T P^T``: a tile's codes loaded transposed as 16-bit pairs of columns
   (``ldmatrix.trans``), each pair split by a byte permute into the two columns' float16 operands, so the even and
   odd output columns are two products of their own (``_value_operands``), made as soon as the step is in, before
@@ -20,11 +22,13 @@ read of the codes (32 KB each), the rope (8 KB), the query (18 KB) and P (16 KB)
 
 Measured (NOTES.md, session 35; 16 heads, page 64, us, decode_ws -> this kernel): H200 b1 ctx8192 13.7 -> 13.3,
 b32 ctx4096 44.4 -> 40.1, b64 77.4 -> 65.8, b128 142.4 -> 114.9, b64 ctx16384 274.3 -> 228.7; H100 b1 14.1 -> 13.4,
-b32 46.3 -> 46.5, b64 79.0 -> 77.9, b128 144.4 -> 139.1, b64 ctx16384 277.5 -> 268.4. The scoring warpgroup is the
-slower partition (alone at b64 on the H100, 75.4 against the copies alone 67.1): its step is one chain of loads,
-conversions, products, a softmax with an exchange between warps and P's stores, in one warp per scheduler. The
-scores on e4m3 tensor cores (branch ``rs-e4m3-scores``) took the H100's b64 to 70-73, but their sums raised the lse
-error from 2.3e-6 to 2.3e-3, which the gate flags (NOTES.md, session 35).
+b32 46.3 -> 46.5, b64 79.0 -> 77.9, b128 144.4 -> 139.1, b64 ctx16384 277.5 -> 268.4, with one scoring warpgroup.
+That one was the slower partition (alone at b64 on the H100, 75.4 against the copies alone 67.1): its step was
+one chain of loads, conversions, products, a softmax with an exchange between warps and P's stores, in one warp
+per scheduler. Halving its loads and conversions (session 36, H100, one scoring warpgroup -> two): b64 76.8 ->
+76.1, b128 140.3 -> 135.7, b64 ctx16384 270.9 -> 258.8, b32 45.4 -> 45.7. The scores on e4m3 tensor cores (branch
+``rs-e4m3-scores``) took the H100's b64 to 70-73, but their sums raised the lse error from 2.3e-6 to 2.3e-3, which
+the gate flags (NOTES.md, session 35).
 
 Rows of the last step past the item's end are whatever the page holds (NaN in a poisoned cache): the scores mask
 them, their scales are zeroed before use and their values are zeroed in registers.
@@ -44,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from impls.triton.decode_kernel import NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at, _row_limits,
                                        _step_page)
-from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _scores_to_probs
+from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _softmax_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _tma_load
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
@@ -55,6 +59,7 @@ STEP_BYTES = gl.constexpr(KEYS * (NOPE + 2 * ROPE + 16))  # codes, bf16 rope, fo
 CODES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+HALVES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
 # S^T [64 keys, 16 rows] and each O^T half-tile [64 column pairs, 16 rows].
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -92,13 +97,16 @@ SPLIT_PAIRS = gl.constexpr("""{
 }""")
 # The barriers (one allocation, by index):
 KREADY = gl.constexpr(0)   # + stage: the step is in (TMA)
-KFREE = gl.constexpr(4)    # + stage: both multiplying warpgroups have it in registers
+KFREE = gl.constexpr(4)    # + stage: the three multiplying warpgroups have it in registers
 PREADY = gl.constexpr(8)   # + buffer: P and its rescale factor are in
 PFREE = gl.constexpr(10)   # + buffer: the value warpgroup is done with them
 LREADY = gl.constexpr(12)  # the item's output factor is in (for the value warpgroup)
 LFREE = gl.constexpr(13)   # the value warpgroup has read it
-BARRIERS = gl.constexpr(14)
-LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for each multiplying warpgroup
+HREADY = gl.constexpr(14)  # + buffer: the second scoring warpgroup's half of the scores is in
+HFREE = gl.constexpr(16)   # + buffer: the first has read it
+BARRIERS = gl.constexpr(18)
+# 16 warps: 160 registers for the first scoring warpgroup, 232 for the values, 96 for the second, 24 for the loader.
+LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 
 
 @gluon.jit
@@ -123,19 +131,22 @@ def _decode_split_kernel_rs_fp8(
              gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM))
     factors = gl.allocate_shared_memory(gl.float32, [2, ROWS], FLAT)  # each P buffer's rescale of the outputs
     to_out = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)  # an item's output factor, for the value warpgroup
+    halves = gl.allocate_shared_memory(gl.float32, [2, KEYS, ROWS], HALVES_SMEM)  # tiles 2 and 3's scores
     bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(BARRIERS):
-        mbarrier.init(bars.index(b), count=2 if (b >= KFREE and b < KFREE + STAGES) else 1)
+        mbarrier.init(bars.index(b), count=3 if (b >= KFREE and b < KFREE + STAGES) else 1)
     hopper.fence_async_shared()
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
-                  qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, bars,
+                  qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
                   KEEP_PARTIALS)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs,
                   factors, to_out, bars, KEEP_PARTIALS)),
+        (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
+                       halves, bars)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
                  rope, scales, bars, PAGE_SIZE)),
-    ], [4, 4], [240, 24])
+    ], [4, 4, 4], [232, 96, 24])
 
 
 @gluon.jit
@@ -163,23 +174,18 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
 
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
-           num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr):
-    """The scoring warpgroup: each item's query, each step's scores and softmax, P per tile scale for the value
-    warpgroup; at the item's end its lse, and the output factor for the value warpgroup."""
+           num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
+           KEEP_PARTIALS: gl.constexpr):
+    """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
+    second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
+    and the output factor for the value warpgroup."""
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
     g = 0
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
-        rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
-        _cta_barrier()  # the previous item's products are done with the query
-        q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
-        q_down = _stage_query(q_base, rows_q < q_len * num_heads,
-                              (q_nope.index(0), q_nope.index(1), q_nope.index(2), q_nope.index(3)), q_rope.index(0),
-                              COPY_LAYOUT, OPERAND_ORDER=True)
-        q_down = gl.convert_layout(q_down, ACC_ROWS)
-        hopper.fence_async_shared()
-        _cta_barrier()
+        q_down = _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope,
+                                   q_rope.index(0), 0, 2)
         rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
         key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
         m_i, l_part, zero, _, _, _, _ = _transposed_state(ROWS, ACC)
@@ -189,19 +195,26 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             pb = g % 2
             start = kv_start + j * KEYS
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3 = _issue_scores(codes, rope.index(b), b, start >> 30, q_nope,
-                                                                       q_rope, zero)
+            r = gl.convert_layout(_operand_order(rope.index(b).load(ROPE_LOAD), 8), OPERAND)  # see _issue_tile_scores
+            s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
+                                          is_async=True)
+            p0, k0 = _issue_tile_scores(codes, b, 0, start, q_nope, zero)
+            p1, k1 = _issue_tile_scores(codes, b, 1, start, q_nope, zero)
             x0, x1, x2, x3, step_max = _step_scales(scales.index(b), start, kv_end)  # while the products run
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
-            s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3 = hopper.warpgroup_mma_wait(
-                num_outstanding=0, deps=[s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3])
+            s_rope, p0, p1, r, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, p0, p1, r, k0, k1])
+            nope = p0 * x0[:, None] + p1 * x1[:, None]
+            mbarrier.wait(bars.index(HREADY + pb), (g // 2) & 1)
+            nope += halves.index(pb).load(ACC)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(HFREE + pb), count=1)
+            s = (s_rope + nope * q_down[None, :]) * qk_scale
+            s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
             mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
-            m_i, l_part, unit, _alpha = _scores_to_probs(
-                s_rope, p0, p1, p2, p3, 0, False, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb),
-                                                   probs[3].index(pb)),
-                x0, x1, x2, x3, step_max, q_down, qk_scale, (start + key_ids)[:, None] < limit[None, :], m_i, l_part,
-                unit, factors.index(pb))
+            m_i, l_part, unit, _alpha = _softmax_to_probs(
+                s, False, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb), probs[3].index(pb)), x0, x1,
+                x2, x3, step_max, m_i, l_part, unit, factors.index(pb))
             mbarrier.arrive(bars.index(PREADY + pb), count=1)
             g += 1
         l_i = gl.sum(l_part, 0)
@@ -217,22 +230,61 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
 
 
 @gluon.jit
-def _issue_scores(codes, rope, b, zero, q_nope, q_rope, acc):
-    """A step's five ``S^T`` products from register operands, issued: the rope in bf16, then each code tile's in
-    float16; returns them and their operands (which the wait must keep: ptxas serializes the products where it may
-    reuse an operand's registers). ``zero``: a run-time 0 in the query's indices, so that its operand descriptors
-    are made in the loop, not held in registers."""
-    r = gl.convert_layout(_operand_order(rope.load(ROPE_LOAD), 8), OPERAND)
-    s_rope = hopper.warpgroup_mma(r, q_rope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
-    k0 = _code_operand(codes.index(4 * b))
-    p0 = hopper.warpgroup_mma(k0, q_nope.index(zero).permute((1, 0)), acc, use_acc=False, is_async=True)
-    k1 = _code_operand(codes.index(4 * b + 1))
-    p1 = hopper.warpgroup_mma(k1, q_nope.index(1 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
-    k2 = _code_operand(codes.index(4 * b + 2))
-    p2 = hopper.warpgroup_mma(k2, q_nope.index(2 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
-    k3 = _code_operand(codes.index(4 * b + 3))
-    p3 = hopper.warpgroup_mma(k3, q_nope.index(3 + zero).permute((1, 0)), acc, use_acc=False, is_async=True)
-    return s_rope, p0, p1, p2, p3, r, k0, k1, k2, k3
+def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales, halves,
+                bars):
+    """The second scoring warpgroup: each item's query tiles 2 and 3, each step's scores of those (each by its tile
+    scale) for the first."""
+    table, items = _program_items(work, items_stride, item_counts)
+    g = 0
+    for i in range(items):
+        request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
+        _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope, None, 2, 4)
+        zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
+        for j in range(tiles):
+            b = g % STAGES
+            pb = g % 2
+            start = kv_start + j * KEYS
+            mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
+            p2, k2 = _issue_tile_scores(codes, b, 2, start, q_nope, zero)
+            p3, k3 = _issue_tile_scores(codes, b, 3, start, q_nope, zero)
+            _, _, x2, x3, _ = _step_scales(scales.index(b), start, kv_end)  # while the products run
+            _cta_barrier()  # every warp has the stage in registers
+            mbarrier.arrive(bars.index(KFREE + b), count=1)
+            p2, p3, k2, k3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p2, p3, k2, k3])
+            half = p2 * x2[:, None] + p3 * x3[:, None]
+            mbarrier.wait(bars.index(HFREE + pb), ((g // 2) & 1) ^ 1)
+            halves.index(pb).store(half)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(HREADY + pb), count=1)
+            g += 1
+
+
+@gluon.jit
+def _issue_tile_scores(codes, b, t: gl.constexpr, start, q_nope, acc):
+    """Code tile ``t`` of stage ``b`` as its product's register operand and that ``S^T`` product, issued; returns
+    both (the wait must keep the operand: ptxas serializes the products where it may reuse an operand's registers).
+    The query's index carries a run-time 0 (``start >> 30``), so that its operand descriptor is made in the loop, not
+    held in registers."""
+    k = _code_operand(codes.index(4 * b + t))
+    p = hopper.warpgroup_mma(k, q_nope.index(t + (start >> 30)).permute((1, 0)), acc, use_acc=False, is_async=True)
+    return p, k
+
+
+@gluon.jit
+def _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope, q_rope,
+                      FIRST: gl.constexpr, LAST: gl.constexpr):
+    """A scoring warpgroup's part of an item's query into shared memory, in its products' operand order: latent
+    tiles ``[FIRST, LAST)``, and the rope where ``q_rope`` is given, once this warpgroup's products of the previous
+    item are done with them; returns the factor that undoes the query's scaling, per row along ACC's rows."""
+    rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    _cta_barrier()  # the previous item's products are done with the query
+    q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
+    q_down = _stage_query(q_base, rows_q < q_len * num_heads,
+                          (q_nope.index(0), q_nope.index(1), q_nope.index(2), q_nope.index(3)), q_rope, COPY_LAYOUT,
+                          OPERAND_ORDER=True, FIRST=FIRST, LAST=LAST)
+    hopper.fence_async_shared()
+    _cta_barrier()
+    return gl.convert_layout(q_down, ACC_ROWS)
 
 
 @gluon.jit

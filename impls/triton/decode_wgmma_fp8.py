@@ -324,7 +324,13 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, ONE_P: gl.cons
     p3 = hopper.warpgroup_mma_wait(num_outstanding=LATER, deps=[p3])
     nope += p3 * x3[:, None]
     s = (s_rope + nope * q_down[None, :]) * qk_scale
-    s = gl.where(visible_keys, s, float("-inf"))
+    return _softmax_to_probs(gl.where(visible_keys, s, float("-inf")), ONE_P, probs, x0, x1, x2, x3, step_max, m_i,
+                             l_part, unit, factors)
+
+
+@gluon.jit
+def _softmax_to_probs(s, ONE_P: gl.constexpr, probs, x0, x1, x2, x3, step_max, m_i, l_part, unit, factors=None):
+    """``_scores_to_probs`` from the step's finished scores ``s`` (base 2, masked keys at -inf)."""
     m_new = gl.maximum(m_i, gl.max(s, 0))  # across the four warps (through shared memory)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
     alpha = gl.exp2(m_i - m_use)

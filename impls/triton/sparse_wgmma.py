@@ -73,27 +73,31 @@ def _pow2(biased_exponent):
 
 
 @gluon.jit
-def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr, OPERAND_ORDER: gl.constexpr = False):
+def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr, OPERAND_ORDER: gl.constexpr = False,
+                 FIRST: gl.constexpr = 0, LAST: gl.constexpr = 4):
     """Store query rows to shared memory (``base``: each row's first element along ``SliceLayout(1, LAYOUT)``; rows
     not ``ok`` become zeros), the 512 latent columns in float16 scaled per row by a power of two and the rope
     columns as they are; returns the factor that undoes the scaling, per row. ``OPERAND_ORDER``: the columns in the
-    contraction order of ``decode_rs_fp8``'s register operands (``_operand_order``: e4m3 latent, bf16 rope)."""
+    contraction order of ``decode_rs_fp8``'s register operands (``_operand_order``: e4m3 latent, bf16 rope).
+    ``FIRST``, ``LAST``: only latent tiles ``[FIRST, LAST)`` (scaled as all four are), and the rope only where
+    ``q_rope`` is given (``decode_rs_fp8``'s two scoring warpgroups stage their own tiles)."""
     rows = base[:, None]
     mask = ok[:, None]
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-    amax = gl.full([q_rope.shape[0]], 2.0 ** -100, gl.float32, gl.SliceLayout(1, LAYOUT))  # padded rows stay finite
+    amax = gl.full([base.shape[0]], 2.0 ** -100, gl.float32, gl.SliceLayout(1, LAYOUT))  # padded rows stay finite
     for t in gl.static_range(4):
         x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
         amax = gl.maximum(amax, gl.max(gl.abs(x), 1))
     exponent = (amax.to(gl.int32, bitcast=True) >> 23) & 255  # biased: amax in [2^(e-127), 2^(e-126))
     up = _pow2(127 + QUERY_TOP + 127 - exponent)[:, None]
-    for t in gl.static_range(4):
+    for t in gl.static_range(FIRST, LAST):
         x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
         x = (x * up).to(gl.float16)
         q_nope[t].store(_operand_order(x, 16) if OPERAND_ORDER else x)
-    rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
-    r = gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0)
-    q_rope.store(_operand_order(r, 8) if OPERAND_ORDER else r)
+    if q_rope is not None:
+        rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
+        r = gl.load(rows + 4 * TILE + rope_cols, mask=mask, other=0.0)
+        q_rope.store(_operand_order(r, 8) if OPERAND_ORDER else r)
     return _pow2(exponent - QUERY_TOP)
 
 
