@@ -152,7 +152,7 @@ def _decode_split_kernel_rs_fp8(
 @gluon.jit
 def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
           scales, bars, PAGE_SIZE: gl.constexpr):
-    """The loader: the program's step g into stage g % STAGES once both multiplying warpgroups have freed it."""
+    """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it."""
     table, items = _program_items(work, items_stride, item_counts)
     g = 0
     for i in range(items):

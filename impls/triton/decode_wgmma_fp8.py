@@ -307,14 +307,13 @@ def _issue_scores(rope, keys, q_rope, q_nope, zero):
 
 @gluon.jit
 def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, ONE_P: gl.constexpr, probs, x0, x1, x2, x3,
-                     step_max, q_down, qk_scale, visible_keys, m_i, l_part, unit, factors=None):
+                     step_max, q_down, qk_scale, visible_keys, m_i, l_part, unit):
     """Waits for a step's issued scores (``LATER``: products issued after them, which may stay in flight), scales
     each code tile's by its per-key scale as it completes, and runs the online softmax over the ``visible_keys``:
     ``P^T * scale_t / u`` into ``probs``, visible to the tensor cores; ``u`` grows to ``step_max``, the step's
     largest tile scale (``_read_tile_scales``). ``ONE_P``: every tile scale is 1, so the four tiles of P are one,
     stored once into ``probs[0]``. Returns the running maximum, sums, the new unit ``u`` and the factor of the
-    accumulators (``alpha_o``), which also goes into ``factors`` (a ``[ROWS]`` buffer) where given, under the same
-    barrier as P."""
+    accumulators (``alpha_o``)."""
     s_rope, p0 = hopper.warpgroup_mma_wait(num_outstanding=3 + LATER, deps=[s_rope, p0])
     nope = p0 * x0[:, None]
     p1 = hopper.warpgroup_mma_wait(num_outstanding=2 + LATER, deps=[p1])
@@ -325,12 +324,13 @@ def _scores_to_probs(s_rope, p0, p1, p2, p3, LATER: gl.constexpr, ONE_P: gl.cons
     nope += p3 * x3[:, None]
     s = (s_rope + nope * q_down[None, :]) * qk_scale
     return _softmax_to_probs(gl.where(visible_keys, s, float("-inf")), ONE_P, probs, x0, x1, x2, x3, step_max, m_i,
-                             l_part, unit, factors)
+                             l_part, unit)
 
 
 @gluon.jit
 def _softmax_to_probs(s, ONE_P: gl.constexpr, probs, x0, x1, x2, x3, step_max, m_i, l_part, unit, factors=None):
-    """``_scores_to_probs`` from the step's finished scores ``s`` (base 2, masked keys at -inf)."""
+    """``_scores_to_probs`` from the step's finished scores ``s`` (base 2, masked keys at -inf); the accumulators'
+    factor also goes into ``factors`` (a ``[ROWS]`` buffer) where given, under the same barrier as P."""
     m_new = gl.maximum(m_i, gl.max(s, 0))  # across the four warps (through shared memory)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays at 0
     alpha = gl.exp2(m_i - m_use)
