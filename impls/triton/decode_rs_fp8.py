@@ -195,14 +195,20 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             pb = g % 2
             start = kv_start + j * KEYS
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            r = gl.convert_layout(_operand_order(rope.index(b).load(ROPE_LOAD), 8), OPERAND)  # see _issue_tile_scores
-            s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
-                                          is_async=True)
-            p0, k0 = _issue_tile_scores(codes, b, 0, start, q_nope, zero)
-            p1, k1 = _issue_tile_scores(codes, b, 1, start, q_nope, zero)
-            x0, x1, x2, x3, step_max = _step_scales(scales.index(b), start, kv_end)  # while the products run
+            # The stage's part in registers and freed before anything is made of it (H100 16 heads b64 76.1 -> 75.3
+            # us with _score_half and _value alike; NOTES.md, session 37).
+            rope_raw = rope.index(b).load(ROPE_LOAD)
+            c0 = codes.index(4 * b).load(CODES_LOAD)
+            c1 = codes.index(4 * b + 1).load(CODES_LOAD)
+            scales_every, scales_keys = _load_scales(scales.index(b))
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
+            r = gl.convert_layout(_operand_order(rope_raw, 8), OPERAND)  # see _issue_tile_scores
+            s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
+                                          is_async=True)
+            p0, k0 = _issue_tile_scores(c0, 0, start, q_nope, zero)
+            p1, k1 = _issue_tile_scores(c1, 1, start, q_nope, zero)
+            x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end)  # while they run
             s_rope, p0, p1, r, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, p0, p1, r, k0, k1])
             nope = p0 * x0[:, None] + p1 * x1[:, None]
             mbarrier.wait(bars.index(HREADY + pb), (g // 2) & 1)
@@ -245,11 +251,14 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
             pb = g % 2
             start = kv_start + j * KEYS
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            p2, k2 = _issue_tile_scores(codes, b, 2, start, q_nope, zero)
-            p3, k3 = _issue_tile_scores(codes, b, 3, start, q_nope, zero)
-            _, _, x2, x3, _ = _step_scales(scales.index(b), start, kv_end)  # while the products run
+            c2 = codes.index(4 * b + 2).load(CODES_LOAD)
+            c3 = codes.index(4 * b + 3).load(CODES_LOAD)
+            scales_every, scales_keys = _load_scales(scales.index(b))
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
+            p2, k2 = _issue_tile_scores(c2, 2, start, q_nope, zero)
+            p3, k3 = _issue_tile_scores(c3, 3, start, q_nope, zero)
+            _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end)  # while the products run
             p2, p3, k2, k3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p2, p3, k2, k3])
             half = p2 * x2[:, None] + p3 * x3[:, None]
             mbarrier.wait(bars.index(HFREE + pb), ((g // 2) & 1) ^ 1)
@@ -260,12 +269,12 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
 
 
 @gluon.jit
-def _issue_tile_scores(codes, b, t: gl.constexpr, start, q_nope, acc):
-    """Code tile ``t`` of stage ``b`` as its product's register operand and that ``S^T`` product, issued; returns
-    both (the wait must keep the operand: ptxas serializes the products where it may reuse an operand's registers).
-    The query's index carries a run-time 0 (``start >> 30``), so that its operand descriptor is made in the loop, not
-    held in registers."""
-    k = _code_operand(codes.index(4 * b + t))
+def _issue_tile_scores(tile_codes, t: gl.constexpr, start, q_nope, acc):
+    """Code tile ``t``'s loaded codes (``CODES_LOAD``) as its product's register operand and that ``S^T`` product,
+    issued; returns both (the wait must keep the operand: ptxas serializes the products where it may reuse an
+    operand's registers). The query's index carries a run-time 0 (``start >> 30``), so that its operand descriptor is
+    made in the loop, not held in registers."""
+    k = _code_operand(tile_codes)
     p = hopper.warpgroup_mma(k, q_nope.index(t + (start >> 30)).permute((1, 0)), acc, use_acc=False, is_async=True)
     return p, k
 
@@ -288,20 +297,24 @@ def _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_he
 
 
 @gluon.jit
-def _code_operand(tile):
-    """A ``[64 keys, 128]`` code tile as the score product's float16 register operand (columns in operand order)."""
-    x = tile.load(CODES_LOAD).to(gl.float16)
-    return gl.convert_layout(_operand_order(x, 16), OPERAND)
+def _code_operand(tile_codes):
+    """A ``[64 keys, 128]`` code tile, loaded in ``CODES_LOAD``, as the score product's float16 register operand
+    (columns in operand order)."""
+    return gl.convert_layout(_operand_order(tile_codes.to(gl.float16), 16), OPERAND)
 
 
 @gluon.jit
-def _step_scales(tile, start, kv_end):
-    """A step's four per-key tile scales along ACC's keys and their maximum, zero for keys at or past ``kv_end``
-    (their slots may hold anything)."""
-    every = tile.load(SCALES_EVERY)
+def _load_scales(tile):
+    """A step's ``[64 keys, 4]`` tile scales from its stage, in the two layouts ``_step_scales`` takes."""
+    return tile.load(SCALES_EVERY), tile.load(SCALES_KEYS)
+
+
+@gluon.jit
+def _step_scales(every, x, start, kv_end):
+    """A step's four per-key tile scales (``_load_scales``) along ACC's keys and their maximum, zero for keys at or
+    past ``kv_end`` (their slots may hold anything)."""
     seen = (start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_EVERY)))[:, None] < kv_end
     largest = gl.max(gl.max(gl.where(seen, every, 0.0), 1), 0)
-    x = tile.load(SCALES_KEYS)
     x = gl.where((start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_KEYS)))[:, None] < kv_end, x, 0.0)
     x02, x13 = gl.split(x.reshape([KEYS, 2, 2]))
     x0, x2 = gl.split(x02)
@@ -337,12 +350,16 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
             # All four tiles' operands first: issued tile by tile, ptxas reused one tile's operand registers for the
             # next and waited for each tile's products before loading the next.
-            ve0, vo0 = _value_operands(codes.index(4 * b), start, kv_end)
-            ve1, vo1 = _value_operands(codes.index(4 * b + 1), start, kv_end)
-            ve2, vo2 = _value_operands(codes.index(4 * b + 2), start, kv_end)
-            ve3, vo3 = _value_operands(codes.index(4 * b + 3), start, kv_end)
+            w0 = _value_pairs(codes.index(4 * b), start, kv_end)
+            w1 = _value_pairs(codes.index(4 * b + 1), start, kv_end)
+            w2 = _value_pairs(codes.index(4 * b + 2), start, kv_end)
+            w3 = _value_pairs(codes.index(4 * b + 3), start, kv_end)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
+            ve0, vo0 = _value_operands(w0)
+            ve1, vo1 = _value_operands(w1)
+            ve2, vo2 = _value_operands(w2)
+            ve3, vo3 = _value_operands(w3)
             mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
             alpha = factors.index(pb).load(ACC_ROWS)[None, :]
             # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
@@ -379,9 +396,9 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
 
 
 @gluon.jit
-def _value_operands(tile, start, kv_end):
-    """A ``[64 keys, 128]`` code tile as the value products' float16 register operands: ``V^T`` of its even columns
-    and of its odd ones, ``[64 column pairs, 64 keys]`` each; keys at or past ``kv_end`` zeroed (0 x NaN is NaN)."""
+def _value_pairs(tile, start, kv_end):
+    """A ``[64 keys, 128]`` code tile loaded transposed as 16-bit pairs of columns, ``[64 column pairs, 64 keys]`` in
+    the value products' operand layout; keys at or past ``kv_end`` zeroed (0 x NaN is NaN)."""
     if HAS_REINTERPRET:
         pairs = tile.reinterpret(gl.int16, [KEYS, TILE // 2], PAIRS_SMEM)
     else:
@@ -390,6 +407,13 @@ def _value_operands(tile, start, kv_end):
     if start + KEYS > kv_end:
         keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(0, OPERAND))
         w = gl.where(keys[None, :] < kv_end, w, gl.zeros_like(w))
+    return w
+
+
+@gluon.jit
+def _value_operands(w):
+    """Loaded pairs (``_value_pairs``) as the value products' float16 register operands: ``V^T`` of the tile's even
+    columns and of its odd ones."""
     return gl.inline_asm_elementwise(SPLIT_PAIRS, "=r,=r,r", [w], dtype=(gl.float16, gl.float16), is_pure=True,
                                      pack=2)
 
