@@ -152,6 +152,13 @@ def _drive_impls() -> None:
     with mock.patch.object(decode, "_sm_count", lambda device: 132):
         decode.run_decode(decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens,
                                              long.meta.kv_lens, long.scale, config=config))
+    # Items long enough for decode_rs_fp8's lazy rescale (the loop above plans short ones).
+    long = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(4200,),
+                                  layout="fp8_ds_mla", page_size=64), cpu)
+    plan = decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens, long.meta.kv_lens,
+                              long.scale, config=split_and_kept(decode.WS_CONFIG))
+    assert plan.lazy_rescale, "compile_check: the long fp8_ds_mla request should plan decode_rs_fp8's lazy rescale"
+    decode.run_decode(plan)
 
     for layout, code in LAYOUT_CODES.items():
         for mode in ("sparse_decode", "sparse_prefill"):

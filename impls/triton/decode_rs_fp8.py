@@ -113,10 +113,11 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr, LAZY_RESCALE: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows.
-    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now."""
+    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now. ``LAZY_RESCALE``: the value
+    warpgroup skips the rescale of its accumulators in steps where no row's factor differs from 1 (long items)."""
     if EARLY_MERGE:
         _launch_dependents()
     q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
@@ -141,7 +142,7 @@ def _decode_split_kernel_rs_fp8(
                   qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
                   KEEP_PARTIALS)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs,
-                  factors, to_out, bars, KEEP_PARTIALS)),
+                  factors, to_out, bars, KEEP_PARTIALS, LAZY_RESCALE)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
                        halves, bars)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
@@ -325,7 +326,7 @@ def _step_scales(every, x, start, kv_end):
 
 @gluon.jit
 def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs, factors,
-           to_out, bars, KEEP_PARTIALS: gl.constexpr):
+           to_out, bars, KEEP_PARTIALS: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each tile apart."""
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
@@ -361,11 +362,15 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             ve2, vo2 = _value_operands(w2)
             ve3, vo3 = _value_operands(w3)
             mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
-            alpha = factors.index(pb).load(ACC_ROWS)[None, :]
+            alpha_rows = factors.index(pb).load(ACC_ROWS)
             # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
-            # ptxas wait for the products in flight.
-            e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha, o2 * alpha,
-                                              e3 * alpha, o3 * alpha)
+            # ptxas wait for the products in flight. LAZY_RESCALE: skipped where every row's factor is 1 (neither a
+            # row's maximum nor the unit grew: most steps of a long item), which changes no output
+            # (decode.LAZY_RESCALE_MIN_KEYS).
+            if not LAZY_RESCALE or gl.min(gl.where(alpha_rows == 1.0, 1, 0), 0) == 0:
+                alpha = alpha_rows[None, :]
+                e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha,
+                                                  o2 * alpha, e3 * alpha, o3 * alpha)
             e0 = hopper.warpgroup_mma(ve0, probs[0].index(pb), e0, is_async=True)
             o0 = hopper.warpgroup_mma(vo0, probs[0].index(pb), o0, is_async=True)
             e1 = hopper.warpgroup_mma(ve1, probs[1].index(pb), e1, is_async=True)
