@@ -18,7 +18,9 @@ read of the codes (32 KB each), the rope (8 KB), the query (18 KB), P (16 KB) an
 - the value warpgroup takes ``O^T += V^T P^T``: a tile's codes loaded transposed as 16-bit pairs of columns
   (``ldmatrix.trans``), each pair split by a byte permute into the two columns' float16 operands, so the even and
   odd output columns are two products of their own (``_value_operands``), made as soon as the step is in, before
-  its P.
+  its P;
+- each multiplying warpgroup loads its part of a step into registers and frees the stage before it converts or
+  multiplies any of it.
 
 Measured (NOTES.md, session 35; 16 heads, page 64, us, decode_ws -> this kernel): H200 b1 ctx8192 13.7 -> 13.3,
 b32 ctx4096 44.4 -> 40.1, b64 77.4 -> 65.8, b128 142.4 -> 114.9, b64 ctx16384 274.3 -> 228.7; H100 b1 14.1 -> 13.4,
@@ -26,9 +28,10 @@ b32 46.3 -> 46.5, b64 79.0 -> 77.9, b128 144.4 -> 139.1, b64 ctx16384 277.5 -> 2
 That one was the slower partition (alone at b64 on the H100, 75.4 against the copies alone 67.1): its step was
 one chain of loads, conversions, products, a softmax with an exchange between warps and P's stores, in one warp
 per scheduler. Halving its loads and conversions (session 36, H100, one scoring warpgroup -> two): b64 76.8 ->
-76.1, b128 140.3 -> 135.7, b64 ctx16384 270.9 -> 258.8, b32 45.4 -> 45.7. The scores on e4m3 tensor cores (branch
-``rs-e4m3-scores``) took the H100's b64 to 70-73, but their sums raised the lse error from 2.3e-6 to 2.3e-3, which
-the gate flags (NOTES.md, session 35).
+76.1, b128 140.3 -> 135.7, b64 ctx16384 270.9 -> 258.8, b32 45.4 -> 45.7. Each warpgroup alone (session 37, H100
+b64): the first scoring one 75.7, as long as the kernel, the second 70.7, the values 70.7, the copies 67.5. The
+scores on e4m3 tensor cores (branch ``rs-e4m3-scores``) took the H100's b64 to 70-73, but their sums raised the lse
+error from 2.3e-6 to 2.3e-3, which the gate flags (NOTES.md, session 35).
 
 Rows of the last step past the item's end are whatever the page holds (NaN in a poisoned cache): the scores mask
 them, their scales are zeroed before use and their values are zeroed in registers.
