@@ -53,7 +53,7 @@ from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependent
                                        _step_page)
 from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _softmax_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
-from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _tma_load
+from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _tma_load
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
 
 ROWS = gl.constexpr(16)
@@ -388,10 +388,7 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             mbarrier.arrive(bars.index(PFREE + pb), count=1)
             g += 1
         if tiles > 0:
-            mbarrier.wait(bars.index(LREADY), nq & 1)
-            factor = to_out.load(ACC_ROWS)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(LFREE), count=1)
+            factor = _receive(to_out, ACC_ROWS, bars.index(LREADY), bars.index(LFREE), nq & 1)
             nq += 1
         _store_tile(0, e0, o0, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
                     num_heads, KEEP_PARTIALS)

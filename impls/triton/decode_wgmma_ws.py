@@ -220,13 +220,21 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
                 _cta_barrier()
                 mbarrier.arrive(bars.index(KFREE + b), count=1)
                 g += 1
-            mbarrier.wait(bars.index(LREADY), nq & 1)
-            l_i = sums.load(ROW_S)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(LFREE), count=1)
+            l_i = _receive(sums, ROW_S, bars.index(LREADY), bars.index(LFREE), nq & 1)
             nq += 1
         _store_columns(0, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
                        part_out, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _receive(buffer, layout: gl.constexpr, ready, free, phase):
+    """A warpgroup's receipt of what another handed it in ``buffer``: waits for ``ready`` (in ``phase``), loads the
+    buffer in ``layout``, and once every warp has it, arrives on ``free`` so that the sender may write it again."""
+    mbarrier.wait(ready, phase)
+    value = buffer.load(layout)
+    _cta_barrier()
+    mbarrier.arrive(free, count=1)
+    return value
 
 
 @gluon.jit
