@@ -109,6 +109,9 @@ HREADY = gl.constexpr(14)  # + buffer: the second scoring warpgroup's half of th
 HFREE = gl.constexpr(16)   # + buffer: the first has read it
 BARRIERS = gl.constexpr(18)
 # 16 warps: 160 registers for the first scoring warpgroup, 232 for the values, 96 for the second, 24 for the loader.
+# With 96 the second cannot keep its products' operands in flight, and ptxas serializes every wgmma of the kernel
+# (C7512). 224 / 112 / 24 (the first 152) lifts that, but ran 2-4% slower at b32-b128 on an H100 while 2-6% faster
+# at b1-b16 (NOTES.md, session 38).
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 
 
