@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from impls.triton import compile_check, merge
+from impls.triton import compile_check, decode, merge
 from impls.triton.compile_check import Launch, gpu_variant, recorded_launches, write_launches
 from impls.triton.decode import DecodeConfig, TritonDecode
 from impls.triton.merge import merge_attn_states
@@ -72,9 +72,9 @@ def test_arguments_are_specialized_as_tritons_launcher_does():
     assert launch.aligned == ["wide", "aligned"]  # the tensor starts 4 bytes into its storage
 
 
-def _decode_launch(config: DecodeConfig) -> Launch:
-    problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(70,)),
-                            torch.device("cpu"))
+def _decode_launch(config: DecodeConfig, layout: str = "bf16", kv_len: int = 70) -> Launch:
+    problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(kv_len,),
+                                     layout=layout, page_size=64), torch.device("cpu"))
     impl = TritonDecode()
     impl.config = config
     with recorded_launches() as launches:
@@ -82,15 +82,20 @@ def _decode_launch(config: DecodeConfig) -> Launch:
     return launches[0]
 
 
+def _compile_phase(tmp_path: Path, launches: list[Launch]) -> subprocess.CompletedProcess:
+    """The check's compile phase over ``launches`` in its own process, resources printed."""
+    path = tmp_path / "launches.json"
+    write_launches(path, launches)
+    return subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "2",
+                           "--resources"], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
+                          text=True, timeout=900)
+
+
 def test_launches_compile_for_sm90_and_rejected_ones_fail_the_check_by_name(tmp_path):
     launch, _ = _merge_launch()
     rejected = dataclasses.replace(launch, constexprs={**launch.constexprs, "BLOCK_D": 96})  # arange of 96
     too_deep = _decode_launch(DecodeConfig(16, 64, num_warps=4, num_stages=4))  # four 72 KB tiles: 241,664 bytes
-    path = tmp_path / "launches.json"
-    write_launches(path, [launch, rejected, too_deep])
-    done = subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "2",
-                           "--resources"], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
-                          text=True, timeout=900)
+    done = _compile_phase(tmp_path, [launch, rejected, too_deep])
     assert done.returncode == 1, done.stdout + done.stderr
     assert "1 of 3 kernel launches compile" in done.stdout
     lines = done.stdout.splitlines()
@@ -114,10 +119,36 @@ def test_the_gluon_decode_kernels_are_recorded_as_on_hopper_and_compile_for_sm90
     launch = _decode_launch(dataclasses.replace(wgmma, tma_loader=False))
     assert launch.kernel == "_decode_split_kernel_wgmma" and launch.options == {"num_warps": 8}
     assert launch.signature["cache"] == "*bf16" and launch.constexprs["PAGE_SIZE"] == 64
-    path = tmp_path / "launches.json"
-    write_launches(path, [ws, launch])
-    done = subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "2",
-                           "--resources"], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
-                          text=True, timeout=900)
+    done = _compile_phase(tmp_path, [ws, launch])
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 of 2 kernel launches compile" in done.stdout
+
+
+def test_a_gluon_launch_whose_serialization_by_ptxas_is_not_expected_fails():
+    """ptxas's C7512 (wgmmas serialized for want of registers) fails a Gluon launch unless ``SERIALIZED_WGMMA``
+    expects it, and an expectation that ptxas no longer meets fails too."""
+    rs = Launch("impls.triton.decode_rs_fp8", "_decode_split_kernel_rs_fp8", {}, {"PRODUCTS_IN_FLIGHT": False}, [],
+                {})
+    in_flight = dataclasses.replace(rs, constexprs={"PRODUCTS_IN_FLIGHT": True})
+    other = dataclasses.replace(rs, kernel="_decode_split_kernel_ws")
+    assert compile_check._serialization_error(rs, serialized=True) is None
+    assert compile_check._serialization_error(in_flight, serialized=False) is None
+    assert compile_check._serialization_error(other, serialized=False) is None
+    assert "ptxas serializes its wgmmas" in compile_check._serialization_error(in_flight, serialized=True)
+    assert "ptxas serializes its wgmmas" in compile_check._serialization_error(other, serialized=True)
+    assert "no longer does" in compile_check._serialization_error(rs, serialized=False)
+
+
+def test_decode_rs_fp8_serializes_its_wgmmas_by_default_and_not_with_its_products_in_flight(tmp_path):
+    """ptxas's own report on the two register splits of decode_rs_fp8 as the plan launches them: the batch of few
+    keys per multiprocessor (4 here) keeps its products in flight, the longer one does not."""
+    few = _decode_launch(decode.WS_CONFIG, "fp8_ds_mla", decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM)
+    many = _decode_launch(decode.WS_CONFIG, "fp8_ds_mla", 4 * decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM + 1)
+    assert few.kernel == many.kernel == "_decode_split_kernel_rs_fp8"
+    assert few.constexprs["PRODUCTS_IN_FLIGHT"] and not many.constexprs["PRODUCTS_IN_FLIGHT"]
+    done = _compile_phase(tmp_path, [few, many])
+    assert done.returncode == 0, done.stdout + done.stderr
+    usage = [line for line in done.stdout.splitlines() if "_decode_split_kernel_rs_fp8" in line]
+    assert len(usage) == 2, done.stdout
+    assert [("'PRODUCTS_IN_FLIGHT': True" in line, "wgmmas serialized" in line) for line in usage] in (
+        [(True, False), (False, True)], [(False, True), (True, False)]), done.stdout

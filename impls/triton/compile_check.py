@@ -20,7 +20,12 @@ with the GPU machine's 3.6). So this check:
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
    than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
-   launch's registers and spills (``ptxas -v``) and shared memory.
+   launch's registers and spills (``ptxas -v``) and shared memory;
+3. asks ptxas (``-v``) whether it serialized a Gluon launch's wgmmas (info C7512: too few registers to keep the
+   products' operands in flight, so that every product waits for the one before; session 38 found it in
+   decode_rs_fp8 by reading the SASS). A Gluon launch fails when ptxas serializes it and ``SERIALIZED_WGMMA`` does
+   not expect it, or expects it and ptxas does not. Triton-language kernels leave the registers to Triton: theirs
+   is shown with ``--resources``.
 
 ``--triton-path DIR`` puts another Triton first on the path of both processes: ``make compile-check`` runs the
 check with the installed Triton and with the GPU machine's (``pip install --target DIR triton==3.6.0``).
@@ -56,6 +61,11 @@ HOST_CHOICE_MODULES = ("impls.triton.latent_io", "impls.triton.merge", "impls.tr
                        "impls.triton.sparse_kernel")
 GPU_ONLY_FLAGS = ("EARLY_MERGE",)  # constexprs a plan turns on only on a GPU: compiled on
 DECODE_PAGE_SIZES = (1, 16, 64)  # page 1 prefetches table lines, 16 is under a tile, 64 fills one
+SERIALIZED_NOTE = "C7512"  # ptxas -v: "wgmma.mma_async instructions are serialized due to ..."
+# The Gluon launches whose wgmmas ptxas is expected to serialize, by kernel: a test of the launch's constexprs.
+# decode_rs_fp8's default register split serializes them and was still the faster one where memory is busy
+# (decode_rs_fp8.SERIALIZED_REGISTERS); its PRODUCTS_IN_FLIGHT split must not.
+SERIALIZED_WGMMA = {"_decode_split_kernel_rs_fp8": lambda constexprs: not constexprs["PRODUCTS_IN_FLIGHT"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +167,9 @@ def _drive_impls() -> None:
                                   layout="fp8_ds_mla", page_size=64), cpu)
     plan = decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens, long.meta.kv_lens,
                               long.scale, config=split_and_kept(decode.WS_CONFIG))
-    if not plan.lazy_rescale:
-        raise RuntimeError("compile_check: the long fp8_ds_mla request no longer plans decode_rs_fp8's lazy rescale")
+    if not plan.lazy_rescale or plan.products_in_flight:
+        raise RuntimeError("compile_check: the long fp8_ds_mla request no longer plans decode_rs_fp8's lazy rescale "
+                           "with its products serialized")
     decode.run_decode(plan)
 
     for layout, code in LAYOUT_CODES.items():
@@ -248,23 +259,45 @@ def compile_launch(launch: Launch, resources: bool = False) -> tuple[str | None,
     shared = compiled.metadata.shared
     if shared > SHARED_MEMORY_LIMIT:
         return f"needs {shared} bytes of shared memory; a program may use at most {SHARED_MEMORY_LIMIT}", ""
-    return None, f"{_ptxas_usage(compiled.asm['ptx'])}, {shared} bytes shared" if resources else ""
+    gluon = kernel.is_gluon()
+    if not (gluon or resources):
+        return None, ""
+    report = _ptxas_report(compiled.asm["ptx"])
+    serialized = SERIALIZED_NOTE in report
+    error = _serialization_error(launch, serialized) if gluon else None
+    return error, f"{_usage(report, serialized)}, {shared} bytes shared" if resources else ""
 
 
-def _ptxas_usage(ptx: str) -> str:
-    """Registers per thread and spilled bytes of ``ptx``, from ``ptxas -v`` (Triton's own ptxas)."""
+def _serialization_error(launch: Launch, serialized: bool) -> str | None:
+    """Why a Gluon launch's serialization by ptxas (or its absence) is not what ``SERIALIZED_WGMMA`` expects."""
+    expected = SERIALIZED_WGMMA.get(launch.kernel, lambda constexprs: False)(launch.constexprs)
+    if serialized and not expected:
+        return (f"ptxas serializes its wgmmas ({SERIALIZED_NOTE}: too few registers to keep their operands in "
+                f"flight); give the partition issuing them more registers, or expect it in SERIALIZED_WGMMA")
+    if expected and not serialized:
+        return (f"SERIALIZED_WGMMA expects ptxas to serialize its wgmmas ({SERIALIZED_NOTE}) and it no longer does: "
+                f"update the expectation (and re-time the kernel)")
+    return None
+
+
+def _ptxas_report(ptx: str) -> str:
+    """What ``ptxas -v`` (Triton's own ptxas) says of ``ptx``: registers, spills and performance notes."""
     from triton.backends.nvidia import compiler
 
     ptxas = compiler.get_ptxas(TARGET[1]).path
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
-        report = subprocess.run([ptxas, f"-arch=sm_{TARGET[1]}a", "-v", str(source), "-o", os.devnull],
-                                capture_output=True, text=True).stderr
+        return subprocess.run([ptxas, f"-arch=sm_{TARGET[1]}a", "-v", str(source), "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+
+
+def _usage(report: str, serialized: bool) -> str:
+    """Registers per thread and spilled bytes from a ``ptxas -v`` report, and whether the wgmmas are serialized."""
     registers = re.search(r"Used (\d+) registers", report)
     spilled = re.search(r"(\d+) bytes spill stores", report)
     return (f"{registers.group(1) if registers else '?'} registers, "
-            f"{spilled.group(1) if spilled else '?'} bytes spilled")
+            f"{spilled.group(1) if spilled else '?'} bytes spilled{', wgmmas serialized' if serialized else ''}")
 
 
 def _innermost(error: BaseException) -> str:

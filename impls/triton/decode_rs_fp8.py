@@ -110,8 +110,13 @@ HFREE = gl.constexpr(16)   # + buffer: the first has read it
 BARRIERS = gl.constexpr(18)
 # 16 warps: 160 registers for the first scoring warpgroup, 232 for the values, 96 for the second, 24 for the loader.
 # With 96 the second cannot keep its products' operands in flight, and ptxas serializes every wgmma of the kernel
-# (C7512). 224 / 112 / 24 (the first 152) lifts that, but ran 2-4% slower at b32-b128 on an H100 while 2-6% faster
-# at b1-b16 (NOTES.md, session 38).
+# (C7512). ``PRODUCTS_IN_FLIGHT`` lifts that: the values 224, the second 112, the first 152 (which then waits for its
+# rope product before issuing its tiles', so that its step loop does not spill). On an H100 that ran 2-5% faster up
+# to ~620 keys per multiprocessor and 0.5-4% slower from ~750 (b24-b128 at 16 heads; NOTES.md, sessions 38 and
+# 39): the plan chooses it by keys per multiprocessor (``decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM``).
+# ``impls.triton.compile_check`` fails when ptxas's serialization of either split is not as said here.
+SERIALIZED_REGISTERS = gl.constexpr([232, 96, 24])
+IN_FLIGHT_REGISTERS = gl.constexpr([224, 112, 24])
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 
 
@@ -120,10 +125,13 @@ def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+    PRODUCTS_IN_FLIGHT: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows.
     ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now. ``LAZY_RESCALE``: the value
-    warpgroup skips the rescale of its accumulators in steps where no row's factor differs from 1 (long items)."""
+    warpgroup skips the rescale of its accumulators in steps where no row's factor differs from 1 (long items).
+    ``PRODUCTS_IN_FLIGHT``: the register split under which ptxas does not serialize the wgmmas (few keys per
+    multiprocessor)."""
     if EARLY_MERGE:
         _launch_dependents()
     q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
@@ -146,14 +154,14 @@ def _decode_split_kernel_rs_fp8(
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
                   qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-                  KEEP_PARTIALS)),
+                  KEEP_PARTIALS, PRODUCTS_IN_FLIGHT)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs,
                   factors, to_out, bars, KEEP_PARTIALS, LAZY_RESCALE)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
                        halves, bars)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
                  rope, scales, bars, PAGE_SIZE)),
-    ], [4, 4, 4], [232, 96, 24])
+    ], [4, 4, 4], IN_FLIGHT_REGISTERS if PRODUCTS_IN_FLIGHT else SERIALIZED_REGISTERS)
 
 
 @gluon.jit
@@ -182,10 +190,11 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
            num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr):
+           KEEP_PARTIALS: gl.constexpr, PRODUCTS_IN_FLIGHT: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
-    and the output factor for the value warpgroup."""
+    and the output factor for the value warpgroup. ``PRODUCTS_IN_FLIGHT`` (152 registers): the rope product is
+    done before the tiles' are issued."""
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
     g = 0
@@ -213,15 +222,18 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             r = gl.convert_layout(_operand_order(rope_raw, 8), OPERAND)  # see _issue_tile_scores
             s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
                                           is_async=True)
+            if PRODUCTS_IN_FLIGHT:
+                s_rope, r = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, r])
             p0, k0 = _issue_tile_scores(c0, 0, start, q_nope, zero)
             p1, k1 = _issue_tile_scores(c1, 1, start, q_nope, zero)
             x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end)  # while they run
-            s_rope, p0, p1, r, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, p0, p1, r, k0, k1])
+            if PRODUCTS_IN_FLIGHT:
+                p0, p1, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, k0, k1])
+            else:
+                s_rope, p0, p1, r, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0,
+                                                                      deps=[s_rope, p0, p1, r, k0, k1])
             nope = p0 * x0[:, None] + p1 * x1[:, None]
-            mbarrier.wait(bars.index(HREADY + pb), (g // 2) & 1)
-            nope += halves.index(pb).load(ACC)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(HFREE + pb), count=1)
+            nope += _receive(halves.index(pb), ACC, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
             s = (s_rope + nope * q_down[None, :]) * qk_scale
             s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
             mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
