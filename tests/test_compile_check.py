@@ -72,9 +72,9 @@ def test_arguments_are_specialized_as_tritons_launcher_does():
     assert launch.aligned == ["wide", "aligned"]  # the tensor starts 4 bytes into its storage
 
 
-def _decode_launch(config: DecodeConfig, layout: str = "bf16", kv_len: int = 70) -> Launch:
-    problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(kv_len,),
-                                     layout=layout, page_size=64), torch.device("cpu"))
+def _decode_launch(config: DecodeConfig, layout: str = "bf16") -> Launch:
+    problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(70,),
+                                     layout=layout), torch.device("cpu"))
     impl = TritonDecode()
     impl.config = config
     with recorded_launches() as launches:
@@ -82,13 +82,17 @@ def _decode_launch(config: DecodeConfig, layout: str = "bf16", kv_len: int = 70)
     return launches[0]
 
 
-def _compile_phase(tmp_path: Path, launches: list[Launch]) -> subprocess.CompletedProcess:
-    """The check's compile phase over ``launches`` in its own process, resources printed."""
+def _compile_phase(tmp_path: Path, launches: list[Launch], pythonpath: Path | None = None
+                   ) -> subprocess.CompletedProcess:
+    """The check's compile phase over ``launches`` in its own process, resources printed; ``pythonpath`` goes first
+    on its path (where a launch's module lives)."""
     path = tmp_path / "launches.json"
     write_launches(path, launches)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", compile_check.MODULE, "--compile", str(path), "--workers", "2",
-                           "--resources"], env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
-                          text=True, timeout=900)
+                           "--resources"], env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_launches_compile_for_sm90_and_rejected_ones_fail_the_check_by_name(tmp_path):
@@ -124,31 +128,18 @@ def test_the_gluon_decode_kernels_are_recorded_as_on_hopper_and_compile_for_sm90
     assert "2 of 2 kernel launches compile" in done.stdout
 
 
-def test_a_gluon_launch_whose_serialization_by_ptxas_is_not_expected_fails():
-    """ptxas's C7512 (wgmmas serialized for want of registers) fails a Gluon launch unless ``SERIALIZED_WGMMA``
-    expects it, and an expectation that ptxas no longer meets fails too."""
-    rs = Launch("impls.triton.decode_rs_fp8", "_decode_split_kernel_rs_fp8", {}, {"PRODUCTS_IN_FLIGHT": False}, [],
-                {})
-    in_flight = dataclasses.replace(rs, constexprs={"PRODUCTS_IN_FLIGHT": True})
-    other = dataclasses.replace(rs, kernel="_decode_split_kernel_ws")
-    assert compile_check._serialization_error(rs, serialized=True) is None
-    assert compile_check._serialization_error(in_flight, serialized=False) is None
-    assert compile_check._serialization_error(other, serialized=False) is None
-    assert "ptxas serializes its wgmmas" in compile_check._serialization_error(in_flight, serialized=True)
-    assert "ptxas serializes its wgmmas" in compile_check._serialization_error(other, serialized=True)
-    assert "no longer does" in compile_check._serialization_error(rs, serialized=False)
-
-
-def test_decode_rs_fp8_serializes_its_wgmmas_by_default_and_not_with_its_products_in_flight(tmp_path):
-    """ptxas's own report on the two register splits of decode_rs_fp8 as the plan launches them: the batch of few
-    keys per multiprocessor (4 here) keeps its products in flight, the longer one does not."""
-    few = _decode_launch(decode.WS_CONFIG, "fp8_ds_mla", decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM)
-    many = _decode_launch(decode.WS_CONFIG, "fp8_ds_mla", 4 * decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM + 1)
-    assert few.kernel == many.kernel == "_decode_split_kernel_rs_fp8"
-    assert few.constexprs["PRODUCTS_IN_FLIGHT"] and not many.constexprs["PRODUCTS_IN_FLIGHT"]
-    done = _compile_phase(tmp_path, [few, many])
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_a_gluon_launch_whose_wgmmas_ptxas_serializes_fails_the_check_by_name(tmp_path):
+    """ptxas's info that it serialized a launch's wgmmas fails a Gluon launch (a planted kernel), and
+    decode_rs_fp8, whose products ptxas serialized until session 39, compiles with them in flight."""
+    planted = Launch("planted_serialized_wgmma", "serialized_products",
+                     {"a": "*fp16", "b": "*fp16", "out": "*fp32"}, {}, ["a", "b", "out"], {"num_warps": 4})
+    rs = _decode_launch(decode.WS_CONFIG, "fp8_ds_mla")
+    assert rs.kernel == "_decode_split_kernel_rs_fp8"
+    done = _compile_phase(tmp_path, [planted, rs], pythonpath=Path(__file__).parent)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 of 2 kernel launches compile" in done.stdout
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and "serialized_products" in failed[0], done.stdout
+    assert "wgmma.mma_async instructions are serialized" in done.stdout
     usage = [line for line in done.stdout.splitlines() if "_decode_split_kernel_rs_fp8" in line]
-    assert len(usage) == 2, done.stdout
-    assert [("'PRODUCTS_IN_FLIGHT': True" in line, "wgmmas serialized" in line) for line in usage] in (
-        [(True, False), (False, True)], [(False, True), (True, False)]), done.stdout
+    assert len(usage) == 1 and "registers" in usage[0] and "serialized" not in usage[0], done.stdout

@@ -555,64 +555,22 @@ RS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in 
 ]
 
 
-def test_the_lazy_rescale_is_planned_for_long_items_only():
-    """decode_rs_fp8 checks its steps for factors that leave the outputs unchanged only where the schedule's items
-    are long (the check costs more than it saves in items of a step or two)."""
-    long_items = workload("fp8_ds_mla", 64, ((1,), (decode.LAZY_RESCALE_MIN_KEYS + 64,)))
-    short_items = workload("fp8_ds_mla", 64, ((1, 1), (decode.LAZY_RESCALE_MIN_KEYS + 64, 1)))
-    impl = Configured(DecodeConfig(num_splits=1))
-    long_plan, short_plan = (impl.checked_plan(build_problem(w, torch.device("cpu"))) for w in (long_items, short_items))
-    assert long_plan.schedule.mean_item_keys == decode.LAZY_RESCALE_MIN_KEYS + 64 and long_plan.lazy_rescale
-    assert short_plan.schedule.mean_item_keys < decode.LAZY_RESCALE_MIN_KEYS and not short_plan.lazy_rescale
-
-
-def test_products_in_flight_are_planned_for_few_keys_per_multiprocessor_only():
-    """decode_rs_fp8 takes the register split that keeps its wgmmas in flight only where the batch holds few keys
-    per multiprocessor (it is slower where memory is busy), each row block counting its keys: the interpreter's
-    plan counts 4 multiprocessors."""
-    most = decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM * 4
-    cases = {(16, most): True, (16, most + 1): False, (32, most // 2): True, (32, most // 2 + 1): False}
-    impl = Configured(DecodeConfig(block_m=16, num_splits=1))  # decode_ws's rows; its Gluon needs a GPU to plan
-    for (heads, keys), in_flight in cases.items():
-        problem = build_problem(workload("fp8_ds_mla", 64, ((1, 1), (keys - 100, 100)), heads=heads),
-                                torch.device("cpu"))
-        plan = impl.checked_plan(problem)
-        assert plan.schedule.item_keys == keys * heads // 16
-        assert plan.products_in_flight == in_flight, (heads, keys)
-
-
-class RsVariantForced(Configured):
-    """A fixed configuration whose plans take ``lazy`` for decode_rs_fp8's ``LAZY_RESCALE`` and ``in_flight`` for
-    its ``PRODUCTS_IN_FLIGHT``, whatever the schedule."""
-
-    def __init__(self, config: DecodeConfig, lazy: bool, in_flight: bool) -> None:
-        super().__init__(config)
-        self.lazy, self.in_flight = lazy, in_flight
-
-    def plan(self, problem):
-        return dataclasses.replace(super().plan(problem), lazy_rescale=self.lazy, products_in_flight=self.in_flight)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma_loader, lazy, in_flight",
-                         [(True, True, False), (True, False, False), (True, False, True), (True, True, True),
-                          (False, False, False)],
-                         ids=["rs-lazy", "rs", "rs-in-flight", "rs-in-flight-lazy", "ws"])
+@pytest.mark.parametrize("tma_loader", [True, False], ids=["rs", "ws"])
 @pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", RS_CASES,
                          ids=["ps64", "ps64-mtp-h4", "pow2-ps128-h20-split2", "ps64-varlen-split3",
                               "ps128-h8-split5", "ps64-long"])
 def test_the_16_row_fp8_kernels_in_pages_of_whole_steps_pass_the_judge_on_hopper(layout, page_size, mix, heads,
-                                                                                  splits, keep, tma_loader, lazy,
-                                                                                  in_flight):
+                                                                                  splits, keep, tma_loader):
     """16 rows of fp8_ds_mla in pages of whole steps run decode_rs_fp8 (keys decoded into wgmma's register operand),
-    with and without its lazy rescale and its products in flight, and decode_ws where ``tma_loader`` is off: the
-    last step of an item past its end (the page's unused slots hold NaN, in the codes, the rope and the tile
-    scales), empty and one-key requests, MTP rows, padded heads, splits and an item of 65 steps."""
+    and decode_ws where ``tma_loader`` is off: the last step of an item past its end (the page's unused slots hold
+    NaN, in the codes, the rope and the tile scales), empty and one-key requests, MTP rows, padded heads, splits and
+    an item of 65 steps."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
-    impl = RsVariantForced(_ws(num_splits=splits, keep_partials=keep, tma_loader=tma_loader), lazy, in_flight)
+    impl = Configured(_ws(num_splits=splits, keep_partials=keep, tma_loader=tma_loader))
     assert (impl.checked_plan(problem).descriptors is not None) == tma_loader
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message

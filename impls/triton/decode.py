@@ -83,17 +83,6 @@ WIDE_ROWS_MIN_KEYS_PER_SM = 512
 # ctx4096 12.8 -> 13.2; b1 ctx8192 fp8_e4m3 13.1 -> 14.3, fp8_ds_mla 13.8 -> 14.6.
 SHORT_SPLIT_KEYS_PER_SLOT = 32
 SHORT_MIN_SPLIT = 64
-# decode_rs_fp8 checks each step for factors that would leave its outputs as they are, and skips their rescale, where
-# the schedule's items hold at least this many keys on average: H100 16 heads fp8_ds_mla b32 (1024 keys an item)
-# 45.5 -> 44.7 us, b64 76.4 -> 75.1; b1 ctx8192 (128 keys) 14.1 -> 14.6, where most steps are an item's first.
-# Between the two, unmeasured (NOTES.md, session 37).
-LAZY_RESCALE_MIN_KEYS = 512
-# decode_rs_fp8's register split that keeps its wgmmas in flight (``decode_rs_fp8.PRODUCTS_IN_FLIGHT``) where the
-# schedule's items hold at most this many keys per multiprocessor (a request's keys counted once per row block).
-# H100 16 heads fp8_ds_mla ctx4096 unless said, us, serialized -> in flight (NOTES.md, sessions 38 and 39): b1
-# ctx8192 (62 keys per SM) 14.0 -> 13.3, b12 (372) 28.0 -> 27.2, b16 (496) 30.2 -> 29.6, b20 (621) 37.2 -> 36.4;
-# b24 (745) 43.5 -> 43.8, b28 (869) 47.2 -> 48.2, b32 (993) 44.8 -> 46.2, b64 75.4 -> 77.7, b128 135.0 -> 140.1.
-PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM = 640
 # Peak DRAM bandwidth per multiprocessor (GB/s) from which 128-row blocks pay, by layout. Their one stage leaves each
 # step's loads exposed, which only a fast memory covers: H200 (37 GB/s per SM) ran them faster (round 7, above);
 # an H100 SXM (25) ran the 64-row blocks faster at 993-3972 keys per SM, us 128 -> 64 rows: fp8_ds_mla b32 397 ->
@@ -332,8 +321,6 @@ class DecodePlan:
     early_merge: bool            # the merge kernel runs as a programmatic dependent launch (config asks, Hopper+)
     keep_partials: bool          # the partials are stored to stay in L2 for the merge
     descriptors: tuple | None    # the TMA kernels' descriptors (``_tma_descriptors``), or None
-    lazy_rescale: bool           # decode_rs_fp8 rescales its outputs only in steps that change them (long items)
-    products_in_flight: bool     # decode_rs_fp8's register split that keeps its wgmmas in flight (few keys per SM)
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -377,9 +364,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         early_merge=config.early_merge and bool(schedule.groups) and _has_dependent_launch(device),
         keep_partials=(config.keep_partials if config.keep_partials is not None
                        else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)),
-        descriptors=_tma_descriptors(q, cache, config),
-        lazy_rescale=schedule.mean_item_keys >= LAZY_RESCALE_MIN_KEYS,
-        products_in_flight=schedule.item_keys <= PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM * sms)
+        descriptors=_tma_descriptors(q, cache, config))
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,7 +378,6 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
             plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
-            LAZY_RESCALE=plan.lazy_rescale, PRODUCTS_IN_FLIGHT=plan.products_in_flight,
             **decode_rs_fp8.LAUNCH_OPTIONS)
     elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and

@@ -8,7 +8,8 @@ form), decoded there from the e4m3 codes the TMA copied in; a step moves ~150 KB
 read of the codes (32 KB each), the rope (8 KB), the query (18 KB), P (16 KB) and half the scores (8 KB).
 
 - the loader warpgroup copies each 64-key step by TMA (four ``[64, 128]`` code boxes, the rope and the four tile
-  scales of each key) into one of ``STAGES`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of 64);
+  scales of each key) into one of ``STAGES`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of 64). Two
+  stages, not four: with fewer bytes in flight the kernel ran faster at every size measured (below);
 - two scoring warpgroups take ``S^T = K Q^T`` (keys on wgmma's M side), the first (the default partition) of the
   rope and latent tiles 0 and 1, the second of tiles 2 and 3, which it hands to the first through shared memory
   (``_score_half``): each thread loads 16 contiguous code bytes of a key, converts them to float16 and hands them
@@ -31,7 +32,12 @@ per scheduler. Halving its loads and conversions (session 36, H100, one scoring 
 76.1, b128 140.3 -> 135.7, b64 ctx16384 270.9 -> 258.8, b32 45.4 -> 45.7. Each warpgroup alone (session 37, H100
 b64): the first scoring one 75.7, as long as the kernel, the second 70.7, the values 70.7, the copies 67.5. The
 scores on e4m3 tensor cores (branch ``rs-e4m3-scores``) took the H100's b64 to 70-73, but their sums raised the lse
-error from 2.3e-6 to 2.3e-3, which the gate flags (NOTES.md, session 35).
+error from 2.3e-6 to 2.3e-3, which the gate flags (NOTES.md, session 35). Until session 39 ptxas serialized every
+wgmma of the kernel (C7512: the second scoring warpgroup's 96 registers could not keep its products' operands in
+flight), with four stages. Products in flight with four stages ran faster only where memory was idle; with two,
+everywhere (H100, session 38's kernel -> this one, one call): b1 ctx8192 14.2 -> 13.1, b8 22.3 -> 19.3, b16 30.6 ->
+26.8, b32 45.8 -> 42.8, b64 76.0 -> 74.4, b128 135.9 -> 133.7, b64 ctx16384 262.8 -> 256.5, page 128 b64 76.3 ->
+73.8, b1 ctx65536 32.9 -> 29.2 (NOTES.md, session 39).
 
 Rows of the last step past the item's end are whatever the page holds (NaN in a poisoned cache): the scores mask
 them, their scales are zeroed before use and their values are zeroed in registers.
@@ -57,7 +63,7 @@ from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _tma_load
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
 
 ROWS = gl.constexpr(16)
-STAGES = gl.constexpr(4)  # 41 KB each
+STAGES = gl.constexpr(2)  # 41 KB each
 STEP_BYTES = gl.constexpr(KEYS * (NOPE + 2 * ROPE + 16))  # codes, bf16 rope, four float32 scales
 CODES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
@@ -100,23 +106,18 @@ SPLIT_PAIRS = gl.constexpr("""{
 }""")
 # The barriers (one allocation, by index):
 KREADY = gl.constexpr(0)   # + stage: the step is in (TMA)
-KFREE = gl.constexpr(4)    # + stage: the three multiplying warpgroups have it in registers
-PREADY = gl.constexpr(8)   # + buffer: P and its rescale factor are in
-PFREE = gl.constexpr(10)   # + buffer: the value warpgroup is done with them
-LREADY = gl.constexpr(12)  # the item's output factor is in (for the value warpgroup)
-LFREE = gl.constexpr(13)   # the value warpgroup has read it
-HREADY = gl.constexpr(14)  # + buffer: the second scoring warpgroup's half of the scores is in
-HFREE = gl.constexpr(16)   # + buffer: the first has read it
-BARRIERS = gl.constexpr(18)
-# 16 warps: 160 registers for the first scoring warpgroup, 232 for the values, 96 for the second, 24 for the loader.
-# With 96 the second cannot keep its products' operands in flight, and ptxas serializes every wgmma of the kernel
-# (C7512). ``PRODUCTS_IN_FLIGHT`` lifts that: the values 224, the second 112, the first 152 (which then waits for its
-# rope product before issuing its tiles', so that its step loop does not spill). On an H100 that ran 2-5% faster up
-# to ~620 keys per multiprocessor and 0.5-4% slower from ~750 (b24-b128 at 16 heads; NOTES.md, sessions 38 and
-# 39): the plan chooses it by keys per multiprocessor (``decode.PRODUCTS_IN_FLIGHT_MAX_KEYS_PER_SM``).
-# ``impls.triton.compile_check`` fails when ptxas's serialization of either split is not as said here.
-SERIALIZED_REGISTERS = gl.constexpr([232, 96, 24])
-IN_FLIGHT_REGISTERS = gl.constexpr([224, 112, 24])
+KFREE = gl.constexpr(2)    # + stage: the three multiplying warpgroups have it in registers
+PREADY = gl.constexpr(4)   # + buffer: P and its rescale factor are in
+PFREE = gl.constexpr(6)    # + buffer: the value warpgroup is done with them
+LREADY = gl.constexpr(8)   # the item's output factor is in (for the value warpgroup)
+LFREE = gl.constexpr(9)    # the value warpgroup has read it
+HREADY = gl.constexpr(10)  # + buffer: the second scoring warpgroup's half of the scores is in
+HFREE = gl.constexpr(12)   # + buffer: the first has read it
+BARRIERS = gl.constexpr(14)
+# 16 warps: 152 registers for the first scoring warpgroup, 224 for the values, 112 for the second, 24 for the loader.
+# With 96 the second cannot keep its products' operands in flight and ptxas serializes every wgmma of the kernel
+# (C7512; ``impls.triton.compile_check`` fails on it); the values then need 224 (216: serialized again), and the
+# first waits for its rope product before issuing its tiles' so that its step loop does not spill at 152.
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 
 
@@ -124,14 +125,10 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-    PRODUCTS_IN_FLIGHT: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows.
-    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now. ``LAZY_RESCALE``: the value
-    warpgroup skips the rescale of its accumulators in steps where no row's factor differs from 1 (long items).
-    ``PRODUCTS_IN_FLIGHT``: the register split under which ptxas does not serialize the wgmmas (few keys per
-    multiprocessor)."""
+    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now."""
     if EARLY_MERGE:
         _launch_dependents()
     q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
@@ -154,14 +151,14 @@ def _decode_split_kernel_rs_fp8(
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
                   qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-                  KEEP_PARTIALS, PRODUCTS_IN_FLIGHT)),
+                  KEEP_PARTIALS)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs,
-                  factors, to_out, bars, KEEP_PARTIALS, LAZY_RESCALE)),
+                  factors, to_out, bars, KEEP_PARTIALS)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
                        halves, bars)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
                  rope, scales, bars, PAGE_SIZE)),
-    ], [4, 4, 4], IN_FLIGHT_REGISTERS if PRODUCTS_IN_FLIGHT else SERIALIZED_REGISTERS)
+    ], [4, 4, 4], [224, 112, 24])
 
 
 @gluon.jit
@@ -190,11 +187,10 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
            num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr, PRODUCTS_IN_FLIGHT: gl.constexpr):
+           KEEP_PARTIALS: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
-    and the output factor for the value warpgroup. ``PRODUCTS_IN_FLIGHT`` (152 registers): the rope product is
-    done before the tiles' are issued."""
+    and the output factor for the value warpgroup."""
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
     g = 0
@@ -222,16 +218,11 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             r = gl.convert_layout(_operand_order(rope_raw, 8), OPERAND)  # see _issue_tile_scores
             s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
                                           is_async=True)
-            if PRODUCTS_IN_FLIGHT:
-                s_rope, r = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, r])
+            s_rope, r = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, r])  # LAUNCH_OPTIONS' comment
             p0, k0 = _issue_tile_scores(c0, 0, start, q_nope, zero)
             p1, k1 = _issue_tile_scores(c1, 1, start, q_nope, zero)
             x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end)  # while they run
-            if PRODUCTS_IN_FLIGHT:
-                p0, p1, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, k0, k1])
-            else:
-                s_rope, p0, p1, r, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0,
-                                                                      deps=[s_rope, p0, p1, r, k0, k1])
+            p0, p1, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, k0, k1])
             nope = p0 * x0[:, None] + p1 * x1[:, None]
             nope += _receive(halves.index(pb), ACC, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
             s = (s_rope + nope * q_down[None, :]) * qk_scale
@@ -344,7 +335,7 @@ def _step_scales(every, x, start, kv_end):
 
 @gluon.jit
 def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs, factors,
-           to_out, bars, KEEP_PARTIALS: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+           to_out, bars, KEEP_PARTIALS: gl.constexpr):
     """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each tile apart."""
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
@@ -382,13 +373,12 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
             alpha_rows = factors.index(pb).load(ACC_ROWS)
             # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
-            # ptxas wait for the products in flight. LAZY_RESCALE: skipped where every row's factor is 1 (neither a
-            # row's maximum nor the unit grew: most steps of a long item), which changes no output
-            # (decode.LAZY_RESCALE_MIN_KEYS).
-            if not LAZY_RESCALE or gl.min(gl.where(alpha_rows == 1.0, 1, 0), 0) == 0:
-                alpha = alpha_rows[None, :]
-                e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha,
-                                                  o2 * alpha, e3 * alpha, o3 * alpha)
+            # ptxas wait for the products in flight. Skipping the rescale in steps where every row's factor is 1
+            # (session 37's lazy rescale) was 0.4-1.7% slower at every size once the products were in flight
+            # (NOTES.md, session 39).
+            alpha = alpha_rows[None, :]
+            e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha, o2 * alpha,
+                                              e3 * alpha, o3 * alpha)
             e0 = hopper.warpgroup_mma(ve0, probs[0].index(pb), e0, is_async=True)
             o0 = hopper.warpgroup_mma(vo0, probs[0].index(pb), o0, is_async=True)
             e1 = hopper.warpgroup_mma(ve1, probs[1].index(pb), e1, is_async=True)

@@ -47,14 +47,9 @@ class Schedule:
         return len(self.program_items) - 1
 
     @property
-    def item_keys(self) -> int:
-        """The keys of all items: each row block counts its request's keys again."""
-        return sum(end - start for _, _, start, end, _ in self.items)
-
-    @property
     def mean_item_keys(self) -> float:
         """The keys of an item, on average (0 without items)."""
-        return self.item_keys / max(len(self.items), 1)
+        return sum(end - start for _, _, start, end, _ in self.items) / max(len(self.items), 1)
 
     @property
     def max_splits(self) -> int:
