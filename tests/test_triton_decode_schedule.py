@@ -74,13 +74,6 @@ def test_batch_one_with_a_long_context_is_split_to_fill_the_gpu():
     assert all(end - start >= 64 for _, _, start, end, _ in schedule.items[:-1])
 
 
-def test_the_mean_item_length_counts_every_item_and_its_keys():
-    kv_lens = [5000, 3, 0, 12000]
-    schedule = build_schedule([1] * 4, kv_lens, 16, 16, 64, programs=8, min_split=64)
-    assert schedule.mean_item_keys == sum(kv_lens) / len(schedule.items)
-    assert len(schedule.items) > len(kv_lens)  # cut: items, not requests, are counted
-
-
 def test_min_split_bounds_the_number_of_splits():
     schedule = build_schedule([1], [8192], 16, 16, 32, programs=264, min_split=256)
     assert all(end - start >= 256 for _, _, start, end, _ in schedule.items[:-1])

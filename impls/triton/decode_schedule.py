@@ -47,11 +47,6 @@ class Schedule:
         return len(self.program_items) - 1
 
     @property
-    def mean_item_keys(self) -> float:
-        """The keys of an item, on average (0 without items)."""
-        return sum(end - start for _, _, start, end, _ in self.items) / max(len(self.items), 1)
-
-    @property
     def max_splits(self) -> int:
         return max((count for *_, count in self.groups), default=1)
 
