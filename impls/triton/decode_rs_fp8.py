@@ -59,7 +59,7 @@ from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependent
                                        _step_page)
 from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _softmax_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
-from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _tma_load
+from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
 
 ROWS = gl.constexpr(16)
@@ -236,10 +236,8 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
         l_i = gl.sum(l_part, 0)
         seen = l_i > 0.0
         if tiles > 0:
-            mbarrier.wait(bars.index(LFREE), (nq & 1) ^ 1)
-            to_out.store(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0))
-            _cta_barrier()
-            mbarrier.arrive(bars.index(LREADY), count=1)
+            _send(to_out, gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), bars.index(LREADY), bars.index(LFREE),
+                  nq & 1)
             nq += 1
         _store_lse(gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf")), rows_s, ok_s, lse,
                    stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS, KEEP_PARTIALS)
@@ -271,10 +269,7 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
             _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end)  # while the products run
             p2, p3, k2, k3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p2, p3, k2, k3])
             half = p2 * x2[:, None] + p3 * x3[:, None]
-            mbarrier.wait(bars.index(HFREE + pb), ((g // 2) & 1) ^ 1)
-            halves.index(pb).store(half)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(HREADY + pb), count=1)
+            _send(halves.index(pb), half, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
             g += 1
 
 
@@ -371,12 +366,11 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             ve2, vo2 = _value_operands(w2)
             ve3, vo3 = _value_operands(w3)
             mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
-            alpha_rows = factors.index(pb).load(ACC_ROWS)
+            alpha = factors.index(pb).load(ACC_ROWS)[None, :]
             # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
             # ptxas wait for the products in flight. Skipping the rescale in steps where every row's factor is 1
             # (session 37's lazy rescale) was 0.4-1.7% slower at every size once the products were in flight
             # (NOTES.md, session 39).
-            alpha = alpha_rows[None, :]
             e0, o0, e1, o1, e2, o2, e3, o3 = (e0 * alpha, o0 * alpha, e1 * alpha, o1 * alpha, e2 * alpha, o2 * alpha,
                                               e3 * alpha, o3 * alpha)
             e0 = hopper.warpgroup_mma(ve0, probs[0].index(pb), e0, is_async=True)

@@ -179,11 +179,7 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
             acc0, acc1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
             _cta_barrier()
             mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
-            # The row sums, for the value warpgroup's normalization.
-            mbarrier.wait(bars.index(LFREE), (nq & 1) ^ 1)
-            sums.store(l_i)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(LREADY), count=1)
+            _send(sums, l_i, bars.index(LREADY), bars.index(LFREE), nq & 1)  # for the value warpgroup's normalization
             nq += 1
         _store_columns(1, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
                        part_out, KEEP_PARTIALS)
@@ -224,6 +220,17 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             nq += 1
         _store_columns(0, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
                        part_out, KEEP_PARTIALS)
+
+
+@gluon.jit
+def _send(buffer, value, ready, free, phase):
+    """A warpgroup's hand-off of ``value`` to another through ``buffer``, the counterpart of ``_receive`` with the
+    same ``phase``: waits until the receiver has read the buffer's previous contents (``free``; a new barrier passes
+    at once), stores, and once every warp has stored, arrives on ``ready``."""
+    mbarrier.wait(free, phase ^ 1)
+    buffer.store(value)
+    _cta_barrier()
+    mbarrier.arrive(ready, count=1)
 
 
 @gluon.jit
