@@ -10,8 +10,10 @@
 3. peers (``--peers flashinfer_mla``) judged and timed through their ``Impl`` adapters on the same shapes.
 
 Each shape's table row also gives ``copy@size``: the time of a device copy of the same bytes (``timing.time_copy``),
-what moving those bytes takes at all at that size. Writes ``decode_bench.json`` to ``--out`` (default ``$OUT``) and
-prints a table last. ``--once`` runs each configuration of the profile once, for a profiler, and times nothing.
+what moving those bytes takes at all at that size, and a quantized layout's row its time over the bf16 default's at
+the same shape (``x bf16``, the measure of the issue's quantized targets). Writes ``decode_bench.json`` to ``--out``
+(default ``$OUT``) and prints a table last. ``--once`` runs each configuration of the profile once, for a profiler,
+and times nothing.
 """
 
 from __future__ import annotations
@@ -260,6 +262,9 @@ OTHER_SHAPES = [Shape(16, 32, 4096, page_size=1), Shape(128, 32, 4096, page_size
                 Shape(16, 32, 4096, q_len=4), Shape(16, 32, 4096, q_len=2, layout="fp8_ds_mla"),
                 Shape(128, 32, 4096, layout="fp8_ds_mla"),
                 Shape(128, 32, 4096, layout="nvfp4")]
+# The quantized targets hold "at memory-bound shapes": beside b64 ctx4096 (QUANT_SHAPES), the issue's other two.
+QUANT_MEMORY_BOUND = [Shape(16, batch, ctx, layout=layout) for batch, ctx in ((128, 4096), (64, 16384))
+                      for layout in ("fp8_ds_mla", "nvfp4")]
 
 SMALL_ROWS = [None, _cfg(16, 64, 4, 2, 2), _cfg(16, 64, 8, 3), _cfg(16, 32, 4, 2, 3),
               _cfg(16, 32, 4, 3, 2, early_merge=True), _cfg(16, 64, 4, 2, 2, early_merge=True)]
@@ -285,7 +290,7 @@ PROFILES: dict[str, list[tuple[Shape, list]]] = {
                             if shape.layout in FP4_LAYOUTS else [])) for shape in QUANT_SHAPES]
         + [(Shape(128, 32, 4096, layout=layout), [None, _cfg(64, 64, 8, 2)]) for layout in ("fp8_ds_mla", "nvfp4")]
     ),
-    "final": [(shape, [None]) for shape in ISSUE_SHAPES + QUANT_SHAPES + OTHER_SHAPES],
+    "final": [(shape, [None]) for shape in ISSUE_SHAPES + QUANT_SHAPES + OTHER_SHAPES + QUANT_MEMORY_BOUND],
     "quant": (  # the quantized layouts' decode: each tile decoded once (default) or once per product
         [(Shape(16, 64, 4096), [None])]
         + [(shape, [None, _cfg(16, 32, 4, 3, 2, reread_values=True), _cfg(16, 64, 4, 2, 2), _cfg(16, 32, 4, 2, 3),
@@ -358,8 +363,20 @@ def check_tasks(entries: list[tuple[Shape, list]], peers: list[str], sweep: bool
 
 # ---- main -----------------------------------------------------------------------------------------------------------
 
+def against_bf16(records: list[dict]) -> None:
+    """Give each Triton record of a quantized layout ``x_bf16``, its time over the bf16 default's at the same shape
+    (the issue's quantized targets are this ratio); a record with no bf16 default beside it gets none."""
+    bf16 = {Shape(**r["shape"]): r["ms"] for r in records
+            if r["impl"] == "triton" and r["default"] and r["shape"]["layout"] == "bf16"}
+    for r in records:
+        base = bf16.get(Shape(**{**r["shape"], "layout": "bf16"}))
+        if r["impl"] == "triton" and r["shape"]["layout"] != "bf16" and base:
+            r["x_bf16"] = r["ms"] / base
+
+
 def print_table(records: list[dict]) -> None:
-    """Best Triton config per shape, the default, and each peer."""
+    """Best Triton config per shape, the default, and each peer; quantized rows with their time over bf16's
+    (``against_bf16``)."""
     rows: dict[tuple[str, str], dict] = {}
     for r in records:
         kind = r["impl"] if r["impl"] != "triton" else "best"
@@ -368,12 +385,12 @@ def print_table(records: list[dict]) -> None:
         if r["default"]:
             rows[r["label"], "default"] = r
     print(f"\n{'shape':34s} {'which':8s} {'config':30s} {'us':>7s} {'GB/s':>6s} {'copy':>5s} {'TFLOP/s':>7s} "
-          f"{'floor':>6s} {'copy@size':>9s}")
+          f"{'floor':>6s} {'copy@size':>9s} {'x bf16':>7s}")
     for (label, kind), r in sorted(rows.items(), key=lambda kv: (list(dict.fromkeys(x['label'] for x in records))
                                                                  .index(kv[0][0]), kv[0][1])):
         print(f"{label:34s} {kind:8s} {r['config']:30s} {r['ms'] * 1e3:7.1f} {r['GBps']:6.0f} "
               f"{r['copy_fraction']:5.2f} {r['TFLOPs']:7.0f} {r['floor_ms'] * 1e3:6.1f} "
-              f"{r['copy_same_bytes_ms'] * 1e3:9.1f}")
+              f"{r['copy_same_bytes_ms'] * 1e3:9.1f} " + (f"{r['x_bf16']:6.3f}x" if "x_bf16" in r else ""))
 
 
 def main() -> None:
@@ -419,6 +436,7 @@ def main() -> None:
     print(f"[ceilings] copy {ceilings.copy_gbps:.0f} GB/s (read+write), bf16 matmul {ceilings.matmul_tflops:.0f} "
           f"TFLOP/s, L2 {ceilings.l2_bytes >> 20} MiB", flush=True)
     records = run_latency(entries, args.peers, device, ceilings, checks, start + args.budget_s, args.repeat)
+    against_bf16(records)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
         json.dump({"env": env, "ceilings": ceilings.metrics(), "checks": checks, "latency": records}, f, indent=1)

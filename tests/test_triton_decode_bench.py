@@ -1,14 +1,16 @@
 """The decode benchmark's own pieces that run without a GPU: its correctness sweep covers what the issue asks,
-its device-drawn timing problems are valid inputs (the kernel on one matches float64 attention), and a profile
-narrows to the layouts asked for."""
+its device-drawn timing problems are valid inputs (the kernel on one matches float64 attention), a profile
+narrows to the layouts asked for, and a quantized row's time is put against bf16's at its own shape."""
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from suites.bench_decode import LAYOUTS, PROFILES, Shape, config_check_workload, correctness_workloads, \
-    select_entries, timing_problem, triton_impl
+from suites.bench_decode import LAYOUTS, PROFILES, Shape, against_bf16, config_check_workload, \
+    correctness_workloads, print_table, select_entries, timing_problem, triton_impl
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
 from reference.core import attend
@@ -53,3 +55,37 @@ def test_a_profile_narrows_to_the_layouts_asked_for():
         select_entries(PROFILES["rows64"], ["nvfp4", "fp4"])
     with pytest.raises(ValueError, match="no shape of the layouts"):
         select_entries(PROFILES["ncu"], ["mxfp4_nsa"])
+
+
+def _record(shape: Shape, ms: float, impl: str = "triton", default: bool = True) -> dict:
+    """A latency record as ``run_latency`` writes it, with only what the table and the ratio read."""
+    return {"shape": asdict(shape), "label": shape.label, "impl": impl, "config": "c",
+            "default": default and impl == "triton", "ms": ms,
+            "GBps": 1.0, "copy_fraction": 0.5, "TFLOPs": 1.0, "floor_ms": ms / 2, "copy_same_bytes_ms": ms / 2}
+
+
+def test_a_quantized_row_is_timed_against_the_bf16_default_of_its_own_shape(capsys):
+    bf16_b64, bf16_b128 = _record(Shape(16, 64, 4096), 0.1126), _record(Shape(16, 128, 4096), 0.2091)
+    other_config = _record(Shape(16, 64, 4096), 0.0999, default=False)  # not the default: not the base
+    peer = _record(Shape(16, 64, 4096), 0.0500, impl="flashinfer_mla")
+    fp8 = _record(Shape(16, 64, 4096, layout="fp8_ds_mla"), 0.0730)
+    fp8_b128 = _record(Shape(16, 128, 4096, layout="fp8_ds_mla"), 0.1321)
+    paged = _record(Shape(16, 64, 4096, page_size=128, layout="fp8_ds_mla"), 0.0723)  # no bf16 at page 128
+    peer_fp8 = _record(Shape(16, 64, 4096, layout="fp8_ds_mla"), 0.0600, impl="flashinfer_mla")
+    records = [fp8, bf16_b128, bf16_b64, other_config, peer, fp8_b128, paged, peer_fp8]  # a wrong base comes last
+    against_bf16(records)
+    assert fp8["x_bf16"] == pytest.approx(0.0730 / 0.1126)
+    assert fp8_b128["x_bf16"] == pytest.approx(0.1321 / 0.2091)
+    assert not {"x_bf16"} & (paged.keys() | peer_fp8.keys() | bf16_b64.keys() | other_config.keys())
+    print_table(records)
+    rows = {(line[:34].strip(), line[35:].split()[0]): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows[fp8["label"], "default"].endswith(f"{0.0730 / 0.1126:6.3f}x")
+    assert not rows[peer_fp8["label"], "flashinfer_mla"].rstrip().endswith("x")
+    assert not rows[paged["label"], "default"].rstrip().endswith("x")
+
+
+def test_every_quantized_shape_of_the_final_profile_has_its_bf16_shape_beside_it():
+    shapes = {shape for shape, _ in PROFILES["final"]}
+    quantized = {shape for shape in shapes if shape.layout != "bf16" and shape.heads == 16 and shape.q_len == 1}
+    assert {(s.batch, s.ctx) for s in quantized if s.layout == "fp8_ds_mla"} >= {(64, 4096), (128, 4096), (64, 16384)}
+    assert all(Shape(**{**asdict(s), "layout": "bf16"}) in shapes for s in quantized)
