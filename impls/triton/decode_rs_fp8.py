@@ -1,5 +1,5 @@
-"""The 16-row ``fp8_ds_mla`` decode split step in Gluon, warp-specialized, the codes decoded into wgmma's register
-operand: no decoded copy of a tile in shared memory.
+"""The 16-row ``fp8_ds_mla`` and ``fp8_e4m3`` decode split step in Gluon, warp-specialized, the codes decoded into
+wgmma's register operand: no decoded copy of a tile in shared memory.
 
 ``decode_ws`` decodes each 64-key step into float16 tiles in shared memory and multiplies from there; with 16 query
 rows on wgmma's N side every m64n16k16 product reads its 2 KB key operand from shared memory, and a step moves ~337
@@ -42,9 +42,16 @@ everywhere (H100, session 38's kernel -> this one, one call): b1 ctx8192 14.2 ->
 Rows of the last step past the item's end are whatever the page holds (NaN in a poisoned cache): the scores mask
 them, their scales are zeroed before use and their values are zeroed in registers.
 
-Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the cache as three TMA
-descriptors (``decode._tma_descriptors``): codes ``[slots, 656]`` e4m3 in ``[64, 128]`` boxes, rope ``[slots, 328]``
-bf16 in ``[64, 64]`` boxes, scales ``[slots, 164]`` float32 in ``[64, 4]`` boxes. Launch with ``LAUNCH_OPTIONS``.
+fp8_e4m3 (``E4M3``) runs the same step: its rope is e4m3 beside the codes (converted to bfloat16, exactly, for the
+rope product), it has no tile scales (every factor 1, so one P serves the four value tiles) and its layer scale is
+in the plan's ``qk_scale`` and ``out_scale``. Against decode_ws (H100, 16 heads, page 64, us; NOTES.md, session 40):
+b1 ctx8192 13.3 -> 12.7, b8 20.5 -> 18.3, b32 42.3 -> 38.0, b64 72.7 -> 64.7, b128 131.0 -> 116.3, b64 ctx16384
+251.5 -> 219.6.
+
+Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the cache as TMA descriptors
+(``decode._tma_descriptors``): codes ``[slots, 656]`` e4m3 in ``[64, 128]`` boxes, rope ``[slots, 328]`` bf16 in
+``[64, 64]`` boxes, scales ``[slots, 164]`` float32 in ``[64, 4]`` boxes; fp8_e4m3's codes and rope both from
+``[slots, 576]`` e4m3, in ``[64, 128]`` and ``[64, 64]`` boxes, and no scales. Launch with ``LAUNCH_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -65,7 +72,9 @@ from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage
 ROWS = gl.constexpr(16)
 STAGES = gl.constexpr(2)  # 41 KB each
 STEP_BYTES = gl.constexpr(KEYS * (NOPE + 2 * ROPE + 16))  # codes, bf16 rope, four float32 scales
+STEP_BYTES_E4M3 = gl.constexpr(KEYS * (NOPE + ROPE))  # fp8_e4m3: codes and rope, all e4m3
 CODES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+ROPE_E4M3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 HALVES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
@@ -125,22 +134,30 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
 def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    out_scale, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    E4M3: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows.
-    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now."""
+    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now. ``E4M3``: the cache is
+    fp8_e4m3 (rope in e4m3 too, no tile scales: one P for every tile; no ``scales_desc``), whose layer scale is in
+    ``qk_scale`` and, for outputs stored here rather than merged, ``out_scale``."""
     if EARLY_MERGE:
         _launch_dependents()
     q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     codes = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, KEYS, TILE], CODES_SMEM)  # stage b, tile t: 4b + t
-    rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     scales = gl.allocate_shared_memory(gl.float32, [STAGES, KEYS, 4], SCALES_SMEM)
-    # One allocation per tile scale (stores to one allocation at run-time indices get a barrier after each).
-    probs = (gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
-             gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
-             gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
-             gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM))
+    if E4M3:
+        rope = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, KEYS, ROPE], ROPE_E4M3_SMEM)
+        p_all = gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM)
+        probs = (p_all, p_all, p_all, p_all)  # no tile scales: one P serves the four tiles
+    else:
+        rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+        # One allocation per tile scale (stores to one allocation at run-time indices get a barrier after each).
+        probs = (gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
+                 gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
+                 gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
+                 gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM))
     factors = gl.allocate_shared_memory(gl.float32, [2, ROWS], FLAT)  # each P buffer's rescale of the outputs
     to_out = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)  # an item's output factor, for the value warpgroup
     halves = gl.allocate_shared_memory(gl.float32, [2, KEYS, ROWS], HALVES_SMEM)  # tiles 2 and 3's scores
@@ -151,19 +168,19 @@ def _decode_split_kernel_rs_fp8(
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
                   qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-                  KEEP_PARTIALS)),
-        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs,
-                  factors, to_out, bars, KEEP_PARTIALS)),
+                  KEEP_PARTIALS, E4M3)),
+        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes,
+                  probs, factors, to_out, bars, KEEP_PARTIALS, E4M3)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
-                       halves, bars)),
+                       halves, bars, E4M3)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
-                 rope, scales, bars, PAGE_SIZE)),
+                 rope, scales, bars, PAGE_SIZE, E4M3)),
     ], [4, 4, 4], [224, 112, 24])
 
 
 @gluon.jit
 def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
-          scales, bars, PAGE_SIZE: gl.constexpr):
+          scales, bars, PAGE_SIZE: gl.constexpr, E4M3: gl.constexpr):
     """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it."""
     table, items = _program_items(work, items_stride, item_counts)
     g = 0
@@ -176,18 +193,21 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
             bar = bars.index(KREADY + b)
             start = kv_start + j * KEYS
             row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
-            mbarrier.expect(bar, STEP_BYTES)
+            mbarrier.expect(bar, STEP_BYTES_E4M3 if E4M3 else STEP_BYTES)
             for t in gl.static_range(4):
                 _tma_load(codes_desc, [row, TILE * t], bar, codes.index(4 * b + t))
-            _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
-            _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
+            if E4M3:
+                _tma_load(rope_desc, [row, NOPE], bar, rope.index(b))
+            else:
+                _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
+                _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
             g += 1
 
 
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
            num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr):
+           KEEP_PARTIALS: gl.constexpr, E4M3: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
     and the output factor for the value warpgroup."""
@@ -212,16 +232,18 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             rope_raw = rope.index(b).load(ROPE_LOAD)
             c0 = codes.index(4 * b).load(CODES_LOAD)
             c1 = codes.index(4 * b + 1).load(CODES_LOAD)
-            scales_every, scales_keys = _load_scales(scales.index(b))
+            scales_every, scales_keys = _load_scales(scales.index(b), E4M3)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
+            if E4M3:  # e4m3 -> bfloat16 is exact
+                rope_raw = rope_raw.to(gl.float32).to(gl.bfloat16)
             r = gl.convert_layout(_operand_order(rope_raw, 8), OPERAND)  # see _issue_tile_scores
             s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
                                           is_async=True)
             s_rope, r = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, r])  # LAUNCH_OPTIONS' comment
             p0, k0 = _issue_tile_scores(c0, 0, start, q_nope, zero)
             p1, k1 = _issue_tile_scores(c1, 1, start, q_nope, zero)
-            x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end)  # while they run
+            x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end, E4M3)  # while they run
             p0, p1, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, k0, k1])
             nope = p0 * x0[:, None] + p1 * x1[:, None]
             nope += _receive(halves.index(pb), ACC, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
@@ -229,7 +251,7 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
             mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
             m_i, l_part, unit, _alpha = _softmax_to_probs(
-                s, False, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb), probs[3].index(pb)), x0, x1,
+                s, E4M3, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb), probs[3].index(pb)), x0, x1,
                 x2, x3, step_max, m_i, l_part, unit, factors.index(pb))
             mbarrier.arrive(bars.index(PREADY + pb), count=1)
             g += 1
@@ -245,7 +267,7 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
 
 @gluon.jit
 def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales, halves,
-                bars):
+                bars, E4M3: gl.constexpr):
     """The second scoring warpgroup: each item's query tiles 2 and 3, each step's scores of those (each by its tile
     scale) for the first."""
     table, items = _program_items(work, items_stride, item_counts)
@@ -261,12 +283,12 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
             c2 = codes.index(4 * b + 2).load(CODES_LOAD)
             c3 = codes.index(4 * b + 3).load(CODES_LOAD)
-            scales_every, scales_keys = _load_scales(scales.index(b))
+            scales_every, scales_keys = _load_scales(scales.index(b), E4M3)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
             p2, k2 = _issue_tile_scores(c2, 2, start, q_nope, zero)
             p3, k3 = _issue_tile_scores(c3, 3, start, q_nope, zero)
-            _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end)  # while the products run
+            _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end, E4M3)  # while the products run
             p2, p3, k2, k3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p2, p3, k2, k3])
             half = p2 * x2[:, None] + p3 * x3[:, None]
             _send(halves.index(pb), half, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
@@ -309,15 +331,21 @@ def _code_operand(tile_codes):
 
 
 @gluon.jit
-def _load_scales(tile):
-    """A step's ``[64 keys, 4]`` tile scales from its stage, in the two layouts ``_step_scales`` takes."""
+def _load_scales(tile, E4M3: gl.constexpr):
+    """A step's ``[64 keys, 4]`` tile scales from its stage, in the two layouts ``_step_scales`` takes (``E4M3``:
+    none, ones)."""
+    if E4M3:
+        return gl.full([KEYS, 4], 1.0, gl.float32, SCALES_EVERY), gl.full([KEYS, 4], 1.0, gl.float32, SCALES_KEYS)
     return tile.load(SCALES_EVERY), tile.load(SCALES_KEYS)
 
 
 @gluon.jit
-def _step_scales(every, x, start, kv_end):
+def _step_scales(every, x, start, kv_end, E4M3: gl.constexpr):
     """A step's four per-key tile scales (``_load_scales``) along ACC's keys and their maximum, zero for keys at or
-    past ``kv_end`` (their slots may hold anything)."""
+    past ``kv_end`` (their slots may hold anything); ``E4M3``: ones (masked keys get -inf scores)."""
+    if E4M3:
+        one = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
+        return one, one, one, one, gl.to_tensor(1.0)
     seen = (start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_EVERY)))[:, None] < kv_end
     largest = gl.max(gl.max(gl.where(seen, every, 0.0), 1), 0)
     x = gl.where((start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_KEYS)))[:, None] < kv_end, x, 0.0)
@@ -329,9 +357,10 @@ def _step_scales(every, x, start, kv_end):
 
 
 @gluon.jit
-def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, codes, probs, factors,
-           to_out, bars, KEEP_PARTIALS: gl.constexpr):
-    """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each tile apart."""
+def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes, probs,
+           factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, E4M3: gl.constexpr):
+    """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each tile apart
+    (``E4M3``: outputs stored here, not merged, times the layer's ``out_scale``)."""
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
     g = 0
@@ -389,6 +418,8 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
         if tiles > 0:
             factor = _receive(to_out, ACC_ROWS, bars.index(LREADY), bars.index(LFREE), nq & 1)
             nq += 1
+            if E4M3 and slot_out < 0:
+                factor = factor * out_scale
         _store_tile(0, e0, o0, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
                     num_heads, KEEP_PARTIALS)
         _store_tile(1, e1, o1, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
