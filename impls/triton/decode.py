@@ -157,9 +157,9 @@ class DecodeConfig:
     ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
     the FP4 layouts in 16 rows. ``tma_loader``: where pages hold whole 64-key tiles and the cache (and for bf16 the
     query) is contiguous, 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, one warpgroup
-    scores, one multiplies values) and decode_ws's tile of fp8_ds_mla runs ``decode_rs_fp8`` (a TMA loader, two
-    scoring warpgroups and one of values, the codes decoded into wgmma's register operands, no decoded tile in
-    shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere."""
+    scores, one multiplies values) and decode_ws's tile of fp8_ds_mla and fp8_e4m3 runs ``decode_rs_fp8`` (a TMA
+    loader, two scoring warpgroups and one of values, the codes decoded into wgmma's register operands, no decoded
+    tile in shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere."""
 
     block_m: int = 16
     block_n: int = 32
