@@ -19,6 +19,7 @@ from impls.triton import common, decode
 from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
+from impls.triton.decode_schedule import build_schedule
 from impls.triton import decode_wgmma_quantized
 from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
@@ -269,10 +270,11 @@ def test_64_row_bf16_blocks_take_the_wgmma_kernel_on_hopper_only():
 
 
 def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only():
-    for heads, q_len, layout in ((16, 2, "fp8_ds_mla"), (32, 1, "fp8_ds_mla_pow2"), (20, 1, "fp8_ds_mla")):
-        config = decode.default_config(heads, q_len, layout, 64, hopper=True)
+    for heads, q_len, layout, page_size in ((16, 2, "fp8_ds_mla", 16), (32, 1, "fp8_ds_mla_pow2", 48),
+                                            (20, 1, "fp8_ds_mla", 64)):
+        config = decode.default_config(heads, q_len, layout, page_size, hopper=True)
         assert config.gluon and (config.block_m, config.num_warps) == (32, 8)  # decode_wgmma_fp8
-        assert not decode.default_config(heads, q_len, layout, 64, hopper=False).gluon
+        assert not decode.default_config(heads, q_len, layout, page_size, hopper=False).gluon
     for heads, layout, page_size in ((16, "fp8_ds_mla", 64), (8, "fp8_ds_mla_pow2", 1), (16, "fp8_ds_mla", 48)):
         for keys_per_sm in (0.0, 1e6):  # decode_ws at every size (decode_mma_fp8 no longer a default)
             config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=keys_per_sm, hopper=True)
@@ -280,7 +282,26 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
             assert config.programs_per_sm == 1  # 12 warps at 168 registers fill a multiprocessor
             off_hopper = decode.default_config(heads, 1, layout, page_size, keys_per_sm=keys_per_sm, hopper=False)
             assert not off_hopper.gluon
-    assert not decode.default_config(16, 2, "fp8_e4m3", 64, hopper=True).gluon
+    assert not decode.default_config(16, 2, "fp8_e4m3", 16, hopper=True).gluon
+
+
+def test_32_rows_of_fp8_in_pages_of_whole_steps_take_two_16_row_blocks_through_the_register_operand_kernel():
+    """32 query rows a request (16 heads x 2 tokens, 32 heads, 8 heads x 4 tokens) of fp8_ds_mla or fp8_e4m3 on
+    Hopper, in pages of whole 64-key steps: decode_ws's 16-row tile, which takes decode_rs_fp8 where the cache takes
+    TMA, each request's two row blocks side by side over its keys; rows that would leave a block part empty (20
+    heads), pages of other sizes and other GPUs keep their 32-row kernels."""
+    for heads, q_len, layout, page_size in ((16, 2, "fp8_ds_mla", 64), (32, 1, "fp8_ds_mla_pow2", 128),
+                                            (16, 2, "fp8_e4m3", 64), (8, 4, "fp8_e4m3", 128)):
+        assert decode.default_config(heads, q_len, layout, page_size, 1e6, hopper=True) == decode.WS_CONFIG
+        assert decode.default_config(heads, q_len, layout, page_size, hopper=False).block_m == 32
+        problem = build_problem(workload(layout, page_size, ((q_len, q_len), (130, 64)), heads=heads))
+        assert decode._tma_descriptors(problem.q, problem.cache, decode.WS_CONFIG) is not None  # decode_rs_fp8
+        schedule = build_schedule([q_len] * 2, [130, 64], heads, 16, 64, programs=8, min_split=64)
+        assert sorted(item[:4] for item in schedule.items) == [(0, 0, 0, 130), (0, 1, 0, 130), (1, 0, 0, 64),
+                                                               (1, 1, 0, 64)]  # each request's two blocks, same keys
+    for heads, q_len, layout, page_size in ((20, 1, "fp8_ds_mla", 64), (16, 2, "fp8_e4m3", 16),
+                                            (16, 2, "fp8_ds_mla", 48), (16, 2, "nvfp4", 64)):
+        assert decode.default_config(heads, q_len, layout, page_size, hopper=True).block_m == 32
 
 
 def test_64_row_quantized_blocks_take_the_gluon_kernel_on_hopper_only():

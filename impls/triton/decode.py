@@ -224,8 +224,12 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     heads, or 16 heads x 4 tokens): the wgmma path, 8 warps (the 64x512 float32 output needs two warpgroups); bf16
     on Hopper runs the Gluon kernel (``decode_wgmma``: the score product once, not once per warpgroup; H100, 128
     heads b32: 158.6 -> 105.7 us, NOTES.md round 11); fp8_ds_mla there decodes its tiles once per product (decoded
-    once, its float16 path spills registers). 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's
-    M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of
+    once, its float16 path spills registers). 32 rows of fp8_ds_mla or fp8_e4m3 on Hopper in pages of whole 64-key
+    steps, as two full 16-row blocks (16 heads x 2 tokens, 32 heads): decode_ws's tile, so decode_rs_fp8 where the
+    cache takes TMA, the two blocks of a request side by side over its keys (H100 b32 against the 32-row kernels:
+    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40); other 32 rows of fp8_ds_mla on Hopper:
+    the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4
+    us, NOTES.md session 13); 16 rows of
     fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
     ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19, and faster at every
     batch since session 21); 16 rows of nvfp4 on Hopper from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the
@@ -268,6 +272,8 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
+    if block_m == 32 and hopper and layout in RS_FP8_LAYOUTS and page_size % 64 == 0 and rows % 16 == 0:
+        return WS_CONFIG  # two full 16-row blocks a request, side by side through decode_rs_fp8
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
