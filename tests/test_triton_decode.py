@@ -285,14 +285,16 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
     assert not decode.default_config(16, 2, "fp8_e4m3", 16, hopper=True).gluon
 
 
-def test_32_rows_of_fp8_in_pages_of_whole_steps_take_two_16_row_blocks_through_the_register_operand_kernel():
+def test_32_rows_a_request_of_fp8_and_nvfp4_take_two_16_row_blocks_side_by_side():
     """32 query rows a request (16 heads x 2 tokens, 32 heads, 8 heads x 4 tokens) of fp8_ds_mla or fp8_e4m3 on
     Hopper, in pages of whole 64-key steps: decode_ws's 16-row tile, which takes decode_rs_fp8 where the cache takes
-    TMA, each request's two row blocks side by side over its keys; rows that would leave a block part empty (20
-    heads), pages of other sizes and other GPUs keep their 32-row kernels."""
+    TMA, each request's two row blocks side by side over its keys; nvfp4 likewise where decode_ws runs its 16 rows;
+    rows that would leave a block part empty (20 heads), pages of other sizes, the other layouts and other GPUs keep
+    their 32-row kernels."""
     for heads, q_len, layout, page_size in ((16, 2, "fp8_ds_mla", 64), (32, 1, "fp8_ds_mla_pow2", 128),
                                             (16, 2, "fp8_e4m3", 64), (8, 4, "fp8_e4m3", 128)):
         assert decode.default_config(heads, q_len, layout, page_size, 1e6, hopper=True) == decode.WS_CONFIG
+        assert decode.default_config(heads, q_len, layout, page_size, 0.0, hopper=True).block_m == 16
         assert decode.default_config(heads, q_len, layout, page_size, hopper=False).block_m == 32
         problem = build_problem(workload(layout, page_size, ((q_len, q_len), (130, 64)), heads=heads))
         assert decode._tma_descriptors(problem.q, problem.cache, decode.WS_CONFIG) is not None  # decode_rs_fp8
@@ -300,8 +302,14 @@ def test_32_rows_of_fp8_in_pages_of_whole_steps_take_two_16_row_blocks_through_t
         assert sorted(item[:4] for item in schedule.items) == [(0, 0, 0, 130), (0, 1, 0, 130), (1, 0, 0, 64),
                                                                (1, 1, 0, 64)]  # each request's two blocks, same keys
     for heads, q_len, layout, page_size in ((20, 1, "fp8_ds_mla", 64), (16, 2, "fp8_e4m3", 16),
-                                            (16, 2, "fp8_ds_mla", 48), (16, 2, "nvfp4", 64)):
-        assert decode.default_config(heads, q_len, layout, page_size, hopper=True).block_m == 32
+                                            (16, 2, "fp8_ds_mla", 48), (16, 2, "mxfp4_nsa", 64),
+                                            (16, 2, "fp4_mx16", 64), (16, 2, "bf16", 64)):
+        assert decode.default_config(heads, q_len, layout, page_size, 1e6, hopper=True).block_m == 32
+    # nvfp4 where decode_ws runs its 16 rows (WS_MIN_KEYS_PER_SM), as two blocks side by side; below, 32 rows.
+    many = decode.WS_MIN_KEYS_PER_SM["nvfp4"]
+    assert decode.default_config(16, 2, "nvfp4", 64, many, hopper=True) == decode.WS_CONFIG
+    assert decode.default_config(16, 2, "nvfp4", 64, many - 1, hopper=True).block_m == 32
+    assert decode.default_config(16, 2, "nvfp4", 16, many, hopper=True).block_m == 32
 
 
 def test_64_row_quantized_blocks_take_the_gluon_kernel_on_hopper_only():

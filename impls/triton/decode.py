@@ -227,7 +227,9 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     once, its float16 path spills registers). 32 rows of fp8_ds_mla or fp8_e4m3 on Hopper in pages of whole 64-key
     steps, as two full 16-row blocks (16 heads x 2 tokens, 32 heads): decode_ws's tile, so decode_rs_fp8 where the
     cache takes TMA, the two blocks of a request side by side over its keys (H100 b32 against the 32-row kernels:
-    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40); other 32 rows of fp8_ds_mla on Hopper:
+    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 where decode_ws runs
+    its 16 rows (``WS_MIN_KEYS_PER_SM``; b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2; not mxfp4_nsa,
+    fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of fp8_ds_mla on Hopper:
     the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4
     us, NOTES.md session 13); 16 rows of
     fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
@@ -272,8 +274,9 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
-    if block_m == 32 and hopper and layout in RS_FP8_LAYOUTS and page_size % 64 == 0 and rows % 16 == 0:
-        return WS_CONFIG  # two full 16-row blocks a request, side by side through decode_rs_fp8
+    two_blocks = layout in RS_FP8_LAYOUTS or (layout == "nvfp4" and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout])
+    if block_m == 32 and hopper and two_blocks and page_size % 64 == 0 and rows % 16 == 0:
+        return WS_CONFIG  # two full 16-row blocks a request, side by side (decode_rs_fp8 for fp8)
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
