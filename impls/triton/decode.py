@@ -229,10 +229,9 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     cache takes TMA, the two blocks of a request side by side over its keys (H100 b32 against the 32-row kernels:
     fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 where decode_ws runs
     its 16 rows (``WS_MIN_KEYS_PER_SM``; b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2; not mxfp4_nsa,
-    fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of fp8_ds_mla on Hopper:
-    the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4
-    us, NOTES.md session 13); 16 rows of
-    fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
+    fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys
+    on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13);
+    16 rows of fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
     ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19, and faster at every
     batch since session 21); 16 rows of nvfp4 on Hopper from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the
     same warp-specialized kernel (H200, 16 heads b64: 91.9 -> 78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and

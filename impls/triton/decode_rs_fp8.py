@@ -114,15 +114,15 @@ SPLIT_PAIRS = gl.constexpr("""{
     cvt.rn.f16x2.e4m3x2 $1, odd;
 }""")
 # The barriers (one allocation, by index):
-KREADY = gl.constexpr(0)   # + stage: the step is in (TMA)
-KFREE = gl.constexpr(2)    # + stage: the three multiplying warpgroups have it in registers
-PREADY = gl.constexpr(4)   # + buffer: P and its rescale factor are in
-PFREE = gl.constexpr(6)    # + buffer: the value warpgroup is done with them
-LREADY = gl.constexpr(8)   # the item's output factor is in (for the value warpgroup)
-LFREE = gl.constexpr(9)    # the value warpgroup has read it
-HREADY = gl.constexpr(10)  # + buffer: the second scoring warpgroup's half of the scores is in
-HFREE = gl.constexpr(12)   # + buffer: the first has read it
-BARRIERS = gl.constexpr(14)
+KREADY = gl.constexpr(0)                  # + stage: the step is in (TMA)
+KFREE = gl.constexpr(KREADY + STAGES)     # + stage: the three multiplying warpgroups have it in registers
+PREADY = gl.constexpr(KFREE + STAGES)     # + buffer (2): P and its rescale factor are in
+PFREE = gl.constexpr(PREADY + 2)          # + buffer: the value warpgroup is done with them
+LREADY = gl.constexpr(PFREE + 2)          # the item's output factor is in (for the value warpgroup)
+LFREE = gl.constexpr(LREADY + 1)          # the value warpgroup has read it
+HREADY = gl.constexpr(LFREE + 1)          # + buffer (2): the second scoring warpgroup's half of the scores is in
+HFREE = gl.constexpr(HREADY + 2)          # + buffer: the first has read it
+BARRIERS = gl.constexpr(HFREE + 2)
 # 16 warps: 152 registers for the first scoring warpgroup, 224 for the values, 112 for the second, 24 for the loader.
 # With 96 the second cannot keep its products' operands in flight and ptxas serializes every wgmma of the kernel
 # (C7512; ``impls.triton.compile_check`` fails on it); the values then need 224 (216: serialized again), and the
