@@ -438,13 +438,15 @@ def test_the_warp_specialized_64_row_kernel_takes_pages_of_whole_tiles_and_a_con
     assert decode._tma_descriptors(fp8.q, fp8.cache, wgmma) is None
 
 
-def test_the_register_operand_fp8_kernel_takes_pages_of_whole_steps_and_a_contiguous_cache():
-    """decode_rs_fp8's TMA descriptors (codes, rope, tile scales) are made where it can run (16 rows of fp8_ds_mla or
-    fp8_e4m3 in the warp-specialized tile, pages of whole 64-key steps, a cache contiguous from a 16-byte boundary,
-    ``tma_loader`` on), and nowhere else: there decode_ws decodes the tiles into shared memory. fp8_e4m3's rope is
-    e4m3 beside its codes and it has no tile scales."""
+def test_the_register_operand_kernel_takes_pages_of_whole_steps_and_a_contiguous_cache():
+    """decode_rs_fp8's TMA descriptors (codes, rope, scales) are made where it can run (16 rows of fp8_ds_mla,
+    fp8_e4m3 or nvfp4 in the warp-specialized tile, pages of whole 64-key steps, a cache contiguous from a 16-byte
+    boundary, ``tma_loader`` on), and nowhere else: there decode_ws decodes the tiles into shared memory. fp8_e4m3's
+    rope is e4m3 beside its codes and it has no scales; nvfp4's scales are a chunk's 16 e4m3 block scales a key."""
     ws = _ws()
-    for layout in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"):
+    scales_box = {"fp8_ds_mla": ([64, 4], torch.float32), "fp8_ds_mla_pow2": ([64, 4], torch.float32),
+                  "nvfp4": ([64, 16], torch.float8_e4m3fn)}
+    for layout in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4"):
         for page_size, runs in [(64, True), (128, True), (16, False), (48, False), (1, False)]:
             problem = build_problem(workload(layout, page_size, VARLEN, heads=16))
             descriptors = decode._tma_descriptors(problem.q, problem.cache, ws)
@@ -453,13 +455,17 @@ def test_the_register_operand_fp8_kernel_takes_pages_of_whole_steps_and_a_contig
                 codes, rope, scales = descriptors
                 assert codes.block_shape == [64, 128] and rope.block_shape == [64, 64]
                 assert codes.base.dtype == torch.float8_e4m3fn
+                assert codes.base.shape[1] == problem.cache.layout.bytes_per_token
                 assert (scales is None) == (layout == "fp8_e4m3")
+                if scales is not None:
+                    assert (scales.block_shape, scales.base.dtype) == scales_box[layout]
                 assert rope.base.dtype == (torch.float8_e4m3fn if layout == "fp8_e4m3" else torch.bfloat16)
     problem = build_problem(workload("fp8_ds_mla", 64, VARLEN, heads=16))
     assert decode._tma_descriptors(problem.q, problem.cache, _ws(tma_loader=False)) is None
     assert decode._tma_descriptors(problem.q, problem.cache, _quantized_wgmma(32)) is None
-    nvfp4 = build_problem(workload("nvfp4", 64, VARLEN, heads=16))
-    assert decode._tma_descriptors(nvfp4.q, nvfp4.cache, ws) is None
+    for layout in ("mxfp4_nsa", "fp4_mx16"):
+        other = build_problem(workload(layout, 64, VARLEN, heads=16))
+        assert decode._tma_descriptors(other.q, other.cache, ws) is None
     data = problem.cache.data
     shifted = torch.empty(data.numel() + 1, dtype=data.dtype)[1:].view(data.shape)
     shifted.copy_(data)  # contiguous, one byte past a 16-byte boundary: TMA cannot address it
@@ -586,6 +592,8 @@ RS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in 
     ("fp8_ds_mla", 128, ((2, 1), (300, 64)), 8, 5, True), ("fp8_ds_mla", 64, ((1, 1), (4100, 1)), 16, None, None),
     ("fp8_e4m3", 64, SINGLE, 16, None, None), ("fp8_e4m3", 128, VARLEN, 20, 3, True),
     ("fp8_e4m3", 64, ((2, 1, 2), (300, 64, 0)), 16, None, None),
+    ("nvfp4", 64, SINGLE, 16, None, None), ("nvfp4", 128, VARLEN, 20, 3, True),
+    ("nvfp4", 64, ((2, 1, 2), (300, 64, 0)), 16, None, None),
 ]
 
 
@@ -594,13 +602,14 @@ RS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in 
 @pytest.mark.parametrize("layout, page_size, mix, heads, splits, keep", RS_CASES,
                          ids=["ps64", "ps64-mtp-h4", "pow2-ps128-h20-split2", "ps64-varlen-split3",
                               "ps128-h8-split5", "ps64-long", "e4m3-ps64", "e4m3-ps128-h20-split3",
-                              "e4m3-ps64-mtp-direct"])
-def test_the_16_row_fp8_kernels_in_pages_of_whole_steps_pass_the_judge_on_hopper(layout, page_size, mix, heads,
-                                                                                  splits, keep, tma_loader):
-    """16 rows of fp8_ds_mla or fp8_e4m3 in pages of whole steps run decode_rs_fp8 (keys decoded into wgmma's register
-    operand), and decode_ws where ``tma_loader`` is off: the last step of an item past its end (the page's unused
-    slots hold NaN, in the codes, the rope and the tile scales), empty and one-key requests, MTP rows, padded heads,
-    splits, an item of 65 steps, and fp8_e4m3's layer scale on outputs stored directly and merged."""
+                              "e4m3-ps64-mtp-direct", "nvfp4-ps64", "nvfp4-ps128-h20-split3",
+                              "nvfp4-ps64-mtp-direct"])
+def test_the_16_row_quantized_kernels_in_pages_of_whole_steps_pass_the_judge_on_hopper(layout, page_size, mix, heads,
+                                                                                       splits, keep, tma_loader):
+    """16 rows of fp8_ds_mla, fp8_e4m3 or nvfp4 in pages of whole steps run decode_rs_fp8 (keys decoded into wgmma's
+    register operand), and decode_ws where ``tma_loader`` is off: the last step of an item past its end (the page's
+    unused slots hold NaN, in the codes, the rope and the scales), empty and one-key requests, MTP rows, padded heads,
+    splits, an item of 65 steps, and the layer scales of fp8_e4m3 and nvfp4 on outputs stored directly and merged."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
@@ -678,9 +687,11 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
                                                        (_ws(num_splits=2), "mxfp4_nsa", 16),
                                                        (_ws(num_splits=2), "fp4_mx16", 16),
                                                        (_ws(num_splits=2), "fp8_e4m3", 16),
-                                                       (_ws(num_splits=2), "fp8_e4m3", 64)],
+                                                       (_ws(num_splits=2), "fp8_e4m3", 64),
+                                                       (_ws(num_splits=2), "nvfp4", 64)],
                          ids=["wgmma32", "wgmma64", "wgmma64-e4m3", "wgmma64-nvfp4", "wgmma64-mxfp4", "mma16", "ws16",
-                              "rs16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16", "ws16-e4m3", "rs16-e4m3"])
+                              "rs16", "ws16-nvfp4", "ws16-mxfp4", "ws16-mx16", "ws16-e4m3", "rs16-e4m3",
+                              "rs16-nvfp4"])
 def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_factor, kv_factor, config, layout,
                                                                             page_size):
     """Tile scales (fp8_ds_mla), layer scales (nvfp4, fp8_e4m3) or block exponents (mxfp4_nsa, fp4_mx16) and
@@ -862,9 +873,11 @@ def test_a_planted_bug_through_the_wgmma_kernels_fails_the_judge(tma_loader):
                                                        (_quantized_wgmma(64), "mxfp4_nsa", 64),
                                                        (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_ws(), "fp8_ds_mla", 64), (_ws(), "fp8_e4m3", 64),
-                                                       (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
+                                                       (_ws(), "nvfp4", 64), (_narrow(16), "bf16", 1),
+                                                       (_narrow(32), "bf16", 64)],
                          ids=["fp8-wgmma32", "fp8-wgmma64", "e4m3-wgmma64", "nvfp4-wgmma64-ps1", "mxfp4-wgmma64",
-                              "fp8-mma16", "fp8-ws16-ps1", "fp8-rs16", "e4m3-rs16", "narrow16-ps1", "narrow32"])
+                              "fp8-mma16", "fp8-ws16-ps1", "fp8-rs16", "e4m3-rs16", "nvfp4-rs16", "narrow16-ps1",
+                              "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):
@@ -873,8 +886,8 @@ def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, 
     impl = SkipsTheLastKey()
     impl.config = config
     problem = build_problem(workload(layout, page_size, SINGLE, heads=16, seed=11), device)
-    rs_fp8 = (config, page_size) == (_ws(), 64)  # the one case decode_rs_fp8 runs (TMA descriptors)
-    assert (impl.checked_plan(problem).descriptors is not None) == rs_fp8
+    rs = (config, page_size) == (_ws(), 64)  # the one case decode_rs_fp8 runs (TMA descriptors)
+    assert (impl.checked_plan(problem).descriptors is not None) == rs
     verdict = judge(impl, problem)
     assert verdict.status == "failed", "the Gluon kernel ignored the item's end"
     assert verdict.violations

@@ -11,8 +11,9 @@ hold whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores 
 ``decode_wgmma`` in other pages: the score product once across both warpgroups, where Triton's layout rule computes
 it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over
 the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, tiles copied straight into its
-operands), 16 rows of fp8_ds_mla and fp8_e4m3 in pages of whole 64-key steps (``decode_rs_fp8``: warp-specialized,
-copied by TMA, the codes decoded into wgmma's register operands), 16 rows of the quantized layouts elsewhere
+operands), 16 rows of fp8_ds_mla, fp8_e4m3 and nvfp4 in pages of whole 64-key steps (``decode_rs_fp8``:
+warp-specialized, copied by TMA, the codes decoded into wgmma's register operands), 16 rows of the quantized layouts
+elsewhere
 (``decode_ws``: warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla
 (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16
 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no default since decode_ws beat it at every
@@ -114,7 +115,7 @@ MERGE_VALUES = 2048
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
-RS_FP8_LAYOUTS = FP8_DS_MLA + ("fp8_e4m3",)  # decode_rs_fp8's, in pages of whole steps (_tma_descriptors)
+RS_LAYOUTS = FP8_DS_MLA + ("fp8_e4m3", "nvfp4")  # decode_rs_fp8's, in pages of whole steps (_tma_descriptors)
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's 64-row
 # bf16 kernel, decode_wgmma_quantized's 64-row one (fp8 and two FP4 layouts), decode_wgmma_narrow's 16- and 32-row bf16
 # one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12
@@ -157,7 +158,7 @@ class DecodeConfig:
     ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
     the FP4 layouts in 16 rows. ``tma_loader``: where pages hold whole 64-key tiles and the cache (and for bf16 the
     query) is contiguous, 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, one warpgroup
-    scores, one multiplies values) and decode_ws's tile of fp8_ds_mla and fp8_e4m3 runs ``decode_rs_fp8`` (a TMA
+    scores, one multiplies values) and decode_ws's tile of fp8_ds_mla, fp8_e4m3 and nvfp4 runs ``decode_rs_fp8`` (a TMA
     loader, two scoring warpgroups and one of values, the codes decoded into wgmma's register operands, no decoded
     tile in shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere."""
 
@@ -228,7 +229,8 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     steps, as two full 16-row blocks (16 heads x 2 tokens, 32 heads): decode_ws's tile, so decode_rs_fp8 where the
     cache takes TMA, the two blocks of a request side by side over its keys (H100 b32 against the 32-row kernels:
     fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 where decode_ws runs
-    its 16 rows (``WS_MIN_KEYS_PER_SM``; b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2; not mxfp4_nsa,
+    its 16 rows (``WS_MIN_KEYS_PER_SM``; through decode_ws, b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2,
+    and decode_rs_fp8 since session 41; not mxfp4_nsa,
     fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys
     on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13);
     16 rows of fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
@@ -273,9 +275,9 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
-    two_blocks = layout in RS_FP8_LAYOUTS or (layout == "nvfp4" and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout])
+    two_blocks = layout in RS_LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]
     if block_m == 32 and hopper and two_blocks and page_size % 64 == 0 and rows % 16 == 0:
-        return WS_CONFIG  # two full 16-row blocks a request, side by side (decode_rs_fp8 for fp8)
+        return WS_CONFIG  # two full 16-row blocks a request, side by side (decode_rs_fp8 where TMA can copy)
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
@@ -381,13 +383,15 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
     kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
-    if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_FP8_LAYOUTS:
+    if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_LAYOUTS:
         _decode_split_kernel_rs_fp8[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), *plan.descriptors, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
-            plan.q.shape[1], plan.out_scale, PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
-            EARLY_MERGE=early_merge, E4M3=cache.layout.name == "fp8_e4m3", **decode_rs_fp8.LAUNCH_OPTIONS)
+            plan.q.shape[1], plan.nope_scale, plan.out_scale, PAGE_SIZE=cache.page_size,
+            KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
+            LAYOUT="fp8_ds_mla" if cache.layout.name in FP8_DS_MLA else cache.layout.name,
+            **decode_rs_fp8.LAUNCH_OPTIONS)
     elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and
         # decode_wgmma_quantized decode more than one layout, some with layer scales.
@@ -625,29 +629,33 @@ def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -
     """The TMA descriptors of the kernels that copy by TMA, where ``tma_loader`` is on, the pages hold whole 64-key
     tiles and the cache is contiguous from a 16-byte boundary (its rows are TMA rows): ``decode_wgmma_ws``'s of the
     query and the cache (``[rows, 576]`` bf16 in ``[64, 64]`` boxes) for 64 rows of bf16 in Gluon with a query
-    contiguous alike; ``decode_rs_fp8``'s of the cache's codes, rope and tile scales for decode_ws's tile of
-    fp8_ds_mla, and of fp8_e4m3's codes and e4m3 rope (no scales: None). Else None (``decode_wgmma`` copies key by
-    key, ``decode_ws`` decodes through registers)."""
+    contiguous alike; ``decode_rs_fp8``'s of the cache's codes, rope and scales for decode_ws's tile of fp8_ds_mla
+    (per-key tile scales), of nvfp4 (a 128-byte chunk's 16 block scales a key) and of fp8_e4m3 (e4m3 rope, no
+    scales: None). Else None (``decode_wgmma`` copies key by key, ``decode_ws`` decodes through registers)."""
     tile = decode_wgmma_ws.KEYS.value  # keys (and query rows) per box; 64 columns: the 128-byte swizzle
     wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
-    rs_fp8 = (config.gluon and cache.layout.name in RS_FP8_LAYOUTS
-              and (config.block_m, config.block_n, config.num_warps) == (16, tile, decode_ws.WARPS))
+    rs = (config.gluon and cache.layout.name in RS_LAYOUTS
+          and (config.block_m, config.block_n, config.num_warps) == (16, tile, decode_ws.WARPS))
     if not (config.tma_loader and cache.page_size % tile == 0 and _tma_rows(cache.data)):
         return None
     if wgmma_bf16 and _tma_rows(q):
         rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
         return tuple(TensorDescriptor.from_tensor(t, [tile, 64], SWIZZLED.value) for t in rows)
-    if rs_fp8 and cache.layout.name == "fp8_e4m3":
-        codes = cache.data.reshape(-1, cache.layout.bytes_per_token).view(torch.float8_e4m3fn)
-        return (TensorDescriptor.from_tensor(codes, [tile, TILE.value], decode_rs_fp8.CODES_SMEM.value),
-                TensorDescriptor.from_tensor(codes, [tile, ROPE.value], decode_rs_fp8.ROPE_E4M3_SMEM.value), None)
-    if rs_fp8:
-        slots = cache.data.reshape(-1, cache.layout.bytes_per_token)
-        return (TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn), [tile, TILE.value],
-                                             decode_rs_fp8.CODES_SMEM.value),
-                TensorDescriptor.from_tensor(slots.view(torch.bfloat16), [tile, ROPE.value], SWIZZLED.value),
-                TensorDescriptor.from_tensor(slots.view(torch.float32), [tile, 4], decode_rs_fp8.SCALES_SMEM.value))
-    return None
+    if not rs:
+        return None
+    slots = cache.data.reshape(-1, cache.layout.bytes_per_token)
+    codes = TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn), [tile, TILE.value],
+                                         decode_rs_fp8.CODES_SMEM.value)
+    if cache.layout.name == "fp8_e4m3":
+        return codes, TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn), [tile, ROPE.value],
+                                                   decode_rs_fp8.ROPE_E4M3_SMEM.value), None
+    rope = TensorDescriptor.from_tensor(slots.view(torch.bfloat16), [tile, ROPE.value], SWIZZLED.value)
+    if cache.layout.name == "nvfp4":
+        return codes, rope, TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn),
+                                                         [tile, decode_rs_fp8.BLOCKS.value],
+                                                         decode_rs_fp8.BLOCKS_SMEM.value)
+    return codes, rope, TensorDescriptor.from_tensor(slots.view(torch.float32), [tile, 4],
+                                                     decode_rs_fp8.SCALES_SMEM.value)
 
 
 def _tma_rows(t: torch.Tensor) -> bool:

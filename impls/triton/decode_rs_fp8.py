@@ -1,5 +1,5 @@
-"""The 16-row ``fp8_ds_mla`` and ``fp8_e4m3`` decode split step in Gluon, warp-specialized, the codes decoded into
-wgmma's register operand: no decoded copy of a tile in shared memory.
+"""The 16-row ``fp8_ds_mla``, ``fp8_e4m3`` and ``nvfp4`` decode split step in Gluon, warp-specialized, the codes
+decoded into wgmma's register operand: no decoded copy of a tile in shared memory.
 
 ``decode_ws`` decodes each 64-key step into float16 tiles in shared memory and multiplies from there; with 16 query
 rows on wgmma's N side every m64n16k16 product reads its 2 KB key operand from shared memory, and a step moves ~337
@@ -8,8 +8,8 @@ form), decoded there from the e4m3 codes the TMA copied in; a step moves ~150 KB
 read of the codes (32 KB each), the rope (8 KB), the query (18 KB), P (16 KB) and half the scores (8 KB).
 
 - the loader warpgroup copies each 64-key step by TMA (four ``[64, 128]`` code boxes, the rope and the four tile
-  scales of each key) into one of ``STAGES`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of 64). Two
-  stages, not four: with fewer bytes in flight the kernel ran faster at every size measured (below);
+  scales of each key) into one of ``stages(LAYOUT)`` stages; pages hold whole steps (``PAGE_SIZE`` a multiple of
+  64). Two fp8 stages, not four: with fewer bytes in flight the kernel ran faster at every size measured (below);
 - two scoring warpgroups take ``S^T = K Q^T`` (keys on wgmma's M side), the first (the default partition) of the
   rope and latent tiles 0 and 1, the second of tiles 2 and 3, which it hands to the first through shared memory
   (``_score_half``): each thread loads 16 contiguous code bytes of a key, converts them to float16 and hands them
@@ -48,14 +48,31 @@ in the plan's ``qk_scale`` and ``out_scale``. Against decode_ws (H100, 16 heads,
 b1 ctx8192 13.3 -> 12.7, b8 20.5 -> 18.3, b32 42.3 -> 38.0, b64 72.7 -> 64.7, b128 131.0 -> 116.3, b64 ctx16384
 251.5 -> 219.6.
 
+nvfp4 (session 41) runs the same partitions on its 416-byte rows: two ``[64, 128]`` boxes of packed e2m1 codes (a
+"chunk" of 256 columns each), each chunk's ``[64, 16]`` e4m3 block scales, the bf16 rope. Each scoring warpgroup
+scores one chunk (both of its tiles): a thread loads its words of the chunk and the block scales of its 16-column
+groups, decodes each word to eight float16 values times their block scale (``decode_ws``'s PTX, exact) in the
+layout the e4m3 tiles load in, so the score operands and the query's order are the fp8 kernel's. The value
+warpgroup loads each chunk transposed as 16-bit quads of columns (``ldmatrix.trans`` as for fp8's pairs), and each
+32-bit register (two keys' quads) becomes the float16 pairs of the quad's four columns, times the two keys' block
+scales: each key's scales of a thread lie in one 32-bit word of the scale tile (one load a key, the bytes picked by a
+permute), so the eight accumulators hold the columns by their place in a quad. No tile scales (one P), the layer
+scale of the latent keys in the query rows' factor (``nope_scale``) and in ``out_scale``. Against decode_ws (H100,
+16 heads, page 64, us; NOTES.md, session 41): b8 21.6 -> 19.4, b32 44.4 -> 40.8, b64 76.6 -> 71.3, b128 135.3 ->
+130.1, b64 ctx16384 254.1 -> 247.5.
+
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the cache as TMA descriptors
 (``decode._tma_descriptors``): codes ``[slots, 656]`` e4m3 in ``[64, 128]`` boxes, rope ``[slots, 328]`` bf16 in
 ``[64, 64]`` boxes, scales ``[slots, 164]`` float32 in ``[64, 4]`` boxes; fp8_e4m3's codes and rope both from
-``[slots, 576]`` e4m3, in ``[64, 128]`` and ``[64, 64]`` boxes, and no scales. Launch with ``LAUNCH_OPTIONS``.
+``[slots, 576]`` e4m3, in ``[64, 128]`` and ``[64, 64]`` boxes, and no scales; nvfp4's codes ``[slots, 416]`` e4m3
+(as bytes) in ``[64, 128]`` boxes, its block scales from the same view in ``[64, 16]`` boxes, its rope ``[slots,
+208]`` bf16 in ``[64, 64]`` boxes. Launch with ``LAUNCH_OPTIONS``; ``LAYOUT`` is one of ``LAYOUTS``
+(fp8_ds_mla_pow2 runs as fp8_ds_mla).
 """
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
@@ -67,16 +84,21 @@ from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependent
 from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _softmax_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
+from impls.triton.decode_ws import NVFP4_ROPE_AT, NVFP4_ROW_BYTES, NVFP4_SCALES_AT, e2m1_word_ptx
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
 
 ROWS = gl.constexpr(16)
-STAGES = gl.constexpr(2)  # 41 KB each
 STEP_BYTES = gl.constexpr(KEYS * (NOPE + 2 * ROPE + 16))  # codes, bf16 rope, four float32 scales
 STEP_BYTES_E4M3 = gl.constexpr(KEYS * (NOPE + ROPE))  # fp8_e4m3: codes and rope, all e4m3
+STEP_BYTES_NVFP4 = gl.constexpr(KEYS * NVFP4_ROW_BYTES)  # packed e2m1 codes, e4m3 block scales, bf16 rope
+BLOCKS = gl.constexpr(NOPE // 32)  # nvfp4's block scales of one 128-byte chunk of codes (256 columns)
 CODES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 ROPE_E4M3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+BLOCKS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+SCALE_WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 HALVES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
 # S^T [64 keys, 16 rows] and each O^T half-tile [64 column pairs, 16 rows].
@@ -101,6 +123,25 @@ SCALES_KEYS = gl.constexpr(gl.DistributedLinearLayout(
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4]))
 SCALES_EVERY = gl.constexpr(gl.BlockedLayout(size_per_thread=[2, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                              order=[1, 0]))
+# nvfp4's code chunk [64 keys, 32 words] (256 columns, eight to a word), each word taken eight times, once per
+# column: reshaped to [64, 256] it is CODES_LOAD's layout for both of the chunk's tiles (the tile the last register
+# bit), and so is a chunk's block scales [64 keys, 16 blocks] taken sixteen times (BLOCKS_SIXTEEN).
+WORDS_EIGHT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0], [8, 0, 0], [0, 16, 0]],
+    lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 32, 8]))
+BLOCKS_SIXTEEN = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 4, 0], [8, 0, 0], [0, 8, 0]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 16, 16]))
+# A chunk's block scales for the value operand, as 32-bit words of four ([64 keys, 4 words]), each word taken for the
+# 16 quads of columns its blocks cover ([64, 4, 4, 4]: key, word, block in the word, quad in the block): permuted
+# and reshaped to [64 quads, 64 keys] it is OPERAND's layout.
+KEY_WORD_QUADS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0, 0, 0], [0, 0, 2, 0], [8, 0, 0, 0], [16, 0, 0, 0], [32, 0, 0, 0]],
+    lane_bases=[[2, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0]],
+    warp_bases=[[0, 1, 0, 0], [0, 2, 0, 0]], block_bases=[], shape=[64, 4, 4, 4]))
+KEY_WORDS = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, KEY_WORD_QUADS)))
 OUT_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
                                            order=[1, 0]))
 # A 32-bit register of two 16-bit pairs (keys a, b; columns 2p, 2p + 1) -> column 2p's float16 pair (a, b) and
@@ -113,75 +154,114 @@ SPLIT_PAIRS = gl.constexpr("""{
     cvt.rn.f16x2.e4m3x2 $0, even;
     cvt.rn.f16x2.e4m3x2 $1, odd;
 }""")
-# The barriers (one allocation, by index):
-KREADY = gl.constexpr(0)                  # + stage: the step is in (TMA)
-KFREE = gl.constexpr(KREADY + STAGES)     # + stage: the three multiplying warpgroups have it in registers
-PREADY = gl.constexpr(KFREE + STAGES)     # + buffer (2): P and its rescale factor are in
-PFREE = gl.constexpr(PREADY + 2)          # + buffer: the value warpgroup is done with them
-LREADY = gl.constexpr(PFREE + 2)          # the item's output factor is in (for the value warpgroup)
-LFREE = gl.constexpr(LREADY + 1)          # the value warpgroup has read it
-HREADY = gl.constexpr(LFREE + 1)          # + buffer (2): the second scoring warpgroup's half of the scores is in
-HFREE = gl.constexpr(HREADY + 2)          # + buffer: the first has read it
+# nvfp4, scores: eight columns of one word of packed e2m1 codes ($4; the eight inputs $4-$11 are the same word) times
+# their block's float16 scale times 64 ($12) -> four float16 pairs in column order ($0-$3).
+E2M1_COLUMNS = gl.constexpr(e2m1_word_ptx("$4", ("$0", "$1", "$2", "$3"), "$12"))
+# nvfp4, values: a 32-bit register of two 16-bit quads of columns (keys a, b; columns 4p .. 4p + 3) times the keys'
+# block scales times 64 (a float16 pair, $5) -> the float16 pairs (a, b) of columns 4p, 4p + 1, 4p + 2 and 4p + 3.
+E2M1_QUADS = gl.constexpr(e2m1_word_ptx("$4", ("$0", "$1", "$2", "$3"), "$5", first="0x6420", second="0x7531"))
+# nvfp4, values: the block scales of keys a and b, bytes of their words $1 and $2 picked by the selector $3 (a byte
+# permute's), as a float16 pair times 64 (the e2m1 -> e4m3 bit move divides by 64).
+BLOCK_SCALE_PAIR = gl.constexpr("""{
+    .reg .b32 t, times64;
+    .reg .b16 lo, hi;
+    prmt.b32 t, $1, $2, $3;
+    mov.b32 {lo, hi}, t;
+    cvt.rn.f16x2.e4m3x2 $0, lo;
+    mov.b32 times64, 0x54005400;
+    mul.rn.f16x2 $0, $0, times64;
+}""")
+
+
+@triton.constexpr_function
+def stages(layout):
+    """How many steps of a ``layout`` cache are in flight (shared-memory stages): two of fp8's 41 KB (or 36): with
+    fewer bytes in flight that kernel ran faster at every size measured (NOTES.md, session 39); three of nvfp4's 26
+    KB (H100 16 heads, against two: b32 40.7 -> 39.3 us, b64 71.2 -> 68.1, b128 130.2 -> 124.4, b64 ctx16384 252.7
+    -> 239.0; four: 40.4, 70.7, 127.6, 249.4; NOTES.md, session 41)."""
+    return 3 if layout == "nvfp4" else 2
+
+
+# The barriers (one allocation, by index; room for the most stages of any layout):
+MOST_STAGES = gl.constexpr(3)
+KREADY = gl.constexpr(0)                    # + stage: the step is in (TMA)
+KFREE = gl.constexpr(KREADY + MOST_STAGES)  # + stage: the three multiplying warpgroups have it in registers
+PREADY = gl.constexpr(KFREE + MOST_STAGES)  # + buffer (2): P and its rescale factor are in
+PFREE = gl.constexpr(PREADY + 2)            # + buffer: the value warpgroup is done with them
+LREADY = gl.constexpr(PFREE + 2)            # the item's output factor is in (for the value warpgroup)
+LFREE = gl.constexpr(LREADY + 1)            # the value warpgroup has read it
+HREADY = gl.constexpr(LFREE + 1)            # + buffer (2): the second scoring warpgroup's half of the scores is in
+HFREE = gl.constexpr(HREADY + 2)            # + buffer: the first has read it
 BARRIERS = gl.constexpr(HFREE + 2)
 # 16 warps: 152 registers for the first scoring warpgroup, 224 for the values, 112 for the second, 24 for the loader.
 # With 96 the second cannot keep its products' operands in flight and ptxas serializes every wgmma of the kernel
 # (C7512; ``impls.triton.compile_check`` fails on it); the values then need 224 (216: serialized again), and the
 # first waits for its rope product before issuing its tiles' so that its step loop does not spill at 152.
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
+LAYOUTS = ("fp8_ds_mla", "fp8_e4m3", "nvfp4")
 
 
 @gluon.jit
 def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-    out_scale, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    E4M3: gl.constexpr,
+    nope_scale, out_scale, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    LAYOUT: gl.constexpr,
 ):
-    """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows.
-    ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now. ``E4M3``: the cache is
-    fp8_e4m3 (rope in e4m3 too, no tile scales: one P for every tile; no ``scales_desc``), whose layer scale is in
-    ``qk_scale`` and, for outputs stored here rather than merged, ``out_scale``."""
+    """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows of a
+    ``LAYOUT`` cache (``LAYOUTS``). ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now.
+    fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer scale is in ``qk_scale``,
+    nvfp4's (latent keys only) in ``nope_scale``, and both, for outputs stored here rather than merged, in
+    ``out_scale``."""
+    STAGES: gl.constexpr = stages(LAYOUT)
     if EARLY_MERGE:
         _launch_dependents()
     q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
-    codes = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, KEYS, TILE], CODES_SMEM)  # stage b, tile t: 4b + t
-    scales = gl.allocate_shared_memory(gl.float32, [STAGES, KEYS, 4], SCALES_SMEM)
-    if E4M3:
+    if LAYOUT == "nvfp4":  # stage b, chunk h of 256 columns: 2b + h; each chunk's block scales likewise
+        codes = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, KEYS, TILE], CODES_SMEM)
+        scales = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, KEYS, BLOCKS], BLOCKS_SMEM)
+    else:  # stage b, tile t: 4b + t
+        codes = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, KEYS, TILE], CODES_SMEM)
+        scales = gl.allocate_shared_memory(gl.float32, [STAGES, KEYS, 4], SCALES_SMEM)
+    if LAYOUT == "fp8_e4m3":
         rope = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, KEYS, ROPE], ROPE_E4M3_SMEM)
-        p_all = gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM)
-        probs = (p_all, p_all, p_all, p_all)  # no tile scales: one P serves the four tiles
     else:
         rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
+    if LAYOUT == "fp8_ds_mla":
         # One allocation per tile scale (stores to one allocation at run-time indices get a barrier after each).
         probs = (gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
                  gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
                  gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM),
                  gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM))
+    else:
+        p_all = gl.allocate_shared_memory(gl.float16, [2, KEYS, ROWS], PROBS_SMEM)
+        probs = (p_all, p_all, p_all, p_all)  # no tile scales: one P serves the four tiles
     factors = gl.allocate_shared_memory(gl.float32, [2, ROWS], FLAT)  # each P buffer's rescale of the outputs
     to_out = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)  # an item's output factor, for the value warpgroup
     halves = gl.allocate_shared_memory(gl.float32, [2, KEYS, ROWS], HALVES_SMEM)  # tiles 2 and 3's scores
     bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(BARRIERS):
-        mbarrier.init(bars.index(b), count=3 if (b >= KFREE and b < KFREE + STAGES) else 1)
+        mbarrier.init(bars.index(b), count=3 if (b >= KFREE and b < KFREE + MOST_STAGES) else 1)
     hopper.fence_async_shared()
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
-                  qk_scale, num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-                  KEEP_PARTIALS, E4M3)),
+                  qk_scale, num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out,
+                  halves, bars, KEEP_PARTIALS, LAYOUT)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes,
-                  probs, factors, to_out, bars, KEEP_PARTIALS, E4M3)),
+                  scales, probs, factors, to_out, bars, KEEP_PARTIALS, LAYOUT)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
-                       halves, bars, E4M3)),
+                       halves, bars, LAYOUT)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
-                 rope, scales, bars, PAGE_SIZE, E4M3)),
+                 rope, scales, bars, PAGE_SIZE, LAYOUT)),
     ], [4, 4, 4], [224, 112, 24])
 
 
 @gluon.jit
 def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
-          scales, bars, PAGE_SIZE: gl.constexpr, E4M3: gl.constexpr):
+          scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
     """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it."""
+    STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts)
     g = 0
     for i in range(items):
@@ -193,24 +273,32 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
             bar = bars.index(KREADY + b)
             start = kv_start + j * KEYS
             row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
-            mbarrier.expect(bar, STEP_BYTES_E4M3 if E4M3 else STEP_BYTES)
-            for t in gl.static_range(4):
-                _tma_load(codes_desc, [row, TILE * t], bar, codes.index(4 * b + t))
-            if E4M3:
-                _tma_load(rope_desc, [row, NOPE], bar, rope.index(b))
+            if LAYOUT == "nvfp4":
+                mbarrier.expect(bar, STEP_BYTES_NVFP4)
+                for h in gl.static_range(2):
+                    _tma_load(codes_desc, [row, TILE * h], bar, codes.index(2 * b + h))
+                    _tma_load(scales_desc, [row, NVFP4_SCALES_AT + BLOCKS * h], bar, scales.index(2 * b + h))
+                _tma_load(rope_desc, [row, NVFP4_ROPE_AT // 2], bar, rope.index(b))
             else:
-                _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
-                _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
+                mbarrier.expect(bar, STEP_BYTES_E4M3 if LAYOUT == "fp8_e4m3" else STEP_BYTES)
+                for t in gl.static_range(4):
+                    _tma_load(codes_desc, [row, TILE * t], bar, codes.index(4 * b + t))
+                if LAYOUT == "fp8_e4m3":
+                    _tma_load(rope_desc, [row, NOPE], bar, rope.index(b))
+                else:
+                    _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
+                    _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
             g += 1
 
 
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
-           num_heads, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr, E4M3: gl.constexpr):
+           num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
+           KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
     and the output factor for the value warpgroup."""
+    STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
     g = 0
@@ -218,6 +306,8 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
         q_down = _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope,
                                    q_rope.index(0), 0, 2)
+        if LAYOUT == "nvfp4":  # the layer scale of the latent keys
+            q_down = q_down * nope_scale
         rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
         key_ids = gl.arange(0, KEYS, layout=ACC_KEYS)
         m_i, l_part, zero, _, _, _, _ = _transposed_state(ROWS, ACC)
@@ -230,20 +320,18 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             # The stage's part in registers and freed before anything is made of it (H100 16 heads b64 76.1 -> 75.3
             # us with _score_half and _value alike; NOTES.md, session 37).
             rope_raw = rope.index(b).load(ROPE_LOAD)
-            c0 = codes.index(4 * b).load(CODES_LOAD)
-            c1 = codes.index(4 * b + 1).load(CODES_LOAD)
-            scales_every, scales_keys = _load_scales(scales.index(b), E4M3)
+            part = _load_part(codes, scales, b, 0, LAYOUT)
+            scales_every, scales_keys = _load_scales(scales.index(b), LAYOUT)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
-            if E4M3:  # e4m3 -> bfloat16 is exact
+            if LAYOUT == "fp8_e4m3":  # e4m3 -> bfloat16 is exact
                 rope_raw = rope_raw.to(gl.float32).to(gl.bfloat16)
             r = gl.convert_layout(_operand_order(rope_raw, 8), OPERAND)  # see _issue_tile_scores
             s_rope = hopper.warpgroup_mma(r, q_rope.index(start >> 30).permute((1, 0)), zero, use_acc=False,
                                           is_async=True)
             s_rope, r = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, r])  # LAUNCH_OPTIONS' comment
-            p0, k0 = _issue_tile_scores(c0, 0, start, q_nope, zero)
-            p1, k1 = _issue_tile_scores(c1, 1, start, q_nope, zero)
-            x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end, E4M3)  # while they run
+            p0, p1, k0, k1 = _issue_part_scores(part, 0, start, q_nope, zero, LAYOUT)
+            x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end, LAYOUT)  # while they run
             p0, p1, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, k0, k1])
             nope = p0 * x0[:, None] + p1 * x1[:, None]
             nope += _receive(halves.index(pb), ACC, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
@@ -251,8 +339,9 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
             mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
             m_i, l_part, unit, _alpha = _softmax_to_probs(
-                s, E4M3, (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb), probs[3].index(pb)), x0, x1,
-                x2, x3, step_max, m_i, l_part, unit, factors.index(pb))
+                s, LAYOUT != "fp8_ds_mla", (probs[0].index(pb), probs[1].index(pb), probs[2].index(pb),
+                                            probs[3].index(pb)), x0, x1, x2, x3, step_max, m_i, l_part, unit,
+                factors.index(pb))
             mbarrier.arrive(bars.index(PREADY + pb), count=1)
             g += 1
         l_i = gl.sum(l_part, 0)
@@ -267,9 +356,10 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
 
 @gluon.jit
 def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales, halves,
-                bars, E4M3: gl.constexpr):
+                bars, LAYOUT: gl.constexpr):
     """The second scoring warpgroup: each item's query tiles 2 and 3, each step's scores of those (each by its tile
     scale) for the first."""
+    STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts)
     g = 0
     for i in range(items):
@@ -281,14 +371,12 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
             pb = g % 2
             start = kv_start + j * KEYS
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            c2 = codes.index(4 * b + 2).load(CODES_LOAD)
-            c3 = codes.index(4 * b + 3).load(CODES_LOAD)
-            scales_every, scales_keys = _load_scales(scales.index(b), E4M3)
+            part = _load_part(codes, scales, b, 1, LAYOUT)
+            scales_every, scales_keys = _load_scales(scales.index(b), LAYOUT)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
-            p2, k2 = _issue_tile_scores(c2, 2, start, q_nope, zero)
-            p3, k3 = _issue_tile_scores(c3, 3, start, q_nope, zero)
-            _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end, E4M3)  # while the products run
+            p2, p3, k2, k3 = _issue_part_scores(part, 2, start, q_nope, zero, LAYOUT)
+            _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end, LAYOUT)  # while the products run
             p2, p3, k2, k3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p2, p3, k2, k3])
             half = p2 * x2[:, None] + p3 * x3[:, None]
             _send(halves.index(pb), half, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
@@ -296,12 +384,35 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
 
 
 @gluon.jit
-def _issue_tile_scores(tile_codes, t: gl.constexpr, start, q_nope, acc):
-    """Code tile ``t``'s loaded codes (``CODES_LOAD``) as its product's register operand and that ``S^T`` product,
+def _load_part(codes, scales, b, half: gl.constexpr, LAYOUT: gl.constexpr):
+    """A scoring warpgroup's ``half`` (tiles ``2 half`` and ``2 half + 1``) of stage ``b``, loaded for
+    ``_issue_part_scores``: nvfp4's chunk (``_load_chunk``), else the two e4m3 code tiles (``CODES_LOAD``)."""
+    if LAYOUT == "nvfp4":
+        return _load_chunk(codes.index(2 * b + half), scales.index(2 * b + half))
+    else:
+        return codes.index(4 * b + 2 * half).load(CODES_LOAD), codes.index(4 * b + 2 * half + 1).load(CODES_LOAD)
+
+
+@gluon.jit
+def _issue_part_scores(part, t: gl.constexpr, start, q_nope, acc, LAYOUT: gl.constexpr):
+    """The score products of tiles ``t`` and ``t + 1`` from their loaded ``part`` (``_load_part``), issued; returns
+    both products, then both operands (``_issue_tile_scores``)."""
+    if LAYOUT == "nvfp4":
+        first, second = _chunk_operands(part[0], part[1])
+        p0, k0 = _issue_tile_scores(first, t, start, q_nope, acc)
+        p1, k1 = _issue_tile_scores(second, t + 1, start, q_nope, acc)
+    else:
+        p0, k0 = _issue_tile_scores(_code_operand(part[0]), t, start, q_nope, acc)
+        p1, k1 = _issue_tile_scores(_code_operand(part[1]), t + 1, start, q_nope, acc)
+    return p0, p1, k0, k1
+
+
+@gluon.jit
+def _issue_tile_scores(k, t: gl.constexpr, start, q_nope, acc):
+    """Code tile ``t``'s register operand ``k`` (``_code_operand``, ``_chunk_operands``) and its ``S^T`` product,
     issued; returns both (the wait must keep the operand: ptxas serializes the products where it may reuse an
     operand's registers). The query's index carries a run-time 0 (``start >> 30``), so that its operand descriptor is
     made in the loop, not held in registers."""
-    k = _code_operand(tile_codes)
     p = hopper.warpgroup_mma(k, q_nope.index(t + (start >> 30)).permute((1, 0)), acc, use_acc=False, is_async=True)
     return p, k
 
@@ -325,25 +436,56 @@ def _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_he
 
 @gluon.jit
 def _code_operand(tile_codes):
-    """A ``[64 keys, 128]`` code tile, loaded in ``CODES_LOAD``, as the score product's float16 register operand
-    (columns in operand order)."""
-    return gl.convert_layout(_operand_order(tile_codes.to(gl.float16), 16), OPERAND)
+    """A ``[64 keys, 128]`` tile, loaded in ``CODES_LOAD`` (e4m3 codes, or nvfp4's decoded float16 values), as the
+    score product's float16 register operand (columns in operand order)."""
+    return gl.convert_layout(_operand_order(tile_codes.to(gl.float16), 16), OPERAND, assert_trivial=True)
 
 
 @gluon.jit
-def _load_scales(tile, E4M3: gl.constexpr):
-    """A step's ``[64 keys, 4]`` tile scales from its stage, in the two layouts ``_step_scales`` takes (``E4M3``:
-    none, ones)."""
-    if E4M3:
+def _load_chunk(chunk, blocks):
+    """An nvfp4 chunk's packed codes (``[64 keys, 32 words]``) and block scales (``[64 keys, 16]`` e4m3), loaded for
+    ``_chunk_operands``."""
+    words = _seen_as(chunk, gl.int32, [KEYS, TILE // 4], WORDS_SMEM).load(gl.SliceLayout(2, WORDS_EIGHT))
+    return words, blocks.load(gl.SliceLayout(2, BLOCKS_SIXTEEN))
+
+
+@gluon.jit
+def _chunk_operands(words, blocks):
+    """A loaded nvfp4 chunk (``_load_chunk``) as its two tiles' score operands (``_code_operand``): each e2m1 value
+    times its block's e4m3 scale, exact in float16 (``decode_ws._e2m1_words``), eight columns a word."""
+    words = words[:, :, None].broadcast_to([KEYS, TILE // 4, 8]).reshape([KEYS, 2 * TILE])
+    times64 = blocks.to(gl.float16) * 64.0  # the e2m1 -> e4m3 bit move divides by 64
+    times64 = times64[:, :, None].broadcast_to([KEYS, BLOCKS, 16]).reshape([KEYS, 2 * TILE])
+    values = gl.inline_asm_elementwise(E2M1_COLUMNS, "=r," * 4 + "r," * 8 + "r,r,r,r", [words, times64],
+                                       dtype=gl.float16, is_pure=True, pack=8)
+    first, second = gl.split(values.reshape([KEYS, 2, TILE]).permute((0, 2, 1)))
+    return _code_operand(first), _code_operand(second)
+
+
+@gluon.jit
+def _seen_as(tile, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """A shared-memory tile's bytes seen as another type, shape and layout (Triton 3.6 names it ``_reinterpret``)."""
+    if HAS_REINTERPRET:
+        return tile.reinterpret(dtype, shape, layout)
+    else:
+        return tile._reinterpret(dtype, shape, layout)
+
+
+@gluon.jit
+def _load_scales(tile, LAYOUT: gl.constexpr):
+    """A step's ``[64 keys, 4]`` tile scales from its stage, in the two layouts ``_step_scales`` takes (fp8_e4m3,
+    nvfp4: none, ones)."""
+    if LAYOUT != "fp8_ds_mla":
         return gl.full([KEYS, 4], 1.0, gl.float32, SCALES_EVERY), gl.full([KEYS, 4], 1.0, gl.float32, SCALES_KEYS)
-    return tile.load(SCALES_EVERY), tile.load(SCALES_KEYS)
+    else:
+        return tile.load(SCALES_EVERY), tile.load(SCALES_KEYS)
 
 
 @gluon.jit
-def _step_scales(every, x, start, kv_end, E4M3: gl.constexpr):
+def _step_scales(every, x, start, kv_end, LAYOUT: gl.constexpr):
     """A step's four per-key tile scales (``_load_scales``) along ACC's keys and their maximum, zero for keys at or
-    past ``kv_end`` (their slots may hold anything); ``E4M3``: ones (masked keys get -inf scores)."""
-    if E4M3:
+    past ``kv_end`` (their slots may hold anything); fp8_e4m3, nvfp4: ones (masked keys get -inf scores)."""
+    if LAYOUT != "fp8_ds_mla":
         one = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
         return one, one, one, one, gl.to_tensor(1.0)
     seen = (start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, SCALES_EVERY)))[:, None] < kv_end
@@ -357,10 +499,12 @@ def _step_scales(every, x, start, kv_end, E4M3: gl.constexpr):
 
 
 @gluon.jit
-def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes, probs,
-           factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, E4M3: gl.constexpr):
-    """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each tile apart
-    (``E4M3``: outputs stored here, not merged, times the layer's ``out_scale``)."""
+def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes, scales,
+           probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
+    """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each fp8 tile apart,
+    nvfp4's columns by their position in a quad of four (fp8_e4m3, nvfp4: outputs stored here, not merged, times
+    the layer's ``out_scale``)."""
+    STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts)
     nq = 0
     g = 0
@@ -382,18 +526,30 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             # The step's operands before its P: their conversions run under the scorer's softmax and the stage is
             # freed a softmax sooner (H100 16 heads b32 46.6 -> 45.4 us, b64 79.1 -> 78.0; NOTES.md, session 36).
             mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            # All four tiles' operands first: issued tile by tile, ptxas reused one tile's operand registers for the
-            # next and waited for each tile's products before loading the next.
-            w0 = _value_pairs(codes.index(4 * b), start, kv_end)
-            w1 = _value_pairs(codes.index(4 * b + 1), start, kv_end)
-            w2 = _value_pairs(codes.index(4 * b + 2), start, kv_end)
-            w3 = _value_pairs(codes.index(4 * b + 3), start, kv_end)
-            _cta_barrier()  # every warp has the stage in registers
-            mbarrier.arrive(bars.index(KFREE + b), count=1)
-            ve0, vo0 = _value_operands(w0)
-            ve1, vo1 = _value_operands(w1)
-            ve2, vo2 = _value_operands(w2)
-            ve3, vo3 = _value_operands(w3)
+            if LAYOUT == "nvfp4":  # e, o 0-1: chunk 0's columns 4p, 4p + 1, 4p + 2, 4p + 3; e, o 2-3: chunk 1's
+                w0 = _value_pairs(codes.index(2 * b), start, kv_end)
+                w1 = _value_pairs(codes.index(2 * b + 1), start, kv_end)
+                f0 = _quad_scales(scales.index(2 * b), start, kv_end)
+                f1 = _quad_scales(scales.index(2 * b + 1), start, kv_end)
+                _cta_barrier()  # every warp has the stage in registers
+                mbarrier.arrive(bars.index(KFREE + b), count=1)
+                ve0, vo0, ve1, vo1 = gl.inline_asm_elementwise(E2M1_QUADS, "=r,=r,=r,=r,r,r", [w0, f0],
+                                                               dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+                ve2, vo2, ve3, vo3 = gl.inline_asm_elementwise(E2M1_QUADS, "=r,=r,=r,=r,r,r", [w1, f1],
+                                                               dtype=(gl.float16,) * 4, is_pure=True, pack=2)
+            else:
+                # All four tiles' operands first: issued tile by tile, ptxas reused one tile's operand registers for
+                # the next and waited for each tile's products before loading the next.
+                w0 = _value_pairs(codes.index(4 * b), start, kv_end)
+                w1 = _value_pairs(codes.index(4 * b + 1), start, kv_end)
+                w2 = _value_pairs(codes.index(4 * b + 2), start, kv_end)
+                w3 = _value_pairs(codes.index(4 * b + 3), start, kv_end)
+                _cta_barrier()  # every warp has the stage in registers
+                mbarrier.arrive(bars.index(KFREE + b), count=1)
+                ve0, vo0 = _value_operands(w0)
+                ve1, vo1 = _value_operands(w1)
+                ve2, vo2 = _value_operands(w2)
+                ve3, vo3 = _value_operands(w3)
             mbarrier.wait(bars.index(PREADY + pb), (g // 2) & 1)
             alpha = factors.index(pb).load(ACC_ROWS)[None, :]
             # Every accumulator rescaled before the first product is issued: a multiply between two issues makes
@@ -418,31 +574,52 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
         if tiles > 0:
             factor = _receive(to_out, ACC_ROWS, bars.index(LREADY), bars.index(LFREE), nq & 1)
             nq += 1
-            if E4M3 and slot_out < 0:
+            if LAYOUT != "fp8_ds_mla" and slot_out < 0:
                 factor = factor * out_scale
-        _store_tile(0, e0, o0, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
-                    num_heads, KEEP_PARTIALS)
-        _store_tile(1, e1, o1, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
-                    num_heads, KEEP_PARTIALS)
-        _store_tile(2, e2, o2, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
-                    num_heads, KEEP_PARTIALS)
-        _store_tile(3, e3, o3, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len,
-                    num_heads, KEEP_PARTIALS)
+        if LAYOUT == "nvfp4":
+            _store_columns(_quads_as_rows(e0, o0, e1, o1, factor), 0, out, stride_ot, stride_oh, part_out, row_block,
+                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+            _store_columns(_quads_as_rows(e2, o2, e3, o3, factor), 2 * TILE, out, stride_ot, stride_oh, part_out,
+                           row_block, slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+        else:
+            _store_columns(_pairs_as_rows(e0, o0, factor), 0, out, stride_ot, stride_oh, part_out, row_block, slot_out,
+                           q_first, q_len, num_heads, KEEP_PARTIALS)
+            _store_columns(_pairs_as_rows(e1, o1, factor), TILE, out, stride_ot, stride_oh, part_out, row_block,
+                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+            _store_columns(_pairs_as_rows(e2, o2, factor), 2 * TILE, out, stride_ot, stride_oh, part_out, row_block,
+                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+            _store_columns(_pairs_as_rows(e3, o3, factor), 3 * TILE, out, stride_ot, stride_oh, part_out, row_block,
+                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
 
 
 @gluon.jit
 def _value_pairs(tile, start, kv_end):
-    """A ``[64 keys, 128]`` code tile loaded transposed as 16-bit pairs of columns, ``[64 column pairs, 64 keys]`` in
-    the value products' operand layout; keys at or past ``kv_end`` zeroed (0 x NaN is NaN)."""
-    if HAS_REINTERPRET:
-        pairs = tile.reinterpret(gl.int16, [KEYS, TILE // 2], PAIRS_SMEM)
-    else:
-        pairs = tile._reinterpret(gl.int16, [KEYS, TILE // 2], PAIRS_SMEM)
-    w = pairs.permute((1, 0)).load(OPERAND)
+    """A ``[64 keys, 128 bytes]`` code tile loaded transposed as 16-bit words (fp8: pairs of columns; nvfp4: quads),
+    ``[64 words, 64 keys]`` in the value products' operand layout; keys at or past ``kv_end`` zeroed (0 x NaN is
+    NaN)."""
+    w = _seen_as(tile, gl.int16, [KEYS, TILE // 2], PAIRS_SMEM).permute((1, 0)).load(OPERAND)
     if start + KEYS > kv_end:
         keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(0, OPERAND))
         w = gl.where(keys[None, :] < kv_end, w, gl.zeros_like(w))
     return w
+
+
+@gluon.jit
+def _quad_scales(blocks, start, kv_end):
+    """An nvfp4 chunk's block scales (``[64 keys, 16]`` e4m3) as float16 times 64 along ``_value_pairs``' words of
+    the chunk, ``[64 quads, 64 keys]``: each block's scale for its four quads, picked from the key's word of four
+    (one 32-bit load a key: each thread's blocks of a key lie in one word); keys at or past ``kv_end`` zeroed (their
+    slots may hold NaN)."""
+    words = _seen_as(blocks, gl.int32, [KEYS, BLOCKS // 4], SCALE_WORDS_SMEM).load(KEY_WORDS)
+    if start + KEYS > kv_end:
+        keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, KEY_WORDS))
+        words = gl.where(keys[:, None] < kv_end, words, gl.zeros_like(words))
+    words = words[:, :, None, None].broadcast_to([KEYS, 4, 4, 4]).permute((1, 2, 3, 0)).reshape([4 * BLOCKS, KEYS])
+    words = gl.convert_layout(words, OPERAND, assert_trivial=True)
+    block = (gl.arange(0, 4 * BLOCKS, layout=gl.SliceLayout(1, OPERAND)) >> 2) & 3  # the block's byte in its word
+    picks = gl.zeros_like(words) + (block | ((block + 4) << 4))[:, None]  # bytes (a, b) of words (a, b)
+    return gl.inline_asm_elementwise(BLOCK_SCALE_PAIR, "=r,r,r,r,r", [words, picks], dtype=gl.float16, is_pure=True,
+                                     pack=2)
 
 
 @gluon.jit
@@ -454,14 +631,29 @@ def _value_operands(w):
 
 
 @gluon.jit
-def _store_tile(t: gl.constexpr, even, odd, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first,
-                q_len, num_heads, KEEP_PARTIALS: gl.constexpr):
-    """Output columns ``[128 t, 128 t + 128)`` from their even and odd halves times ``factor`` (per row): final bf16
-    rows where the item covers its rows' whole range (``slot_out < 0``), else a float32 partial for the merge."""
-    o = gl.join(even * factor[None, :], odd * factor[None, :]).permute((1, 0, 2)).reshape([ROWS, TILE])
+def _pairs_as_rows(even, odd, factor):
+    """An fp8 tile's even and odd output columns (``O^T`` halves) times ``factor`` (per row): ``[16 rows, 128]``."""
+    return gl.join(even * factor[None, :], odd * factor[None, :]).permute((1, 0, 2)).reshape([ROWS, TILE])
+
+
+@gluon.jit
+def _quads_as_rows(c0, c1, c2, c3, factor):
+    """An nvfp4 chunk's output columns by position in their quad (``O^T`` quarters) times ``factor`` (per row):
+    ``[16 rows, 256]``."""
+    o = gl.join(gl.join(c0 * factor[None, :], c1 * factor[None, :]), gl.join(c2 * factor[None, :],
+                                                                             c3 * factor[None, :]))
+    return o.permute((1, 0, 3, 2)).reshape([ROWS, 2 * TILE])
+
+
+@gluon.jit
+def _store_columns(o, first, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first, q_len, num_heads,
+                   KEEP_PARTIALS: gl.constexpr):
+    """Output columns ``[first, first + width)`` of the rows ``o``: final bf16 rows where the item covers its rows'
+    whole range (``slot_out < 0``), else a float32 partial for the merge."""
+    width: gl.constexpr = o.shape[1]
     o = gl.convert_layout(o, OUT_LAYOUT)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
-    cols = TILE * t + gl.arange(0, TILE, layout=gl.SliceLayout(0, OUT_LAYOUT))[None, :]
+    cols = first + gl.arange(0, width, layout=gl.SliceLayout(0, OUT_LAYOUT))[None, :]
     if slot_out < 0:
         rows = row_block * ROWS + rows
         out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[:, None] + cols

@@ -99,18 +99,20 @@ FP4_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per
 FP4_KEYS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, FP4_WORDS)))
 
 
-def _e2m1_word_ptx(k: int, scale: str) -> str:
-    """PTX for packed word ``k`` of four (in ``$16 + k``): its eight e2m1 values as e4m3 bytes, interleaved back
-    into value order (even values are low nibbles), converted pairwise to float16 and multiplied by the float16
-    pair ``scale``; value pairs 0-1, 2-3, 4-5, 6-7 go to outputs ``$k``, ``$4 + k``, ``$8 + k``, ``$12 + k``."""
+def e2m1_word_ptx(word: str, outs: tuple[str, str, str, str], scale: str, first: str = "0x5140",
+                  second: str = "0x7362") -> str:
+    """PTX for the 32-bit register ``word`` of eight packed e2m1 values: as e4m3 bytes (``lo``: the low nibbles',
+    ``hi``: the high nibbles'), two byte permutes (selectors ``first`` and ``second``) into four byte pairs, each
+    converted to a float16 pair and multiplied by the float16 pair ``scale``, into ``outs``. The default selectors
+    put the word's value pairs 0-1, 2-3, 4-5, 6-7 in ``outs`` (value order: even values are low nibbles)."""
     products = "".join(f"""
-    cvt.rn.f16x2.e4m3x2 ${4 * i + k}, h{i};
-    mul.rn.f16x2 ${4 * i + k}, ${4 * i + k}, {scale};""" for i in range(4))
-    return ("{\n    .reg .b32 t0, t1, lo, hi, a, b;\n    .reg .b16 h<4>;" + e2m1_as_e4m3_ptx(f"${16 + k}") + """
-    prmt.b32 a, lo, hi, 0x5140;
-    prmt.b32 b, lo, hi, 0x7362;
-    mov.b32 {h0, h1}, a;
-    mov.b32 {h2, h3}, b;""" + products + "\n}")
+    cvt.rn.f16x2.e4m3x2 {out}, h{i};
+    mul.rn.f16x2 {out}, {out}, {scale};""" for i, out in enumerate(outs))
+    return ("{\n    .reg .b32 t0, t1, lo, hi, a, b;\n    .reg .b16 h<4>;" + e2m1_as_e4m3_ptx(word) + f"""
+    prmt.b32 a, lo, hi, {first};
+    prmt.b32 b, lo, hi, {second};
+    mov.b32 {{h0, h1}}, a;
+    mov.b32 {{h2, h3}}, b;""" + products + "\n}")
 
 
 def _e2m1_words_times_halves(halves: str) -> str:
@@ -120,7 +122,9 @@ def _e2m1_words_times_halves(halves: str) -> str:
     return (f"""
     mov.b32 {{f0, f1}}, {halves};
     mov.b32 first, {{f0, f0}};
-    mov.b32 second, {{f1, f1}};""" + "".join(_e2m1_word_ptx(k, "first" if k < 2 else "second") for k in range(4)))
+    mov.b32 second, {{f1, f1}};""" + "".join(
+        e2m1_word_ptx(f"${16 + k}", tuple(f"${4 * i + k}" for i in range(4)), "first" if k < 2 else "second")
+        for k in range(4)))
 
 
 # nvfp4: the two block scales' e4m3 bytes are the low 16 bits of ``$20``, each converted to float16 and multiplied by
