@@ -52,14 +52,16 @@ nvfp4 (session 41) runs the same partitions on its 416-byte rows: two ``[64, 128
 "chunk" of 256 columns each), each chunk's ``[64, 16]`` e4m3 block scales, the bf16 rope. Each scoring warpgroup
 scores one chunk (both of its tiles): a thread loads its words of the chunk and the block scales of its 16-column
 groups, decodes each word to eight float16 values times their block scale (``decode_ws``'s PTX, exact) in the
-layout the e4m3 tiles load in, so the score operands and the query's order are the fp8 kernel's. The value
-warpgroup loads each chunk transposed as 16-bit quads of columns (``ldmatrix.trans`` as for fp8's pairs), and each
-32-bit register (two keys' quads) becomes the float16 pairs of the quad's four columns, times the two keys' block
-scales: each key's scales of a thread lie in one 32-bit word of the scale tile (one load a key, the bytes picked by a
-permute), so the eight accumulators hold the columns by their place in a quad. No tile scales (one P), the layer
-scale of the latent keys in the query rows' factor (``nope_scale``) and in ``out_scale``. Against decode_ws (H100,
-16 heads, page 64, us; NOTES.md, session 41): b8 21.6 -> 19.4, b32 44.4 -> 40.8, b64 76.6 -> 71.3, b128 135.3 ->
-130.1, b64 ctx16384 254.1 -> 247.5.
+layout the e4m3 tiles load in, so the score operands are the fp8 kernel's but for the order within each word (low
+nibbles, then high: no byte permute), in which the query is staged too. The value warpgroup loads each chunk
+transposed as 16-bit quads of columns (``ldmatrix.trans`` as for fp8's pairs), and each 32-bit register (two keys'
+quads) becomes the float16 pairs of the quad's four columns, times the two keys' block scales: each key's scales of a
+thread lie in one 32-bit word of the scale tile (one load a key, the bytes picked by a permute), so the eight
+accumulators hold the columns by their place in a quad. No tile scales (one P), the layer scale of the latent keys
+in the query rows' factor (``nope_scale``) and in ``out_scale``, three stages (``stages``). The decoding bounds it:
+without the value warpgroup's, b64 ran 14% faster, without the scorers' 11%, without both 21%; one byte permute and
+one multiply fewer per register took 7%. Against decode_ws (H100, 16 heads, page 64, us; NOTES.md, session 41):
+b8 21.6 -> 18.7, b32 44.3 -> 37.4, b64 75.3 -> 63.4, b128 134.4 -> 116.0, b64 ctx16384 252.7 -> 221.0.
 
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the cache as TMA descriptors
 (``decode._tma_descriptors``): codes ``[slots, 656]`` e4m3 in ``[64, 128]`` boxes, rope ``[slots, 328]`` bf16 in
@@ -155,21 +157,23 @@ SPLIT_PAIRS = gl.constexpr("""{
     cvt.rn.f16x2.e4m3x2 $1, odd;
 }""")
 # nvfp4, scores: eight columns of one word of packed e2m1 codes ($4; the eight inputs $4-$11 are the same word) times
-# their block's float16 scale times 64 ($12) -> four float16 pairs in column order ($0-$3).
-E2M1_COLUMNS = gl.constexpr(e2m1_word_ptx("$4", ("$0", "$1", "$2", "$3"), "$12"))
-# nvfp4, values: a 32-bit register of two 16-bit quads of columns (keys a, b; columns 4p .. 4p + 3) times the keys'
-# block scales times 64 (a float16 pair, $5) -> the float16 pairs (a, b) of columns 4p, 4p + 1, 4p + 2 and 4p + 3.
-E2M1_QUADS = gl.constexpr(e2m1_word_ptx("$4", ("$0", "$1", "$2", "$3"), "$5", first="0x6420", second="0x7531"))
+# their block's float16 scale times 64 ($12) -> four float16 pairs in the word's order (``sparse_wgmma._word_order``:
+# columns 0 and 2, 4 and 6, 1 and 3, 5 and 7; $0-$3), with no byte permute.
+E2M1_COLUMNS = gl.constexpr(e2m1_word_ptx("$4", ("$0", "$1", "$2", "$3"), "$12", first=None))
+# nvfp4, values: a 32-bit register of two 16-bit quads of columns (keys a, b; columns 4p .. 4p + 3), its bytes
+# permuted to (a, b) of columns 4p and 4p + 1, then of 4p + 2 and 4p + 3, times the keys' block scales (a float16
+# pair, $5) -> the float16 pairs (a, b) of columns 4p, 4p + 1, 4p + 2 and 4p + 3, 64 times too small (the e2m1 ->
+# e4m3 bit move divides by 64; the output factor makes it up).
+E2M1_QUADS = gl.constexpr("{\n    .reg .b32 w;\n    prmt.b32 w, $4, 0, 0x3120;"
+                          + e2m1_word_ptx("w", ("$0", "$2", "$1", "$3"), "$5", first=None) + "\n}")
 # nvfp4, values: the block scales of keys a and b, bytes of their words $1 and $2 picked by the selector $3 (a byte
-# permute's), as a float16 pair times 64 (the e2m1 -> e4m3 bit move divides by 64).
+# permute's), as a float16 pair.
 BLOCK_SCALE_PAIR = gl.constexpr("""{
-    .reg .b32 t, times64;
+    .reg .b32 t;
     .reg .b16 lo, hi;
     prmt.b32 t, $1, $2, $3;
     mov.b32 {lo, hi}, t;
     cvt.rn.f16x2.e4m3x2 $0, lo;
-    mov.b32 times64, 0x54005400;
-    mul.rn.f16x2 $0, $0, times64;
 }""")
 
 
@@ -178,7 +182,8 @@ def stages(layout):
     """How many steps of a ``layout`` cache are in flight (shared-memory stages): two of fp8's 41 KB (or 36): with
     fewer bytes in flight that kernel ran faster at every size measured (NOTES.md, session 39); three of nvfp4's 26
     KB (H100 16 heads, against two: b32 40.7 -> 39.3 us, b64 71.2 -> 68.1, b128 130.2 -> 124.4, b64 ctx16384 252.7
-    -> 239.0; four: 40.4, 70.7, 127.6, 249.4; NOTES.md, session 41)."""
+    -> 239.0; four: 40.4, 70.7, 127.6, 249.4; four again once its decoding got cheaper: +0.9 to +1.8%; NOTES.md,
+    session 41)."""
     return 3 if layout == "nvfp4" else 2
 
 
@@ -305,7 +310,7 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
         q_down = _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope,
-                                   q_rope.index(0), 0, 2)
+                                   q_rope.index(0), 0, 2, LAYOUT)
         if LAYOUT == "nvfp4":  # the layer scale of the latent keys
             q_down = q_down * nope_scale
         rows_s, ok_s, limit = _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS, ACC_ROWS)
@@ -364,7 +369,7 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
     g = 0
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
-        _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope, None, 2, 4)
+        _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope, None, 2, 4, LAYOUT)
         zero = gl.zeros([KEYS, ROWS], gl.float32, ACC)
         for j in range(tiles):
             b = g % STAGES
@@ -419,16 +424,17 @@ def _issue_tile_scores(k, t: gl.constexpr, start, q_nope, acc):
 
 @gluon.jit
 def _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_heads, q_nope, q_rope,
-                      FIRST: gl.constexpr, LAST: gl.constexpr):
-    """A scoring warpgroup's part of an item's query into shared memory, in its products' operand order: latent
-    tiles ``[FIRST, LAST)``, and the rope where ``q_rope`` is given, once this warpgroup's products of the previous
-    item are done with them; returns the factor that undoes the query's scaling, per row along ACC's rows."""
+                      FIRST: gl.constexpr, LAST: gl.constexpr, LAYOUT: gl.constexpr):
+    """A scoring warpgroup's part of an item's query into shared memory, in its products' operand order (nvfp4's
+    latent columns in each word's order first): latent tiles ``[FIRST, LAST)``, and the rope where ``q_rope`` is
+    given, once this warpgroup's products of the previous item are done with them; returns the factor that undoes
+    the query's scaling, per row along ACC's rows."""
     rows_q = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, COPY_LAYOUT))
     _cta_barrier()  # the previous item's products are done with the query
     q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
     q_down = _stage_query(q_base, rows_q < q_len * num_heads,
                           (q_nope.index(0), q_nope.index(1), q_nope.index(2), q_nope.index(3)), q_rope, COPY_LAYOUT,
-                          OPERAND_ORDER=True, FIRST=FIRST, LAST=LAST)
+                          OPERAND_ORDER=True, FIRST=FIRST, LAST=LAST, WORD_ORDER=LAYOUT == "nvfp4")
     hopper.fence_async_shared()
     _cta_barrier()
     return gl.convert_layout(q_down, ACC_ROWS)
@@ -452,7 +458,8 @@ def _load_chunk(chunk, blocks):
 @gluon.jit
 def _chunk_operands(words, blocks):
     """A loaded nvfp4 chunk (``_load_chunk``) as its two tiles' score operands (``_code_operand``): each e2m1 value
-    times its block's e4m3 scale, exact in float16 (``decode_ws._e2m1_words``), eight columns a word."""
+    times its block's e4m3 scale, exact in float16 (``decode_ws._e2m1_words``), eight columns a word in the word's
+    order (``E2M1_COLUMNS``; the query is staged alike)."""
     words = words[:, :, None].broadcast_to([KEYS, TILE // 4, 8]).reshape([KEYS, 2 * TILE])
     times64 = blocks.to(gl.float16) * 64.0  # the e2m1 -> e4m3 bit move divides by 64
     times64 = times64[:, :, None].broadcast_to([KEYS, BLOCKS, 16]).reshape([KEYS, 2 * TILE])
@@ -576,6 +583,8 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             nq += 1
             if LAYOUT != "fp8_ds_mla" and slot_out < 0:
                 factor = factor * out_scale
+            if LAYOUT == "nvfp4":  # E2M1_QUADS' values are 64 times too small
+                factor = factor * 64.0
         if LAYOUT == "nvfp4":
             _store_columns(_quads_as_rows(e0, o0, e1, o1, factor), 0, out, stride_ot, stride_oh, part_out, row_block,
                            slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
@@ -606,10 +615,10 @@ def _value_pairs(tile, start, kv_end):
 
 @gluon.jit
 def _quad_scales(blocks, start, kv_end):
-    """An nvfp4 chunk's block scales (``[64 keys, 16]`` e4m3) as float16 times 64 along ``_value_pairs``' words of
-    the chunk, ``[64 quads, 64 keys]``: each block's scale for its four quads, picked from the key's word of four
-    (one 32-bit load a key: each thread's blocks of a key lie in one word); keys at or past ``kv_end`` zeroed (their
-    slots may hold NaN)."""
+    """An nvfp4 chunk's block scales (``[64 keys, 16]`` e4m3) as float16 along ``_value_pairs``' words of the chunk,
+    ``[64 quads, 64 keys]``: each block's scale for its four quads, picked from the key's word of four (one 32-bit
+    load a key: each thread's blocks of a key lie in one word); keys at or past ``kv_end`` zeroed (their slots may
+    hold NaN)."""
     words = _seen_as(blocks, gl.int32, [KEYS, BLOCKS // 4], SCALE_WORDS_SMEM).load(KEY_WORDS)
     if start + KEYS > kv_end:
         keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, KEY_WORDS))

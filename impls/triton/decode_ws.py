@@ -99,20 +99,22 @@ FP4_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per
 FP4_KEYS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, FP4_WORDS)))
 
 
-def e2m1_word_ptx(word: str, outs: tuple[str, str, str, str], scale: str, first: str = "0x5140",
+def e2m1_word_ptx(word: str, outs: tuple[str, str, str, str], scale: str, first: str | None = "0x5140",
                   second: str = "0x7362") -> str:
     """PTX for the 32-bit register ``word`` of eight packed e2m1 values: as e4m3 bytes (``lo``: the low nibbles',
-    ``hi``: the high nibbles'), two byte permutes (selectors ``first`` and ``second``) into four byte pairs, each
-    converted to a float16 pair and multiplied by the float16 pair ``scale``, into ``outs``. The default selectors
-    put the word's value pairs 0-1, 2-3, 4-5, 6-7 in ``outs`` (value order: even values are low nibbles)."""
+    ``hi``: the high nibbles'), two byte permutes (selectors ``first`` and ``second``; none where ``first`` is None:
+    ``lo``'s two pairs, then ``hi``'s) into four byte pairs, each converted to a float16 pair and multiplied by the
+    float16 pair ``scale``, into ``outs``. The default selectors put the word's value pairs 0-1, 2-3, 4-5, 6-7 in
+    ``outs`` (value order: even values are low nibbles)."""
     products = "".join(f"""
     cvt.rn.f16x2.e4m3x2 {out}, h{i};
     mul.rn.f16x2 {out}, {out}, {scale};""" for i, out in enumerate(outs))
-    return ("{\n    .reg .b32 t0, t1, lo, hi, a, b;\n    .reg .b16 h<4>;" + e2m1_as_e4m3_ptx(word) + f"""
+    pairs = "" if first is None else f"""
     prmt.b32 a, lo, hi, {first};
-    prmt.b32 b, lo, hi, {second};
-    mov.b32 {{h0, h1}}, a;
-    mov.b32 {{h2, h3}}, b;""" + products + "\n}")
+    prmt.b32 b, lo, hi, {second};"""
+    return ("{\n    .reg .b32 t0, t1, lo, hi, a, b;\n    .reg .b16 h<4>;" + e2m1_as_e4m3_ptx(word) + pairs + f"""
+    mov.b32 {{h0, h1}}, {"lo" if first is None else "a"};
+    mov.b32 {{h2, h3}}, {"hi" if first is None else "b"};""" + products + "\n}")
 
 
 def _e2m1_words_times_halves(halves: str) -> str:

@@ -74,13 +74,14 @@ def _pow2(biased_exponent):
 
 @gluon.jit
 def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr, OPERAND_ORDER: gl.constexpr = False,
-                 FIRST: gl.constexpr = 0, LAST: gl.constexpr = 4):
+                 FIRST: gl.constexpr = 0, LAST: gl.constexpr = 4, WORD_ORDER: gl.constexpr = False):
     """Store query rows to shared memory (``base``: each row's first element along ``SliceLayout(1, LAYOUT)``; rows
     not ``ok`` become zeros), the 512 latent columns in float16 scaled per row by a power of two and the rope
     columns as they are; returns the factor that undoes the scaling, per row. ``OPERAND_ORDER``: the columns in the
     contraction order of ``decode_rs_fp8``'s register operands (``_operand_order``: e4m3 latent, bf16 rope).
     ``FIRST``, ``LAST``: only latent tiles ``[FIRST, LAST)`` (scaled as all four are), and the rope only where
-    ``q_rope`` is given (``decode_rs_fp8``'s two scoring warpgroups stage their own tiles)."""
+    ``q_rope`` is given (``decode_rs_fp8``'s two scoring warpgroups stage their own tiles). ``WORD_ORDER``: the
+    latent columns of each group of eight first in ``_word_order`` (decode_rs_fp8's nvfp4 operands)."""
     rows = base[:, None]
     mask = ok[:, None]
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
@@ -93,6 +94,8 @@ def _stage_query(base, ok, q_nope, q_rope, LAYOUT: gl.constexpr, OPERAND_ORDER: 
     for t in gl.static_range(FIRST, LAST):
         x = gl.load(rows + t * TILE + cols, mask=mask, other=0.0).to(gl.float32)
         x = (x * up).to(gl.float16)
+        if WORD_ORDER:
+            x = _word_order(x)
         q_nope[t].store(_operand_order(x, 16) if OPERAND_ORDER else x)
     if q_rope is not None:
         rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, LAYOUT))[None, :]
@@ -109,6 +112,14 @@ def _operand_order(x, CHUNK: gl.constexpr):
     n: gl.constexpr = x.shape[1]
     x = x.reshape([x.shape[0], n // (4 * CHUNK), 4, CHUNK // 2, 2]).permute((0, 1, 3, 2, 4))
     return x.reshape([x.shape[0], n])
+
+
+@gluon.jit
+def _word_order(x):
+    """Rows of columns -> each group of eight (a packed word of e2m1 codes) as its even columns, then its odd ones:
+    the order in which decode_rs_fp8 decodes an nvfp4 word (low nibbles, then high) with no byte permute."""
+    n: gl.constexpr = x.shape[1]
+    return x.reshape([x.shape[0], n // 8, 4, 2]).permute((0, 1, 3, 2)).reshape([x.shape[0], n])
 
 
 @gluon.jit
