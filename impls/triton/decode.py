@@ -237,7 +237,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19, and faster at every
     batch since session 21); 16 rows of nvfp4 on Hopper from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the
     same warp-specialized kernel (H200, 16 heads b64: 91.9 -> 78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and
-    19), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0)
+    19; decode_rs_fp8 where the cache takes TMA, H100 b64 75.3 -> 63.4, NOTES.md session 41), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0)
     and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on Hopper in 32 rows, and in
     16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
