@@ -130,16 +130,18 @@ def test_the_gluon_decode_kernels_are_recorded_as_on_hopper_and_compile_for_sm90
 
 def test_a_gluon_launch_whose_wgmmas_ptxas_serializes_fails_the_check_by_name(tmp_path):
     """ptxas's info that it serialized a launch's wgmmas fails a Gluon launch (a planted kernel), and
-    decode_rs_fp8, whose products ptxas serialized until session 39, compiles with them in flight."""
+    decode_rs_fp8, whose products ptxas serialized until session 39, compiles with them in flight, for fp8_ds_mla
+    and for nvfp4 (session 41: other register splits serialize it)."""
     planted = Launch("planted_serialized_wgmma", "serialized_products",
                      {"a": "*fp16", "b": "*fp16", "out": "*fp32"}, {}, ["a", "b", "out"], {"num_warps": 4})
-    rs = _decode_launch(decode.WS_CONFIG, "fp8_ds_mla")
-    assert rs.kernel == "_decode_split_kernel_rs_fp8"
-    done = _compile_phase(tmp_path, [planted, rs], pythonpath=Path(__file__).parent)
+    rs = [_decode_launch(decode.WS_CONFIG, layout) for layout in ("fp8_ds_mla", "nvfp4")]
+    assert all(launch.kernel == "_decode_split_kernel_rs_fp8" for launch in rs)
+    assert [launch.constexprs["LAYOUT"] for launch in rs] == ["fp8_ds_mla", "nvfp4"]
+    done = _compile_phase(tmp_path, [planted, *rs], pythonpath=Path(__file__).parent)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "1 of 2 kernel launches compile" in done.stdout
+    assert "2 of 3 kernel launches compile" in done.stdout
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and "serialized_products" in failed[0], done.stdout
     assert "wgmma.mma_async instructions are serialized" in done.stdout
     usage = [line for line in done.stdout.splitlines() if "_decode_split_kernel_rs_fp8" in line]
-    assert len(usage) == 1 and "registers" in usage[0] and "serialized" not in usage[0], done.stdout
+    assert len(usage) == 2 and all("registers" in line and "serialized" not in line for line in usage), done.stdout
