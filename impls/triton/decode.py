@@ -13,8 +13,7 @@ it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa (``decode_wgmma_qua
 the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, tiles copied straight into its
 operands), 16 rows of fp8_ds_mla, fp8_e4m3 and nvfp4 in pages of whole 64-key steps (``decode_rs_fp8``:
 warp-specialized, copied by TMA, the codes decoded into wgmma's register operands), 16 rows of the quantized layouts
-elsewhere
-(``decode_ws``: warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla
+elsewhere (``decode_ws``: warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla
 (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16
 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no default since decode_ws beat it at every
 size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its tile.
@@ -228,18 +227,18 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     once, its float16 path spills registers). 32 rows of fp8_ds_mla or fp8_e4m3 on Hopper in pages of whole 64-key
     steps, as two full 16-row blocks (16 heads x 2 tokens, 32 heads): decode_ws's tile, so decode_rs_fp8 where the
     cache takes TMA, the two blocks of a request side by side over its keys (H100 b32 against the 32-row kernels:
-    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 where decode_ws runs
-    its 16 rows (``WS_MIN_KEYS_PER_SM``; through decode_ws, b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2,
-    and decode_rs_fp8 since session 41; not mxfp4_nsa,
-    fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of fp8_ds_mla on Hopper: the Gluon kernel with keys
-    on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens b32: 135.7 -> 80.4 us, NOTES.md session 13);
-    16 rows of fp8_ds_mla on Hopper: the warp-specialized Gluon kernel (``decode_ws``; H200, 16 heads against
-    ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md sessions 16 and 19, and faster at every
-    batch since session 21); 16 rows of nvfp4 on Hopper from ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the
-    same warp-specialized kernel (H200, 16 heads b64: 91.9 -> 78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and
-    19; decode_rs_fp8 where the cache takes TMA, H100 b64 75.3 -> 63.4, NOTES.md session 41), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6), of fp4_mx16 (b64 116.0 -> 91.6, b128 218.4 -> 162.0)
-    and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on Hopper in 32 rows, and in
-    16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
+    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 where decode_ws runs its 16
+    rows (``WS_MIN_KEYS_PER_SM``; through decode_ws, b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2, and
+    decode_rs_fp8 since session 41; not mxfp4_nsa, fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of
+    fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens
+    b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of fp8_ds_mla on Hopper: the warp-specialized Gluon kernel
+    (``decode_ws``; H200, 16 heads against ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md
+    sessions 16 and 19, and faster at every batch since session 21); 16 rows of nvfp4 on Hopper from
+    ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 -> 78.5
+    us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19; decode_rs_fp8 where the cache takes TMA, H100 b64 75.3 ->
+    63.4, NOTES.md session 41), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6), of fp4_mx16 (b64 116.0 -> 91.6,
+    b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on Hopper in
+    32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
     or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one

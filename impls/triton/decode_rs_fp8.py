@@ -68,8 +68,8 @@ Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, w
 ``[64, 64]`` boxes, scales ``[slots, 164]`` float32 in ``[64, 4]`` boxes; fp8_e4m3's codes and rope both from
 ``[slots, 576]`` e4m3, in ``[64, 128]`` and ``[64, 64]`` boxes, and no scales; nvfp4's codes ``[slots, 416]`` e4m3
 (as bytes) in ``[64, 128]`` boxes, its block scales from the same view in ``[64, 16]`` boxes, its rope ``[slots,
-208]`` bf16 in ``[64, 64]`` boxes. Launch with ``LAUNCH_OPTIONS``; ``LAYOUT`` is one of ``LAYOUTS``
-(fp8_ds_mla_pow2 runs as fp8_ds_mla).
+208]`` bf16 in ``[64, 64]`` boxes. Launch with ``LAUNCH_OPTIONS``; ``LAYOUT`` is fp8_ds_mla (fp8_ds_mla_pow2 runs
+as it), fp8_e4m3 or nvfp4.
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_b
 SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 BLOCKS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
 WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
-SCALE_WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 HALVES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
 # S^T [64 keys, 16 rows] and each O^T half-tile [64 column pairs, 16 rows].
@@ -203,7 +202,6 @@ BARRIERS = gl.constexpr(HFREE + 2)
 # (C7512; ``impls.triton.compile_check`` fails on it); the values then need 224 (216: serialized again), and the
 # first waits for its rope product before issuing its tiles' so that its step loop does not spill at 152.
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 128}
-LAYOUTS = ("fp8_ds_mla", "fp8_e4m3", "nvfp4")
 
 
 @gluon.jit
@@ -214,10 +212,10 @@ def _decode_split_kernel_rs_fp8(
     LAYOUT: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows of a
-    ``LAYOUT`` cache (``LAYOUTS``). ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now.
-    fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer scale is in ``qk_scale``,
-    nvfp4's (latent keys only) in ``nope_scale``, and both, for outputs stored here rather than merged, in
-    ``out_scale``."""
+    ``LAYOUT`` cache (fp8_ds_mla, fp8_e4m3 or nvfp4). ``EARLY_MERGE``: let the merge kernel, a programmatic
+    dependent launch, start now. fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer
+    scale is in ``qk_scale``, nvfp4's (latent keys only) in ``nope_scale``, and both, for outputs stored here rather
+    than merged, in ``out_scale``."""
     STAGES: gl.constexpr = stages(LAYOUT)
     if EARLY_MERGE:
         _launch_dependents()
@@ -619,7 +617,7 @@ def _quad_scales(blocks, start, kv_end):
     ``[64 quads, 64 keys]``: each block's scale for its four quads, picked from the key's word of four (one 32-bit
     load a key: each thread's blocks of a key lie in one word); keys at or past ``kv_end`` zeroed (their slots may
     hold NaN)."""
-    words = _seen_as(blocks, gl.int32, [KEYS, BLOCKS // 4], SCALE_WORDS_SMEM).load(KEY_WORDS)
+    words = _seen_as(blocks, gl.int32, [KEYS, BLOCKS // 4], SCALES_SMEM).load(KEY_WORDS)
     if start + KEYS > kv_end:
         keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, KEY_WORDS))
         words = gl.where(keys[:, None] < kv_end, words, gl.zeros_like(words))
