@@ -83,7 +83,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from impls.triton.decode_kernel import NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at, _row_limits,
                                        _step_page)
-from impls.triton.decode_wgmma_fp8 import HAS_REINTERPRET, KEYS, _softmax_to_probs
+from impls.triton.decode_wgmma_fp8 import KEYS, WORDS_SMEM, _seen_as, _softmax_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
 from impls.triton.decode_ws import NVFP4_ROPE_AT, NVFP4_ROW_BYTES, NVFP4_SCALES_AT, e2m1_word_ptx
@@ -99,7 +99,6 @@ ROPE_E4M3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, elemen
 PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 BLOCKS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-WORDS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 HALVES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
 # S^T [64 keys, 16 rows] and each O^T half-tile [64 column pairs, 16 rows].
@@ -187,7 +186,7 @@ def stages(layout):
 
 
 # The barriers (one allocation, by index; room for the most stages of any layout):
-MOST_STAGES = gl.constexpr(3)
+MOST_STAGES = gl.constexpr(max(stages(layout) for layout in ("fp8_ds_mla", "fp8_e4m3", "nvfp4")))
 KREADY = gl.constexpr(0)                    # + stage: the step is in (TMA)
 KFREE = gl.constexpr(KREADY + MOST_STAGES)  # + stage: the three multiplying warpgroups have it in registers
 PREADY = gl.constexpr(KFREE + MOST_STAGES)  # + buffer (2): P and its rescale factor are in
@@ -465,15 +464,6 @@ def _chunk_operands(words, blocks):
                                        dtype=gl.float16, is_pure=True, pack=8)
     first, second = gl.split(values.reshape([KEYS, 2, TILE]).permute((0, 2, 1)))
     return _code_operand(first), _code_operand(second)
-
-
-@gluon.jit
-def _seen_as(tile, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
-    """A shared-memory tile's bytes seen as another type, shape and layout (Triton 3.6 names it ``_reinterpret``)."""
-    if HAS_REINTERPRET:
-        return tile.reinterpret(dtype, shape, layout)
-    else:
-        return tile._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit

@@ -72,10 +72,16 @@ HAS_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret
 def _as_words(buffer):
     """A 16-bit swizzled buffer seen as 32-bit words (same bytes: the swizzle is defined on 16-byte chunks)."""
     shape: gl.constexpr = [buffer.shape[0], buffer.shape[1] // 2]
+    return _seen_as(buffer, gl.int32, shape, WORDS_SMEM)
+
+
+@gluon.jit
+def _seen_as(buffer, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """A shared-memory buffer's bytes seen as another type, shape and layout (Triton 3.6 names it ``_reinterpret``)."""
     if HAS_REINTERPRET:
-        return buffer.reinterpret(gl.int32, shape, WORDS_SMEM)
+        return buffer.reinterpret(dtype, shape, layout)
     else:
-        return buffer._reinterpret(gl.int32, shape, WORDS_SMEM)
+        return buffer._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit
