@@ -72,6 +72,7 @@ def test_a_quantized_row_is_timed_against_the_bf16_default_of_its_own_shape(caps
     fp8_b128 = _record(Shape(16, 128, 4096, layout="fp8_ds_mla"), 0.1321)
     paged = _record(Shape(16, 64, 4096, page_size=128, layout="fp8_ds_mla"), 0.0723)  # no bf16 at page 128
     peer_fp8 = _record(Shape(16, 64, 4096, layout="fp8_ds_mla"), 0.0600, impl="flashinfer_mla")
+    bf16_b64["copy_fraction"] = 0.8992  # just under the 0.90: the table must not round it up
     records = [fp8, bf16_b128, bf16_b64, other_config, peer, fp8_b128, paged, peer_fp8]  # a wrong base comes last
     against_bf16(records)
     assert fp8["x_bf16"] == pytest.approx(0.0730 / 0.1126)
@@ -80,6 +81,7 @@ def test_a_quantized_row_is_timed_against_the_bf16_default_of_its_own_shape(caps
     print_table(records)
     rows = {(line[:34].strip(), line[35:].split()[0]): line for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows[fp8["label"], "default"].endswith(f"{0.0730 / 0.1126:6.3f}x")
+    assert rows[bf16_b64["label"], "default"][35:].split()[4] == "0.899"  # which, config, us, GB/s, copy
     assert not rows[peer_fp8["label"], "flashinfer_mla"].rstrip().endswith("x")
     assert not rows[paged["label"], "default"].rstrip().endswith("x")
 
