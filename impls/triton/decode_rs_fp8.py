@@ -630,15 +630,16 @@ def _value_operands(w):
 @gluon.jit
 def _pairs_as_rows(even, odd, factor):
     """An fp8 tile's even and odd output columns (``O^T`` halves) times ``factor`` (per row): ``[16 rows, 128]``."""
-    return gl.join(even * factor[None, :], odd * factor[None, :]).permute((1, 0, 2)).reshape([ROWS, TILE])
+    f = factor[None, :]
+    return gl.join(even * f, odd * f).permute((1, 0, 2)).reshape([ROWS, TILE])
 
 
 @gluon.jit
 def _quads_as_rows(c0, c1, c2, c3, factor):
     """An nvfp4 chunk's output columns by position in their quad (``O^T`` quarters) times ``factor`` (per row):
     ``[16 rows, 256]``."""
-    o = gl.join(gl.join(c0 * factor[None, :], c1 * factor[None, :]), gl.join(c2 * factor[None, :],
-                                                                             c3 * factor[None, :]))
+    f = factor[None, :]
+    o = gl.join(gl.join(c0 * f, c1 * f), gl.join(c2 * f, c3 * f))
     return o.permute((1, 0, 3, 2)).reshape([ROWS, 2 * TILE])
 
 
