@@ -18,9 +18,10 @@ with the GPU machine's 3.6). So this check:
    ``sparse_wgmma``), which the interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the
    same way;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
-   the interpreter flags off and the GPU-only flags (``EARLY_MERGE``) on; a kernel that needs more shared memory
-   than a program may have on sm_90 fails too. ptxas ships with Triton's wheel. ``--resources`` also prints each
-   launch's registers and spills (``ptxas -v``) and shared memory;
+   the interpreter flags off and the GPU-only flags (``GPU_ONLY_FLAGS``: the programmatic launches' waits and
+   releases) on; a kernel that needs more shared memory than a program may have on sm_90 fails too. ptxas ships
+   with Triton's wheel. ``--resources`` also prints each launch's registers and spills (``ptxas -v``) and shared
+   memory;
 3. asks ptxas (``-v``) whether it serialized a Gluon launch's wgmmas (infos C7508-C7512, e.g. too few registers
    to keep the products' operands in flight: every product then waits for the one before; session 38 found it in
    decode_rs_fp8 only by reading the SASS), and fails the launch if so: the Gluon kernels are written for products
@@ -58,7 +59,7 @@ INTERPRETER_FLAGS = ("INTERPRET",)  # the decode's constexpr for the interpreter
 # Modules whose launches choose tiles and constexprs (INTERP, UPCAST) by ``INTERPRETING``: off while recording.
 HOST_CHOICE_MODULES = ("impls.triton.latent_io", "impls.triton.merge", "impls.triton.prefill_kernel",
                        "impls.triton.sparse_kernel")
-GPU_ONLY_FLAGS = ("EARLY_MERGE",)  # constexprs a plan turns on only on a GPU: compiled on
+GPU_ONLY_FLAGS = ("EARLY_MERGE", "WAIT_PRIOR", "RELEASE_NEXT")  # constexprs a plan turns on only on a GPU: compiled on
 DECODE_PAGE_SIZES = (1, 16, 64)  # page 1 prefetches table lines, 16 is under a tile, 64 fills one
 SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*")  # ptxas -v's performance info
 

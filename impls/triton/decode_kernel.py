@@ -419,7 +419,7 @@ def _decode_split_kernel(
     LAYOUT: tl.constexpr, BYTES_PER_TOKEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
     TILE_SCALES: tl.constexpr, SCALE_NOPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_AS_N: tl.constexpr, INTERPRET: tl.constexpr,
-    REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr, KEEP_PARTIALS: tl.constexpr,
+    REREAD: tl.constexpr, EARLY_MERGE: tl.constexpr, KEEP_PARTIALS: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):
     """A persistent program: runs its work items one after the other (a balanced share of the batch's key blocks;
     see decode_schedule). An item's row holds all it needs before its queries and block-table row can be read.
@@ -427,10 +427,12 @@ def _decode_split_kernel(
     H200 for programs of several items.) ``EARLY_MERGE``: let the merge kernel, launched as a programmatic
     dependent, start now and wait for this grid's results on the device (its launch latency hidden).
     ``KEEP_PARTIALS``: store the partials to stay in L2 (``evict_last``) for the merge, which reads them right after
-    (``decode.PARTIALS_L2_SHARE`` says when)."""
+    (``decode.PARTIALS_L2_SHARE`` says when). ``WAIT_PRIOR``: launched as a programmatic dependent of the stream's
+    previous kernel, the program reads only the plan's work rows before that kernel's results are complete and
+    visible."""
     if EARLY_MERGE:
         gdc_launch_dependents()
-    table, items = _program_items(work, items_stride, item_counts, INTERPRET)
+    table, items = _program_items(work, items_stride, item_counts, INTERPRET, WAIT_PRIOR)
     for i in range(items):
         _attend_item(
             q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, _item_fields(table + i * ITEM_FIELDS),
@@ -440,14 +442,18 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _program_items(work, items_stride, item_counts, INTERPRET: tl.constexpr):
+def _program_items(work, items_stride, item_counts, INTERPRET: tl.constexpr, WAIT_PRIOR: tl.constexpr):
     """This program's work-item rows (``ITEM_FIELDS`` int32 each) and their count, the first row requested into L1
-    beside the count (``PREFETCH_L1``; the interpreter has no inline assembly)."""
+    beside the count (``PREFETCH_L1``; the interpreter has no inline assembly); then, under ``WAIT_PRIOR``, the wait
+    for the stream's previous kernel: the plan's work rows are all a program reads before it."""
     program = tl.program_id(0)
     table = work + program.to(tl.int64) * items_stride
     if not INTERPRET:
         tl.inline_asm_elementwise(PREFETCH_L1, "=r,l", [table], dtype=tl.int32, is_pure=False, pack=1)
-    return table, tl.load(item_counts + program)
+    items = tl.load(item_counts + program)
+    if WAIT_PRIOR:
+        gdc_wait()
+    return table, items
 
 
 @triton.jit
@@ -655,12 +661,16 @@ def _merge_splits_kernel(
     lse, stride_lt,
     out_scale, num_heads,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr, KEEP_PARTIALS: tl.constexpr,
+    INTERPRET: tl.constexpr, EARLY_MERGE: tl.constexpr, KEEP_PARTIALS: tl.constexpr, RELEASE_NEXT: tl.constexpr,
 ):
     """Merge one group's splits by their LSE for ``ROWS`` rows and ``COLS`` output columns (``_merged_partials``).
     ``EARLY_MERGE``: launched before the split kernel finished (programmatic dependent launch): the group's row is
     read first, then the program waits until the split kernel's writes are complete and visible. ``KEEP_PARTIALS``:
-    the partials were kept in L2 for this read, their only one, after which their lines go first (``evict_first``)."""
+    the partials were kept in L2 for this read, their only one, after which their lines go first (``evict_first``).
+    ``RELEASE_NEXT``: let the stream's next kernel, if a programmatic dependent, start now (it waits for this grid's
+    results on the device)."""
+    if RELEASE_NEXT:
+        gdc_launch_dependents()
     group = tl.program_id(0)
     row_block = tl.load(groups + group * 5)
     first = tl.load(groups + group * 5 + 1)

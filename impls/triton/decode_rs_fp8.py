@@ -81,8 +81,8 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from impls.triton.decode_kernel import NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at, _row_limits,
-                                       _step_page)
+from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at,
+                                       _row_limits, _step_page)
 from impls.triton.decode_wgmma_fp8 import KEYS, WORDS_SMEM, _seen_as, _softmax_to_probs
 from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
@@ -208,11 +208,13 @@ def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     nope_scale, out_scale, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    LAYOUT: gl.constexpr,
+    LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows of a
     ``LAYOUT`` cache (fp8_ds_mla, fp8_e4m3 or nvfp4). ``EARLY_MERGE``: let the merge kernel, a programmatic
-    dependent launch, start now. fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer
+    dependent launch, start now. ``WAIT_PRIOR``: launched as a programmatic dependent of the stream's previous
+    kernel, each partition reads only the plan's work rows before that kernel's results are complete and visible
+    (``decode_wgmma._program_items``). fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer
     scale is in ``qk_scale``, nvfp4's (latent keys only) in ``nope_scale``, and both, for outputs stored here rather
     than merged, in ``out_scale``."""
     STAGES: gl.constexpr = stages(LAYOUT)
@@ -249,22 +251,22 @@ def _decode_split_kernel_rs_fp8(
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
                   qk_scale, num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out,
-                  halves, bars, KEEP_PARTIALS, LAYOUT)),
+                  halves, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes,
-                  scales, probs, factors, to_out, bars, KEEP_PARTIALS, LAYOUT)),
+                  scales, probs, factors, to_out, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
-                       halves, bars, LAYOUT)),
+                       halves, bars, LAYOUT, WAIT_PRIOR)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
-                 rope, scales, bars, PAGE_SIZE, LAYOUT)),
+                 rope, scales, bars, PAGE_SIZE, LAYOUT, WAIT_PRIOR)),
     ], [4, 4, 4], [224, 112, 24])
 
 
 @gluon.jit
 def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
-          scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+          scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it."""
     STAGES: gl.constexpr = stages(LAYOUT)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     g = 0
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
@@ -296,12 +298,12 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
            num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
+           KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
     and the output factor for the value warpgroup."""
     STAGES: gl.constexpr = stages(LAYOUT)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
     for i in range(items):
@@ -358,11 +360,11 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
 
 @gluon.jit
 def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales, halves,
-                bars, LAYOUT: gl.constexpr):
+                bars, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The second scoring warpgroup: each item's query tiles 2 and 3, each step's scores of those (each by its tile
     scale) for the first."""
     STAGES: gl.constexpr = stages(LAYOUT)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     g = 0
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len, tiles = _item_tiles(table, i)
@@ -495,12 +497,12 @@ def _step_scales(every, x, start, kv_end, LAYOUT: gl.constexpr):
 
 @gluon.jit
 def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes, scales,
-           probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
+           probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each fp8 tile apart,
     nvfp4's columns by their position in a quad of four (fp8_e4m3, nvfp4: outputs stored here, not merged, times
     the layer's ``out_scale``)."""
     STAGES: gl.constexpr = stages(LAYOUT)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
     for i in range(items):

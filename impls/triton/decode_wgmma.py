@@ -134,6 +134,14 @@ def _launch_dependents():
 
 
 @gluon.jit
+def _wait_prior():
+    """Wait until the stream's previous kernel (this grid's programmatic launch prerequisite) is complete and its
+    writes are visible; at once where the grid was launched without one."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _row_at(base, rows, q_first, num_heads, stride_token, stride_head):
     """Where query row ``rows`` of an item lives in a ``[token, head, ...]`` tensor: the item's token ``q_first +
     rows // num_heads``, head ``rows % num_heads`` (rows run over the heads of each new token)."""
@@ -151,13 +159,16 @@ def _row_limits(row_block, q_first, q_len, kv_end, visible, num_heads, ROWS: gl.
 
 
 @gluon.jit
-def _program_items(work, items_stride, item_counts):
-    """This program's work-item rows and their count, the first row requested into L1 beside the count
-    (``decode_kernel._program_items``)."""
+def _program_items(work, items_stride, item_counts, WAIT_PRIOR: gl.constexpr):
+    """This program's work-item rows and their count, the first row requested into L1 beside the count; then,
+    under ``WAIT_PRIOR``, the wait for the stream's previous kernel (``decode_kernel._program_items``)."""
     program = gl.program_id(0)
     table = work + program.to(gl.int64) * items_stride
     gl.inline_asm_elementwise(PREFETCH_L1, "=r,l", [table], dtype=gl.int32, is_pure=False, pack=1)
-    return table, gl.load(item_counts + program)
+    items = gl.load(item_counts + program)
+    if WAIT_PRIOR:
+        _wait_prior()
+    return table, items
 
 
 @gluon.jit
@@ -171,16 +182,16 @@ def _item_fields(row):
 def _decode_split_kernel_wgmma(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr,
 ):
-    """A persistent program over its work items (``_decode_split_kernel``'s contract); ``cache`` is the bf16 view
-    of the paged cache, ``WIDTH`` values per slot."""
+    """A persistent program over its work items (``_decode_split_kernel``'s contract, ``WAIT_PRIOR`` included);
+    ``cache`` is the bf16 view of the paged cache, ``WIDTH`` values per slot."""
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, KEYS], SWIZZLED)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)
         _attend_item(q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,

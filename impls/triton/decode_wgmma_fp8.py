@@ -190,6 +190,7 @@ def _decode_split_kernel_fp8(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` (16 or 32) query
     rows; ``cache`` is the uint8 paged cache, ``ROW_BYTES`` per slot. ``EARLY_MERGE``: let the merge kernel, a
@@ -203,7 +204,7 @@ def _decode_split_kernel_fp8(
     rope = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROPE], SWIZZLED)
     probs = _tiles(gl.float16, [KEYS, ROWS], PROBS_SMEM)
     scales = _tiles(gl.float32, [KEYS], SCALES_SMEM)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,

@@ -41,6 +41,7 @@ def _decode_split_kernel_narrow(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` (16 or 32) query
     rows. ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now (it waits for this
@@ -54,7 +55,7 @@ def _decode_split_kernel_narrow(
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     probs = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROWS], PROBS_SMEM)  # P^T
     cache = cache.to(gl.pointer_type(gl.bfloat16))
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,

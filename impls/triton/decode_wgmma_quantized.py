@@ -184,7 +184,7 @@ def _decode_split_kernel_quantized(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale,
     ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    LAYOUT: gl.constexpr,
+    LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 64 query rows; ``cache``
     is the uint8 paged cache of ``LAYOUT`` (``LAYOUTS``). ``nope_scale``: nvfp4's layer scale of the latent keys;
@@ -221,7 +221,7 @@ def _decode_split_kernel_quantized(
             else:
                 side = gl.allocate_shared_memory(gl.uint8, [KEYS, 16], PLAIN)
                 key_scales = gl.allocate_shared_memory(gl.float32, [1, KEYS], PLAIN)
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,

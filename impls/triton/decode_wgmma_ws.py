@@ -61,6 +61,7 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for
 def _decode_split_kernel_wgmma_ws(
     q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse,
     stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract); ``q_desc`` and ``k_desc``: the
     query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes."""
@@ -76,19 +77,20 @@ def _decode_split_kernel_wgmma_ws(
     hopper.fence_async_shared()
     gl.warp_specialize([
         (_score, (visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out,
-                  part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS)),
+                  part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS,
+                  WAIT_PRIOR)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope,
-                  factors, sums, bars, KEEP_PARTIALS)),
+                  factors, sums, bars, KEEP_PARTIALS, WAIT_PRIOR)),
         (_load, (q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope,
-                 k_lat, k_rope, bars, PAGE_SIZE)),
+                 k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR)),
     ], [4, 4], [240, 24])
 
 
 @gluon.jit
 def _load(q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope, k_lat,
-          k_rope, bars, PAGE_SIZE: gl.constexpr):
+          k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2."""
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
     for i in range(items):
@@ -120,9 +122,10 @@ def _load(q_desc, k_desc, block_table, stride_bt, work, items_stride, item_count
 
 @gluon.jit
 def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
-           qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS: gl.constexpr):
+           qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS: gl.constexpr,
+           WAIT_PRIOR: gl.constexpr):
     """The scoring warpgroup: each tile's scores and softmax, P over the tile's rope, then output columns 256-511."""
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
     for i in range(items):
@@ -192,9 +195,9 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
 
 @gluon.jit
 def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope, factors,
-           sums, bars, KEEP_PARTIALS: gl.constexpr):
+           sums, bars, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The value warpgroup: output columns 0-255 of every tile, from the P and factor the scoring warpgroup left."""
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
     for i in range(items):

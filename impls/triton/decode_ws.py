@@ -149,7 +149,7 @@ def _decode_split_kernel_ws(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale,
     ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    LAYOUT: gl.constexpr,
+    LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` query rows of a
     ``LAYOUT`` cache (one of ``LAYOUTS``); both partitions walk the same items and steps, the ``g``-th step of the
@@ -175,19 +175,19 @@ def _decode_split_kernel_ws(
     gl.warp_specialize([
         (_multiply, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
                      lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale, q_nope, q_rope,
-                     keys, rope, scales, probs, ready, free, ROWS, KEEP_PARTIALS, LAYOUT)),
+                     keys, rope, scales, probs, ready, free, ROWS, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR)),
         (_decode, (cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
-                   PAGE_SIZE, LAYOUT)),
+                   PAGE_SIZE, LAYOUT, WAIT_PRIOR)),
     ], [DECODER_WARPS], [DECODER_REGS])
 
 
 @gluon.jit
 def _decode(cache, block_table, stride_bt, work, items_stride, item_counts, keys, rope, scales, ready, free,
-            PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr):
+            PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The decoder partition: every step of the program's items into the stages, each once ``free``; a step's
     bytes are loaded into registers while the step before is stored (a tile's load moved after its store leaves
     those loads' latency in the step: same time or slower, NOTES.md session 19)."""
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     # The layout's bytes per slot, which every load below takes.
     ROW: gl.constexpr = (NVFP4_ROW_BYTES if LAYOUT == "nvfp4" else MXFP4_ROW_BYTES if LAYOUT == "mxfp4_nsa"
                          else MX16_ROW_BYTES if LAYOUT == "fp4_mx16" else E4M3_ROW_BYTES if LAYOUT == "fp8_e4m3"
@@ -401,9 +401,9 @@ def _e2m1_words(codes, scales, ASM: gl.constexpr, SCALE_REGS: gl.constexpr):
 def _multiply(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
               lse, stride_lt, part_out, part_lse, qk_scale, num_heads, nope_scale, out_scale, q_nope, q_rope, keys,
               rope, scales, probs, ready, free, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
-              LAYOUT: gl.constexpr):
+              LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The default partition: each of the program's items from the decoded stages."""
-    table, items = _program_items(work, items_stride, item_counts)
+    table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     g = 0
     for i in range(items):
         g = _attend_item(_item_fields(table + i * ITEM_FIELDS), g, q, stride_qt, stride_qh, visible, out,
