@@ -338,15 +338,19 @@ def test_16_row_fp8_e4m3_and_fp4_blocks_take_the_warp_specialized_kernel_on_hopp
         assert not decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=False).gluon
 
 
-def test_32_row_bf16_blocks_and_16_in_pages_under_a_step_take_the_narrow_gluon_kernel_on_hopper_only():
+def test_32_row_bf16_blocks_and_16_in_short_pages_or_long_batches_take_the_narrow_gluon_kernel_on_hopper_only():
     for heads, q_len, page_size, rows in ((16, 2, 64, 32), (32, 1, 128, 32), (20, 1, 16, 32), (16, 1, 1, 16),
                                           (16, 1, 16, 16), (8, 1, 48, 16), (5, 3, 1, 16)):
         config = decode.default_config(heads, q_len, "bf16", page_size, hopper=True)
         assert config.gluon and config.block_m == rows
         assert _gluon_kernel(config, "bf16") is _decode_split_kernel_narrow
         assert not decode.default_config(heads, q_len, "bf16", page_size, hopper=False).gluon
-    for page_size in (64, 128):  # whole 64-key pages: the Triton kernel (the two tie there: NOTES.md, session 15)
-        assert not decode.default_config(16, 1, "bf16", page_size, hopper=True).gluon
+    for page_size in (64, 128):  # whole 64-key pages: the Triton kernel, but from NARROW_MIN_KEYS_PER_SM keys per SM
+        below = decode.NARROW_MIN_KEYS_PER_SM - 1
+        assert not decode.default_config(16, 1, "bf16", page_size, below, hopper=True).gluon
+        long = decode.default_config(16, 1, "bf16", page_size, decode.NARROW_MIN_KEYS_PER_SM, hopper=True)
+        assert long.block_m == 16 and _gluon_kernel(long, "bf16") is _decode_split_kernel_narrow
+        assert not decode.default_config(16, 1, "bf16", page_size, decode.NARROW_MIN_KEYS_PER_SM, hopper=False).gluon
     e4m3 = decode.default_config(16, 1, "fp8_e4m3", 1, hopper=True)  # not this bf16 kernel: the quantized one
     assert _gluon_kernel(e4m3, "fp8_e4m3") is _decode_split_kernel_ws
 

@@ -213,6 +213,12 @@ MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1,
 # b128 672 (688) -> 501, b8 103 -> 78, b1 32.4 -> 30.9, 16 x 4 b32 108 -> 81; mxfp4_nsa b32 194 (204) -> 150, b128
 # 693 (682) -> 540, b8 (496 keys per SM) 104.7 -> 83.9, 16 x 4 b32 109 -> 86, and b1 (62 keys per SM) 30.6 -> 31.2.
 # fp8_ds_mla_pow2 with one scale per key since session 30: b32 154 -> 141, b128 557 -> 505, 16 x 4 b32 91 -> 84.
+# Keys of a batch per multiprocessor from which 16-row bf16 blocks in whole 64-key pages run decode_wgmma_narrow, not
+# the Triton kernel (default_config; smaller pages take it at any size). H100, 16 heads, page 64, both with the launch
+# overlap, us, Triton -> narrow (NOTES.md, session 44): at 1986 (b64 ctx4096) 112.2 -> 111.8, at 2979 (b96) 164.2 ->
+# 163.5, at 3972 (b128) 209.1 -> 208.4, at 7944 (b64 ctx16384) 415.2 -> 414.2; at 993-1489 (b32, b48, b8 ctx16384)
+# within 0.1%; at 248-496 (b8, b16, b1 ctx32768) +0.5 to +3%, at 124 (b2 ctx8192, b4) +3 to +13%.
+NARROW_MIN_KEYS_PER_SM = 1792
 QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
 # decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
@@ -251,17 +257,17 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on Hopper in
     32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
-    NOTES.md session 15). Other 16 or 32 rows: memory-bound, the mma.sync path of the Triton kernel. 16 rows of bf16
-    or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and of bf16 in page 1 off Hopper: 64-key steps, one
-    program per multiprocessor (bf16: three tiles of 72 KB fill its shared memory; page 1 since its block-table
-    lines are prefetched, NOTES.md round 7); FP4 layouts, since their decode takes half the instructions it did
-    (NOTES.md session 17), two programs of two 64-key stages in 16 rows (H200, 16 heads b64 nvfp4: 105.8 -> 92.8
-    us); FP4 and fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2 tokens b32: nvfp4 119.8 ->
-    78.6, fp8_e4m3 114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other 16-row blocks two programs
-    of 32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5 and 7). The early merge
-    helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5 -> 36.7 us), so only
-    the former use it. 16-row blocks, and 32-row blocks of the quantized layouts, in batches of at most
-    ``SHORT_SPLIT_KEYS_PER_SLOT`` keys per program slot: splits of 64 keys, not 128, so that more multiprocessors
+    NOTES.md session 15), and so in whole pages from ``NARROW_MIN_KEYS_PER_SM``. Other 16 or 32 rows: memory-bound, the
+    mma.sync path of the Triton kernel. 16 rows of bf16 or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and
+    of bf16 in page 1 off Hopper: 64-key steps, one program per multiprocessor (bf16: three tiles of 72 KB fill its
+    shared memory; page 1 since its block-table lines are prefetched, NOTES.md round 7); FP4 layouts, since their decode
+    takes half the instructions it did (NOTES.md session 17), two programs of two 64-key stages in 16 rows (H200, 16
+    heads b64 nvfp4: 105.8 -> 92.8 us); FP4 and fp8_e4m3 in 32 rows two programs of three 32-key stages (16 heads x 2
+    tokens b32: nvfp4 119.8 -> 78.6, fp8_e4m3 114.0 -> 80.0; fp8_ds_mla off Hopper keeps 8 warps, unmeasured); other
+    16-row blocks two programs of 32-key steps (fp8_e4m3 in page 1 measured slower with 64-key steps: NOTES.md rounds 5
+    and 7). The early merge helps the memory-bound row blocks (0.4-0.8 us at b1 and b32) and hurt 128 heads at b1 (29.5
+    -> 36.7 us), so only the former use it. 16-row blocks, and 32-row blocks of the quantized layouts, in batches of at
+    most ``SHORT_SPLIT_KEYS_PER_SLOT`` keys per program slot: splits of 64 keys, not 128, so that more multiprocessors
     stream the keys.
     """
     config = _tile_config(num_heads, max_q_len, layout, page_size, keys_per_sm, hopper, gbps_per_sm)
@@ -292,7 +298,7 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
     if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
         return WS_CONFIG
-    if hopper and layout == "bf16" and (block_m == 32 or page_size % 64):
+    if hopper and layout == "bf16" and (block_m == 32 or page_size % 64 or keys_per_sm >= NARROW_MIN_KEYS_PER_SM):
         return DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
     whole_pages = layout in ("bf16", "fp8_e4m3") and page_size % 64 == 0
     if block_m == 16 and (whole_pages or (layout == "bf16" and page_size == 1)):
