@@ -243,7 +243,8 @@ def config_label(c: DecodeConfig) -> str:
             f"p{c.programs_per_sm}" + (f" sp{c.num_splits}" if c.num_splits else "")
             + (f" min{c.min_split}" if c.min_split != default.min_split else "")
             + (f" ms{c.merge_splits}" if c.merge_splits != default.merge_splits else "")
-            + (" early" if c.early_merge else "") + ("" if c.reread_values else " once") + (" gluon" if c.gluon else ""))
+            + (" early" if c.early_merge else "") + ("" if c.reread_values else " once") + (" gluon" if c.gluon else "")
+            + ("" if c.overlap_launch else " no-overlap"))
 
 
 # ---- profiles -------------------------------------------------------------------------------------------------------

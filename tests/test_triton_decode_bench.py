@@ -9,7 +9,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from suites.bench_decode import LAYOUTS, PROFILES, Shape, against_bf16, config_check_workload, \
+from impls.triton.decode import DecodeConfig
+from suites.bench_decode import LAYOUTS, PROFILES, Shape, against_bf16, config_check_workload, config_label, \
     correctness_workloads, print_table, select_entries, timing_problem, triton_impl
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
@@ -25,6 +26,11 @@ def test_the_correctness_sweep_covers_every_layout_page_size_and_query_mode():
     assert q_modes == {"single", "uniform", "varlen"}
     assert {16, 20, 32, 64, 128} <= {w.dims.num_heads for w in workloads}
     assert any(0 in w.kv_lens for w in workloads) and max(max(w.kv_lens) for w in workloads) >= 128 * 1024
+
+
+def test_a_config_label_says_when_the_split_kernel_is_launched_without_the_overlap():
+    assert config_label(DecodeConfig(overlap_launch=False)).endswith(" no-overlap")
+    assert "overlap" not in config_label(DecodeConfig())
 
 
 def test_config_checks_use_the_shapes_heads_layout_page_size_and_query_length():
