@@ -213,16 +213,16 @@ MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1,
 # b128 672 (688) -> 501, b8 103 -> 78, b1 32.4 -> 30.9, 16 x 4 b32 108 -> 81; mxfp4_nsa b32 194 (204) -> 150, b128
 # 693 (682) -> 540, b8 (496 keys per SM) 104.7 -> 83.9, 16 x 4 b32 109 -> 86, and b1 (62 keys per SM) 30.6 -> 31.2.
 # fp8_ds_mla_pow2 with one scale per key since session 30: b32 154 -> 141, b128 557 -> 505, 16 x 4 b32 91 -> 84.
+QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
+QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
+# decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
+WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 # Keys of a batch per multiprocessor from which 16-row bf16 blocks in whole 64-key pages run decode_wgmma_narrow, not
 # the Triton kernel (default_config; smaller pages take it at any size). H100, 16 heads, page 64, both with the launch
 # overlap, us, Triton -> narrow (NOTES.md, session 44): at 1986 (b64 ctx4096) 112.2 -> 111.8, at 2979 (b96) 164.2 ->
 # 163.5, at 3972 (b128) 209.1 -> 208.4, at 7944 (b64 ctx16384) 415.2 -> 414.2; at 993-1489 (b32, b48, b8 ctx16384)
 # within 0.1%; at 248-496 (b8, b16, b1 ctx32768) +0.5 to +3%, at 124 (b2 ctx8192, b4) +3 to +13%.
 NARROW_MIN_KEYS_PER_SM = 1792
-QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
-QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
-# decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
-WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
