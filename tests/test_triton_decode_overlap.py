@@ -1,11 +1,12 @@
 """The decode's split kernel launched as a programmatic dependent of the stream's previous kernel
 (``DecodeConfig.overlap_launch``, Hopper): its programs start while that kernel still runs, so each split kernel must
-read nothing but the plan's work rows before its wait (``WAIT_PRIOR``).
+read nothing but the plan's work rows before its wait (``WAIT_PRIOR``), but for the hint that asks L2 for its first
+keys (``KEYS_AHEAD``, the bf16 kernels), whose block-table entry may be stale.
 
-The proof is a previous kernel that lets its dependents start at once and writes the queries only 50 us later: every
-split kernel's output must be the one of the new queries, bit for bit. A planted launch that skips the wait reads the
-old queries, and the same check must catch it. Both kernels are queued behind a sleeping one, so that the host's
-launch time cannot order them.
+The proof is a previous kernel that lets its dependents start at once and writes the queries (or the block table)
+only 50 us later: every split kernel's output must be the one of the new contents, bit for bit. A planted launch that
+skips the wait reads the old ones, and the same check must catch it. Both kernels are queued behind a sleeping one,
+so that the host's launch time cannot order them.
 """
 
 from __future__ import annotations
@@ -51,22 +52,25 @@ def _late_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     _late_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, DELAY_NS=LATE_NS, BLOCK=1024)
 
 
-def _decode_after_a_late_query(impl: TritonDecode, problem) -> None:
-    """Run ``impl`` right after a kernel that writes new queries late, and compare with an eager run on them."""
+def _decode_after_a_late_write(impl: TritonDecode, problem, written: str = "queries") -> None:
+    """Run ``impl`` right after a kernel that writes new ``written`` late (queries: fresh ones; the block table: each
+    request's row moved to the next request, whose lengths must be the same), and compare with an eager run on
+    them."""
     plan = impl.checked_plan(problem)
     assert plan.overlap_launch, "the plan does not launch its split kernel as a programmatic dependent"
-    old_q = plan.q.clone()
-    new_q = torch.randn_like(old_q) * 0.5
-    plan.q.copy_(new_q)
+    target = plan.q if written == "queries" else plan.block_table
+    old = target.clone()
+    new = torch.randn_like(old) * 0.5 if written == "queries" else old.roll(1, dims=0)
+    target.copy_(new)
     want = [t.clone() for t in impl.run(plan)]
-    plan.q.copy_(old_q)
+    target.copy_(old)
     torch.cuda.synchronize()
     impl.poison(plan)
     torch.cuda._sleep(QUEUE_CYCLES)
-    _late_copy(new_q, plan.q)
+    _late_copy(new, target)
     out, lse = impl.run(plan)
     torch.cuda.synchronize()
-    assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), "the decode read queries from before the wait"
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), f"the decode read {written} from before the wait"
 
 
 KERNEL_CASES = [  # (config, layout, page size, heads, forced splits): each split kernel once, most with a merge
@@ -96,7 +100,21 @@ def _needs_hopper() -> torch.device:
 def test_every_split_kernel_waits_for_the_queries_of_the_kernel_before_it(config, layout, page_size, heads, splits):
     device = _needs_hopper()
     problem = build_problem(workload(layout, page_size, VARLEN, heads=heads, seed=page_size + heads), device)
-    _decode_after_a_late_query(Configured(dataclasses.replace(config, num_splits=splits)), problem)
+    _decode_after_a_late_write(Configured(dataclasses.replace(config, num_splits=splits)), problem)
+
+
+SAME_LENGTHS = ((1, 1, 1, 1), (150, 150, 150, 150))  # rows of the block table that can trade places
+AHEAD_CASES = [KERNEL_CASES[0], KERNEL_CASES[4], (_narrow(16), "bf16", 64, 16, 2), *KERNEL_CASES[8:]]
+
+
+@pytest.mark.parametrize("config, layout, page_size, heads, splits", AHEAD_CASES,
+                         ids=["triton", "narrow-ps1", "narrow-ps64", "wgmma-ws", "wgmma"])
+def test_the_kernels_that_ask_l2_ahead_read_the_block_table_written_before_them(config, layout, page_size, heads,
+                                                                               splits):
+    device = _needs_hopper()
+    assert decode.FIRST_KEYS_AHEAD > 0
+    problem = build_problem(workload(layout, page_size, SAME_LENGTHS, heads=heads, seed=7), device)
+    _decode_after_a_late_write(Configured(dataclasses.replace(config, num_splits=splits)), problem, "block table")
 
 
 class _SkipsTheWait:
@@ -110,12 +128,16 @@ class _SkipsTheWait:
         return lambda *args, **kwargs: launch(*args, **{**kwargs, "WAIT_PRIOR": False})
 
 
-@pytest.mark.parametrize("kernel, layout", [("_decode_split_kernel", "bf16"),
-                                            ("_decode_split_kernel_rs_fp8", "fp8_ds_mla")], ids=["triton", "rs-fp8"])
-def test_a_split_kernel_that_skips_its_wait_reads_the_old_queries_and_is_caught(monkeypatch, kernel, layout):
+@pytest.mark.parametrize("kernel, layout, written", [("_decode_split_kernel", "bf16", "queries"),
+                                                     ("_decode_split_kernel_rs_fp8", "fp8_ds_mla", "queries"),
+                                                     ("_decode_split_kernel", "bf16", "block table")],
+                         ids=["triton", "rs-fp8", "triton-table"])
+def test_a_split_kernel_that_skips_its_wait_reads_the_old_contents_and_is_caught(monkeypatch, kernel, layout,
+                                                                                 written):
     device = _needs_hopper()
     monkeypatch.setattr(decode, kernel, _SkipsTheWait(getattr(decode, kernel)))
-    problem = build_problem(workload(layout, 64, SINGLE, heads=16, seed=5), device)
+    mix = SINGLE if written == "queries" else SAME_LENGTHS
+    problem = build_problem(workload(layout, 64, mix, heads=16, seed=5), device)
     impl = TritonDecode() if layout == "bf16" else Configured(_ws())
-    with pytest.raises(AssertionError, match="read queries from before the wait"):
-        _decode_after_a_late_query(impl, problem)
+    with pytest.raises(AssertionError, match=f"read {written} from before the wait"):
+        _decode_after_a_late_write(impl, problem, written)

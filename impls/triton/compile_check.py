@@ -18,8 +18,9 @@ with the GPU machine's 3.6). So this check:
    ``sparse_wgmma``), which the interpreter cannot run, are planned as on a Hopper GPU and their launches recorded the
    same way;
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
-   the interpreter flags off and the GPU-only flags (``GPU_ONLY_FLAGS``: the programmatic launches' waits and
-   releases) on; a kernel that needs more shared memory than a program may have on sm_90 fails too. ptxas ships
+   the interpreter flags off and the GPU-only constexprs at their GPU values (``GPU_ONLY_FLAGS`` on: the
+   programmatic launches' waits and releases; ``KEYS_AHEAD``, the keys asked of L2 before the wait, at
+   ``decode.FIRST_KEYS_AHEAD``); a kernel that needs more shared memory than a program may have on sm_90 fails too. ptxas ships
    with Triton's wheel. ``--resources`` also prints each launch's registers and spills (``ptxas -v``) and shared
    memory;
 3. asks ptxas (``-v``) whether it serialized a Gluon launch's wgmmas (infos C7508-C7512, e.g. too few registers
@@ -59,7 +60,7 @@ INTERPRETER_FLAGS = ("INTERPRET",)  # the decode's constexpr for the interpreter
 # Modules whose launches choose tiles and constexprs (INTERP, UPCAST) by ``INTERPRETING``: off while recording.
 HOST_CHOICE_MODULES = ("impls.triton.latent_io", "impls.triton.merge", "impls.triton.prefill_kernel",
                        "impls.triton.sparse_kernel")
-GPU_ONLY_FLAGS = ("EARLY_MERGE", "WAIT_PRIOR", "RELEASE_NEXT")  # constexprs a plan turns on only on a GPU: compiled on
+GPU_ONLY_FLAGS = ("EARLY_MERGE", "WAIT_PRIOR", "RELEASE_NEXT")  # constexprs a plan turns on only on a GPU
 DECODE_PAGE_SIZES = (1, 16, 64)  # page 1 prefetches table lines, 16 is under a tile, 64 fills one
 SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*")  # ptxas -v's performance info
 
@@ -219,10 +220,12 @@ def write_launches(path: Path, launches: list[Launch]) -> None:
 # ---- 2. compiling, without the interpreter ------------------------------------------------------------------------
 
 def gpu_variant(launch: Launch) -> Launch:
-    """What a GPU compiles of a recorded launch: interpreter flags off, GPU-only flags on (their off state is the
-    same code without the added calls)."""
-    constexprs = {k: False if k in INTERPRETER_FLAGS else True if k in GPU_ONLY_FLAGS else v
-                  for k, v in launch.constexprs.items()}
+    """What a GPU compiles of a recorded launch: interpreter flags off, GPU-only constexprs at their GPU values
+    (their off state is the same code without the added calls)."""
+    from impls.triton.decode import FIRST_KEYS_AHEAD
+
+    gpu_only = {**dict.fromkeys(GPU_ONLY_FLAGS, True), "KEYS_AHEAD": FIRST_KEYS_AHEAD}
+    constexprs = {k: False if k in INTERPRETER_FLAGS else gpu_only.get(k, v) for k, v in launch.constexprs.items()}
     return dataclasses.replace(launch, constexprs=constexprs)
 
 

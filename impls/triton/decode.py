@@ -23,7 +23,8 @@ On Hopper the split kernel is a programmatic dependent launch of the stream's pr
 wait on the device for its results before reading the queries, the cache, the block table or the visible lengths
 (``WAIT_PRIOR``), so an engine's kernel that writes any of them just before the decode is still seen; the merge lets
 the next kernel start likewise. H100, 16 heads: batch 1 ctx8192 13.4 -> 12.2 us, no change at batch 64 (NOTES.md,
-session 44).
+session 44). Before that wait, the bf16 split kernels ask L2 for their first item's first keys (``KEYS_AHEAD``,
+``FIRST_KEYS_AHEAD``): a hint, whose block-table entry may be stale and is not used for anything else.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -169,7 +170,8 @@ class DecodeConfig:
     tile in shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere. ``overlap_launch`` (Hopper): launch the
     split kernel as a programmatic dependent of the stream's previous kernel, so that its programs start, and read
     their work rows, while that kernel finishes; every split kernel waits on the device for the previous kernel's
-    results before it reads anything else (``WAIT_PRIOR``), and the merge lets the next kernel start likewise."""
+    results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of the first keys in the bf16
+    kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise."""
 
     block_m: int = 16
     block_n: int = 32
@@ -223,6 +225,14 @@ WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_
 # 163.5, at 3972 (b128) 209.1 -> 208.4, at 7944 (b64 ctx16384) 415.2 -> 414.2; at 993-1489 (b32, b48, b8 ctx16384)
 # within 0.1%; at 248-496 (b8, b16, b1 ctx32768) +0.5 to +3%, at 124 (b2 ctx8192, b4) +3 to +13%.
 NARROW_MIN_KEYS_PER_SM = 1792
+# Under the launch overlap, the bf16 split kernels (the Triton kernel, which also reads the quantized layouts at small
+# batches, decode_wgmma_narrow, decode_wgmma and decode_wgmma_ws) ask L2 for this many keys of their first item
+# before the wait (``decode_kernel._prefetch_first_keys``): the bytes arrive while the previous kernel (in a stream of
+# decodes, the merge) ends. H100, 16 heads, page 64, against none: b1 ctx8192 12.3 -> 11.7 us (-5%), b8 -2%, page 16
+# b32 -1.7%, b64 -0.5 to -1.1%, b128 -0.4%, b32 and page 1 -0.1%; 128 heads b1 -0.8%; 128 keys gave less (b1 -2.7%,
+# b64 -0.2%). The quantized kernels measured -0.4 to +0.6% with it (decode_rs_fp8's fp8 layouts slower) and do not
+# ask (NOTES.md session 45).
+FIRST_KEYS_AHEAD = 64
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
@@ -401,6 +411,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
     overlap = {"launch_pdl": True} if plan.overlap_launch else {}
+    ahead = FIRST_KEYS_AHEAD if plan.overlap_launch else 0
     kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
     if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_LAYOUTS:
         _decode_split_kernel_rs_fp8[(plan.work.shape[0],)](
@@ -415,6 +426,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and
         # decode_wgmma_quantized decode more than one layout, some with layer scales.
         specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
+        if kernel is _decode_split_kernel_narrow:
+            specific.update(KEYS_AHEAD=ahead)
         if kernel is _decode_split_kernel_ws or kernel is _decode_split_kernel_quantized:
             specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
         options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
@@ -426,18 +439,18 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             WAIT_PRIOR=plan.overlap_launch, **specific, **options, **overlap)
     elif plan.work.shape[0] and plan.descriptors:
         _decode_split_kernel_wgmma_ws[(plan.work.shape[0],)](
-            *plan.descriptors, plan.block_table, plan.block_table.stride(0), plan.visible, plan.work,
+            cache.data, *plan.descriptors, plan.block_table, plan.block_table.stride(0), plan.visible, plan.work,
             plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
             plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
             PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            **decode_wgmma_ws.LAUNCH_OPTIONS, **overlap)
+            KEYS_AHEAD=ahead, **decode_wgmma_ws.LAUNCH_OPTIONS, **overlap)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
             plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
             plan.out.stride(0), plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse,
             plan.qk_scale, plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
-            WAIT_PRIOR=plan.overlap_launch, num_warps=cfg.num_warps, **overlap)
+            WAIT_PRIOR=plan.overlap_launch, KEYS_AHEAD=ahead, num_warps=cfg.num_warps, **overlap)
     elif plan.work.shape[0]:
         _decode_split_kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
@@ -450,7 +463,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
             EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap)
+            KEYS_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap)
     if plan.groups.shape[0]:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)

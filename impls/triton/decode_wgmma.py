@@ -22,7 +22,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, PREFETCH_L1, ROPE, TILE
+from impls.triton.decode_kernel import (FIRST_KEYS_PREFETCH, ITEM_FIELDS, LN2, NOPE, PREFETCH_L1, ROPE, TILE,
+                                       _pages_ahead)
 from mla_bench.layouts import LATENT_DIM
 
 # Triton 3.6 (the GPU machine) and newer releases (CI) name two of the operations differently.
@@ -172,6 +173,31 @@ def _program_items(work, items_stride, item_counts, WAIT_PRIOR: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE: gl.constexpr,
+                         ROW_BYTES: gl.constexpr, KEYS_AHEAD: gl.constexpr):
+    """``decode_kernel._prefetch_first_keys`` in Gluon: before the wait, L2 asked for the first item's first
+    ``KEYS_AHEAD`` keys (``cache``: the paged cache, any pointer type)."""
+    cache = cache.to(gl.pointer_type(gl.uint8))
+    program = gl.program_id(0)
+    row = work + program.to(gl.int64) * items_stride
+    request = gl.load(row)
+    kv_start = gl.load(row + 2)
+    kv_end = gl.load(row + 3)
+    live = (gl.load(item_counts + program) > 0) & (kv_start < kv_end)
+    for p in gl.static_range(_pages_ahead(KEYS_AHEAD, PAGE_SIZE)):
+        page_start = (kv_start // PAGE_SIZE + p) * PAGE_SIZE
+        lo = gl.maximum(kv_start, page_start)
+        hi = gl.minimum(gl.minimum(kv_end, page_start + PAGE_SIZE), kv_start + KEYS_AHEAD)
+        ask = live & (lo < hi)
+        entry = gl.load(block_table + request.to(gl.int64) * stride_bt + kv_start // PAGE_SIZE + p, mask=ask,
+                        other=-1, cache_modifier=".cg")
+        nbytes = (hi - lo) * ROW_BYTES * (ask & (entry >= 0)).to(gl.int32)
+        first = cache + (entry.to(gl.int64) * PAGE_SIZE + lo % PAGE_SIZE) * ROW_BYTES
+        gl.inline_asm_elementwise(FIRST_KEYS_PREFETCH, "=r,l,r", [first, nbytes], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _item_fields(row):
     """A work item's row (``decode.ITEM_COLUMNS``) as scalars, one load each (known uniform across the program)."""
     return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
@@ -182,15 +208,19 @@ def _item_fields(row):
 def _decode_split_kernel_wgmma(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
 ):
-    """A persistent program over its work items (``_decode_split_kernel``'s contract, ``WAIT_PRIOR`` included);
+    """A persistent program over its work items (``_decode_split_kernel``'s contract, ``WAIT_PRIOR`` and
+    ``KEYS_AHEAD`` included);
     ``cache`` is the bf16 view of the paged cache, ``WIDTH`` values per slot."""
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [ROWS, KEYS], SWIZZLED)
+    if KEYS_AHEAD > 0:
+        _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE, 2 * WIDTH,
+                             KEYS_AHEAD)
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     for i in range(items):
         request, row_block, kv_start, kv_end, slot_out, q_first, q_len = _item_fields(table + i * ITEM_FIELDS)

@@ -24,9 +24,9 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, _cta_barrier, _item_fields, _key_rows,
-                                       _launch_dependents, _program_items, _refill_stage, _row_at, _row_limits,
-                                       _start_copies, _wait_tile)
+from impls.triton.decode_wgmma import (KEYS, STAGES, SWIZZLED, WIDTH, _cta_barrier, _item_fields, _key_rows,
+                                       _launch_dependents, _prefetch_first_keys, _program_items, _refill_stage,
+                                       _row_at, _row_limits, _start_copies, _wait_tile)
 
 # Copies: 16 bytes per thread, a warp covers 4 rows of 64 columns (decode_wgmma's, for one warpgroup).
 COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -41,7 +41,7 @@ def _decode_split_kernel_narrow(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    WAIT_PRIOR: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` (16 or 32) query
     rows. ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now (it waits for this
@@ -54,6 +54,9 @@ def _decode_split_kernel_narrow(
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, KEYS, ROPE], SWIZZLED)
     probs = gl.allocate_shared_memory(gl.bfloat16, [KEYS, ROWS], PROBS_SMEM)  # P^T
+    if KEYS_AHEAD > 0:
+        _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE, 2 * WIDTH,
+                             KEYS_AHEAD)
     cache = cache.to(gl.pointer_type(gl.bfloat16))
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     for i in range(items):

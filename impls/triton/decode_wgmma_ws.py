@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _cta_barrier, _item_fields,
-                                       _program_items, _row_at, _row_limits, _step_page)
+                                       _prefetch_first_keys, _program_items, _row_at, _row_limits, _step_page)
 from impls.triton.decode_wgmma_narrow import _store_lse
 
 # Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
@@ -59,12 +59,12 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for
 
 @gluon.jit
 def _decode_split_kernel_wgmma_ws(
-    q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse,
-    stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
-    WAIT_PRIOR: gl.constexpr,
+    cache, q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
+    lse, stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract); ``q_desc`` and ``k_desc``: the
-    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes."""
+    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes (``cache``, its base, for ``KEYS_AHEAD``)."""
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KEYS, TILE], SWIZZLED)  # stage b, tile t: 4 b + t
@@ -75,6 +75,9 @@ def _decode_split_kernel_wgmma_ws(
     for b in gl.static_range(BARRIERS):
         mbarrier.init(bars.index(b), count=2 if (b == KFREE or b == KFREE + 1) else 1)
     hopper.fence_async_shared()
+    if KEYS_AHEAD > 0:  # before the partitions: the loader's registers are few
+        _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE, 2 * WIDTH,
+                             KEYS_AHEAD)
     gl.warp_specialize([
         (_score, (visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out,
                   part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS,
