@@ -221,10 +221,11 @@ QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS
 WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 # Keys of a batch per multiprocessor from which 16-row bf16 blocks in whole 64-key pages run decode_wgmma_narrow, not
 # the Triton kernel (default_config; smaller pages take it at any size). H100, 16 heads, page 64, both with the launch
-# overlap, us, Triton -> narrow (NOTES.md, session 44): at 1986 (b64 ctx4096) 112.2 -> 111.8, at 2979 (b96) 164.2 ->
-# 163.5, at 3972 (b128) 209.1 -> 208.4, at 7944 (b64 ctx16384) 415.2 -> 414.2; at 993-1489 (b32, b48, b8 ctx16384)
-# within 0.1%; at 248-496 (b8, b16, b1 ctx32768) +0.5 to +3%, at 124 (b2 ctx8192, b4) +3 to +13%.
-NARROW_MIN_KEYS_PER_SM = 1792
+# overlap and the first keys asked of L2 (FIRST_KEYS_AHEAD), us, Triton -> narrow (NOTES.md, session 45): at 372 (b12)
+# 30.7 -> 30.7, at 496 (b16) 35.0 -> 34.2, at 744 (b24) 50.1 -> 49.7, at 993 (b32) 60.8 -> 59.4, at 1489 (b48) 89.3 ->
+# 88.3, at 1986 (b64) -0.4% (session 44); below, the kernels trade places: at 248 b8 -1.8% but b1 ctx32768 +2.1%,
+# at 124 b4 -5.4% but b2 ctx8192 +11%. (Session 44, without the prefetch: a tie at 993-1489, +0.5 to +3% at 248-496.)
+NARROW_MIN_KEYS_PER_SM = 320
 # Under the launch overlap, the bf16 split kernels (the Triton kernel, which also reads the quantized layouts at small
 # batches, decode_wgmma_narrow, decode_wgmma and decode_wgmma_ws) ask L2 for this many keys of their first item
 # before the wait (``decode_kernel._prefetch_first_keys``): the bytes arrive while the previous kernel (in a stream of
