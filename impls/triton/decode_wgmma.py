@@ -175,8 +175,9 @@ def _program_items(work, items_stride, item_counts, WAIT_PRIOR: gl.constexpr):
 @gluon.jit
 def _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE: gl.constexpr,
                          ROW_BYTES: gl.constexpr, KEYS_AHEAD: gl.constexpr):
-    """``decode_kernel._prefetch_first_keys`` in Gluon: before the wait, L2 asked for the first item's first
-    ``KEYS_AHEAD`` keys (``cache``: the paged cache, any pointer type)."""
+    """``decode_kernel._prefetch_first_keys`` in Gluon (a Gluon kernel cannot call the Triton-language function,
+    which the compile check's recording run also defines for the interpreter): before the wait, L2 asked for the
+    first item's first ``KEYS_AHEAD`` keys (``cache``: the paged cache, any pointer type)."""
     cache = cache.to(gl.pointer_type(gl.uint8))
     program = gl.program_id(0)
     row = work + program.to(gl.int64) * items_stride
