@@ -230,9 +230,10 @@ NARROW_MIN_KEYS_PER_SM = 320
 # batches, decode_wgmma_narrow, decode_wgmma and decode_wgmma_ws) ask L2 for this many keys of their first item
 # before the wait (``decode_kernel._prefetch_first_keys``): the bytes arrive while the previous kernel (in a stream of
 # decodes, the merge) ends. H100, 16 heads, page 64, against none: b1 ctx8192 12.3 -> 11.7 us (-5%), b8 -2%, page 16
-# b32 -1.7%, b64 -0.5 to -1.1%, b128 -0.4%, b32 and page 1 -0.1%; 128 heads b1 -0.8%; 128 keys gave less (b1 -2.7%,
-# b64 -0.2%). The quantized kernels measured -0.4 to +0.6% with it (decode_rs_fp8's fp8 layouts slower) and do not
-# ask (NOTES.md session 45).
+# b32 -1.7%, b64 -0.5 to -1.1%, b128 -0.4%; page 1 b1 -5.4%, b8 -7.2%, b32 -2.2%; 128 heads b1 -0.8%; 128 keys gave
+# less (b1 -2.7%, b64 -0.2%). On an H200 within 0.3% at page 64 but b1 (-0.8%), page 1 b1 -4.6% but b64 +1.1%. The
+# quantized kernels measured -0.4 to +0.6% with it (decode_rs_fp8's fp8 layouts slower) and do not ask (NOTES.md
+# session 45).
 FIRST_KEYS_AHEAD = 64
 
 

@@ -51,10 +51,10 @@ ITEM_FIELDS = tl.constexpr(8)  # int32 per work item row, 7 used (decode.ITEM_CO
 # A 32-byte item row is one line: requested into L1 while the program's item count is read, it is no longer a second
 # DRAM read after the first (H200, 16 heads bf16 b1 ctx8192: 12.8 -> 12.6-12.7 us; NOTES.md session 22).
 PREFETCH_L1 = tl.constexpr("prefetch.global.L1 [$1]; mov.u32 $0, 0;")
-# A bulk L2 prefetch of $2 bytes from $1 by the first thread of each 128 (the first of a 4-warp program or
-# partition), none where $2 is 0.
+# A bulk L2 prefetch of $2 bytes from $1, none where $2 is 0, by threads below $3: an element of a vector of $3
+# elements lies with the threads t = element mod $3 (1-D blocked layouts), so each asks once.
 FIRST_KEYS_PREFETCH = tl.constexpr(
-    "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; "
+    "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, $3; "
     "setp.ne.and.u32 q, $2, 0, p; @q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
 
@@ -467,17 +467,15 @@ def _program_items(work, items_stride, item_counts, INTERPRET: tl.constexpr, WAI
 
 @triton.constexpr_function
 def _pages_ahead(keys_ahead, page_size):
-    """Pages that ``keys_ahead`` keys from any start can touch; none under 16 keys a page, where a request per page
-    would cost more than it hides."""
-    if page_size < 16:
-        return 0
-    return -(-(keys_ahead - 1) // page_size) + 1
+    """The pages that ``keys_ahead`` keys from any start can touch, rounded up to a power of two (a vector's
+    length)."""
+    return triton.next_power_of_2(-(-(keys_ahead - 1) // page_size) + 1)
 
 
 @triton.jit
 def _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE: tl.constexpr,
                          ROW_BYTES: tl.constexpr, KEYS_AHEAD: tl.constexpr):
-    """Ask L2 for the first ``KEYS_AHEAD`` keys of the program's first item (one bulk request per page), before the
+    """Ask L2 for the first ``KEYS_AHEAD`` keys of the program's first item (a bulk request per page), before the
     wait for the stream's previous kernel, whose end the first copy would otherwise wait for. That kernel may still
     write the block table and the cache: the request is a hint, its entries read past L1 (``.cg``) so that no line
     read before the wait is served after it, and a negative entry asks for nothing (a bulk prefetch of an address
@@ -488,17 +486,19 @@ def _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, st
     kv_start = tl.load(row + 2)
     kv_end = tl.load(row + 3)
     live = (tl.load(item_counts + program) > 0) & (kv_start < kv_end)
-    for p in tl.static_range(_pages_ahead(KEYS_AHEAD, PAGE_SIZE)):
-        page_start = (kv_start // PAGE_SIZE + p) * PAGE_SIZE
-        lo = tl.maximum(kv_start, page_start)
-        hi = tl.minimum(tl.minimum(kv_end, page_start + PAGE_SIZE), kv_start + KEYS_AHEAD)
-        ask = live & (lo < hi)
-        entry = tl.load(block_table + request.to(tl.int64) * stride_bt + kv_start // PAGE_SIZE + p, mask=ask,
-                        other=-1, cache_modifier=".cg")
-        nbytes = (hi - lo) * ROW_BYTES * (ask & (entry >= 0)).to(tl.int32)
-        first = cache + (entry.to(tl.int64) * PAGE_SIZE + lo % PAGE_SIZE) * ROW_BYTES
-        tl.inline_asm_elementwise(FIRST_KEYS_PREFETCH, "=r,l,r", [first, nbytes], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+    PAGES: tl.constexpr = _pages_ahead(KEYS_AHEAD, PAGE_SIZE)
+    page = tl.arange(0, PAGES)
+    page_start = (kv_start // PAGE_SIZE + page) * PAGE_SIZE
+    lo = tl.maximum(kv_start, page_start)
+    hi = tl.minimum(tl.minimum(kv_end, page_start + PAGE_SIZE), kv_start + KEYS_AHEAD)
+    ask = live & (lo < hi)
+    entry = tl.load(block_table + request.to(tl.int64) * stride_bt + kv_start // PAGE_SIZE + page, mask=ask,
+                    other=-1, cache_modifier=".cg")
+    nbytes = (hi - lo) * ROW_BYTES * (ask & (entry >= 0)).to(tl.int32)
+    first = cache + (entry.to(tl.int64) * PAGE_SIZE + lo % PAGE_SIZE) * ROW_BYTES
+    asking = tl.full([PAGES], PAGES, tl.int32)  # the threads that ask: one per page
+    tl.inline_asm_elementwise(FIRST_KEYS_PREFETCH, "=r,l,r,r", [first, nbytes, asking], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit

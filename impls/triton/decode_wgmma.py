@@ -185,17 +185,20 @@ def _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, st
     kv_start = gl.load(row + 2)
     kv_end = gl.load(row + 3)
     live = (gl.load(item_counts + program) > 0) & (kv_start < kv_end)
-    for p in gl.static_range(_pages_ahead(KEYS_AHEAD, PAGE_SIZE)):
-        page_start = (kv_start // PAGE_SIZE + p) * PAGE_SIZE
-        lo = gl.maximum(kv_start, page_start)
-        hi = gl.minimum(gl.minimum(kv_end, page_start + PAGE_SIZE), kv_start + KEYS_AHEAD)
-        ask = live & (lo < hi)
-        entry = gl.load(block_table + request.to(gl.int64) * stride_bt + kv_start // PAGE_SIZE + p, mask=ask,
-                        other=-1, cache_modifier=".cg")
-        nbytes = (hi - lo) * ROW_BYTES * (ask & (entry >= 0)).to(gl.int32)
-        first = cache + (entry.to(gl.int64) * PAGE_SIZE + lo % PAGE_SIZE) * ROW_BYTES
-        gl.inline_asm_elementwise(FIRST_KEYS_PREFETCH, "=r,l,r", [first, nbytes], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+    PAGES: gl.constexpr = _pages_ahead(KEYS_AHEAD, PAGE_SIZE)
+    LANES: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    page = gl.arange(0, PAGES, layout=LANES)
+    page_start = (kv_start // PAGE_SIZE + page) * PAGE_SIZE
+    lo = gl.maximum(kv_start, page_start)
+    hi = gl.minimum(gl.minimum(kv_end, page_start + PAGE_SIZE), kv_start + KEYS_AHEAD)
+    ask = live & (lo < hi)
+    entry = gl.load(block_table + request.to(gl.int64) * stride_bt + kv_start // PAGE_SIZE + page, mask=ask,
+                    other=-1, cache_modifier=".cg")
+    nbytes = (hi - lo) * ROW_BYTES * (ask & (entry >= 0)).to(gl.int32)
+    first = cache + (entry.to(gl.int64) * PAGE_SIZE + lo % PAGE_SIZE) * ROW_BYTES
+    asking = gl.full([PAGES], PAGES, gl.int32, LANES)  # the threads that ask: one per page
+    gl.inline_asm_elementwise(FIRST_KEYS_PREFETCH, "=r,l,r,r", [first, nbytes, asking], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
