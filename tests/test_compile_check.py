@@ -56,9 +56,12 @@ def test_every_module_choosing_launch_arguments_by_the_interpreter_is_switched_w
 
 
 def test_the_gpu_variant_turns_interpreter_flags_off_and_gpu_only_flags_on():
-    launch = Launch("m", "k", {"INTERPRET": "constexpr", "EARLY_MERGE": "constexpr", "N": "constexpr"},
-                    {"INTERPRET": True, "EARLY_MERGE": False, "N": 3}, [], {"num_warps": 4})
-    assert gpu_variant(launch).constexprs == {"INTERPRET": False, "EARLY_MERGE": True, "N": 3}
+    launch = Launch("m", "k", {"INTERPRET": "constexpr", "EARLY_MERGE": "constexpr", "KEYS_AHEAD": "constexpr",
+                               "N": "constexpr"},
+                    {"INTERPRET": True, "EARLY_MERGE": False, "KEYS_AHEAD": 0, "N": 3}, [], {"num_warps": 4})
+    assert decode.FIRST_KEYS_AHEAD > 0
+    assert gpu_variant(launch).constexprs == {"INTERPRET": False, "EARLY_MERGE": True,
+                                              "KEYS_AHEAD": decode.FIRST_KEYS_AHEAD, "N": 3}
 
 
 def test_arguments_are_specialized_as_tritons_launcher_does():

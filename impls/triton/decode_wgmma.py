@@ -215,8 +215,7 @@ def _decode_split_kernel_wgmma(
     PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract, ``WAIT_PRIOR`` and
-    ``KEYS_AHEAD`` included);
-    ``cache`` is the bf16 view of the paged cache, ``WIDTH`` values per slot."""
+    ``KEYS_AHEAD`` included); ``cache`` is the bf16 view of the paged cache, ``WIDTH`` values per slot."""
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [ROWS, ROPE], SWIZZLED)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 4, KEYS, TILE], SWIZZLED)
