@@ -18,6 +18,7 @@ import torch
 from impls.triton import common, decode
 from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
+from impls.triton.decode_kernel import _pages_ahead
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_schedule import build_schedule
 from impls.triton import decode_wgmma_quantized
@@ -111,6 +112,17 @@ def test_a_merge_of_many_splits_on_a_large_gpu_narrows_its_rows_and_passes(monke
 ])
 def test_the_merge_tile_fills_the_gpu_and_takes_few_steps(groups, block_m, max_splits, sms, tile):
     assert decode._merge_tile(groups, block_m, max_splits, sms) == tile
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3, 16, 48, 64, 100, 128])
+def test_the_first_keys_asked_of_l2_cover_every_page_they_touch_from_any_start(page_size):
+    """The prefetch before the launch overlap's wait (``KEYS_AHEAD``) asks one page per vector element: the vector
+    must reach the last page that ``keys`` keys from any first key touch, and be a power of two."""
+    for keys in (1, 63, decode.FIRST_KEYS_AHEAD, 128):
+        pages = _pages_ahead(keys, page_size)
+        assert pages & (pages - 1) == 0
+        touched = max((start + keys - 1) // page_size - start // page_size + 1 for start in range(2 * page_size))
+        assert touched <= pages < 2 * touched
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
