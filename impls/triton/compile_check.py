@@ -21,8 +21,8 @@ with the GPU machine's 3.6). So this check:
    the interpreter flags off and the GPU-only constexprs at their GPU values (``GPU_ONLY_FLAGS`` on: the
    programmatic launches' waits and releases; ``KEYS_AHEAD``, the keys asked of L2 before the wait, at
    ``decode.FIRST_KEYS_AHEAD``); a kernel that needs more shared memory than a program may have on sm_90 fails too.
-   ptxas ships with Triton's wheel. ``--resources`` also prints each launch's registers and spills (``ptxas -v``) and shared
-   memory;
+   ptxas ships with Triton's wheel. ``--resources`` also prints each launch's registers and spills (``ptxas -v``)
+   and shared memory;
 3. asks ptxas (``-v``) whether it serialized a Gluon launch's wgmmas (infos C7508-C7512, e.g. too few registers
    to keep the products' operands in flight: every product then waits for the one before; session 38 found it in
    decode_rs_fp8 only by reading the SASS), and fails the launch if so: the Gluon kernels are written for products
