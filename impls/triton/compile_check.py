@@ -20,7 +20,8 @@ with the GPU machine's 3.6). So this check:
 2. compiles each distinct launch for ``sm_90`` with ``triton.compile`` in a process without the interpreter, with
    the interpreter flags off and the GPU-only constexprs at their GPU values (``GPU_ONLY_FLAGS`` on: the
    programmatic launches' waits and releases; ``KEYS_AHEAD``, the keys asked of L2 before the wait, at
-   ``decode.FIRST_KEYS_AHEAD``); a kernel that needs more shared memory than a program may have on sm_90 fails too.
+   ``decode.FIRST_KEYS_AHEAD``; a kernel that merges in clusters once more for each of ``decode.CLUSTER_SIZES``, which
+   only a GPU's plan asks for); a kernel that needs more shared memory than a program may have on sm_90 fails too.
    ptxas ships with Triton's wheel. ``--resources`` also prints each launch's registers and spills (``ptxas -v``)
    and shared memory;
 3. asks ptxas (``-v``) whether it serialized a Gluon launch's wgmmas (infos C7508-C7512, e.g. too few registers
@@ -229,6 +230,18 @@ def gpu_variant(launch: Launch) -> Launch:
     return dataclasses.replace(launch, constexprs=constexprs)
 
 
+def gpu_variants(launch: Launch) -> list[Launch]:
+    """``gpu_variant``, and for a kernel that can merge in clusters (a ``CLUSTER`` constexpr, 1 where recorded: a
+    plan on the CPU has none) also its variant for each cluster size (``decode.CLUSTER_SIZES``)."""
+    from impls.triton.decode import CLUSTER_SIZES
+
+    variant = gpu_variant(launch)
+    if "CLUSTER" not in variant.constexprs:
+        return [variant]
+    return [variant] + [dataclasses.replace(variant, constexprs={**variant.constexprs, "CLUSTER": size})
+                        for size in CLUSTER_SIZES]
+
+
 def compile_launch(launch: Launch, resources: bool = False) -> tuple[str | None, str]:
     """Compile ``launch`` for ``TARGET``: (why it fails on the GPU, or None; with ``resources``, its registers,
     spills and shared memory as ptxas and Triton report them)."""
@@ -296,7 +309,7 @@ def compile_all(path: Path, workers: int, resources: bool = False) -> int:
     registers, spills and shared memory); the number of failures."""
     import triton
 
-    launches = {v.key(): v for v in (gpu_variant(Launch(**raw)) for raw in json.loads(path.read_text()))}
+    launches = {v.key(): v for raw in json.loads(path.read_text()) for v in gpu_variants(Launch(**raw))}
     ordered = sorted(launches.values(), key=lambda launch: launch.key())
     with ProcessPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(functools.partial(compile_launch, resources=resources), ordered))

@@ -26,6 +26,10 @@ the next kernel start likewise. H100, 16 heads: batch 1 ctx8192 13.4 -> 12.2 us,
 session 44). Before that wait, the bf16 split kernels ask L2 for their first item's first keys (``KEYS_AHEAD``,
 ``FIRST_KEYS_AHEAD``): a hint, whose block-table entry may be stale and is not used for anything else.
 
+Where every group is cut into 2 to 4 splits of one program each, as a batch of 64 requests of 4096 keys is on 132
+multiprocessors, decode_wgmma_narrow runs in clusters of a group's splits, which merge their partials themselves after
+a cluster barrier; no merge kernel runs (``_cluster_size``, ``CLUSTER_SIZES``; H100, 16 heads b64: 111.8 -> 109.8 us).
+
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
 
@@ -171,7 +175,9 @@ class DecodeConfig:
     split kernel as a programmatic dependent of the stream's previous kernel, so that its programs start, and read
     their work rows, while that kernel finishes; every split kernel waits on the device for the previous kernel's
     results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of the first keys in the bf16
-    kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise."""
+    kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise. ``cluster_merge`` (Hopper):
+    where every group has 2 to 4 splits, one program each (``_cluster_size``), decode_wgmma_narrow runs in clusters
+    of a group's splits, which merge their partials themselves, and no merge kernel runs."""
 
     block_m: int = 16
     block_n: int = 32
@@ -188,6 +194,7 @@ class DecodeConfig:
     gluon: bool = False
     tma_loader: bool = True
     overlap_launch: bool = True
+    cluster_merge: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -235,6 +242,12 @@ NARROW_MIN_KEYS_PER_SM = 320
 # quantized kernels measured -0.4 to +0.6% with it (decode_rs_fp8's fp8 layouts slower) and do not ask (NOTES.md
 # session 45).
 FIRST_KEYS_AHEAD = 64
+# Splits per group that decode_wgmma_narrow merges inside a cluster of that many programs (``_cluster_size``), where
+# the GPU holds all the clusters at once (an H100 runs 66 clusters of 2 narrow programs but only 30 of 4, so b32
+# ctx4096's 32 groups of 4 keep the merge kernel). H100, 16 heads, page 64 unless said, us, merge kernel -> clusters
+# of 2 (NOTES.md session 46): b64 ctx4096 111.8 -> 109.8 (0.908 -> 0.924 of copy), ctx2048 -1.2%, ctx1024 -2.4%,
+# page 1 -1.3%, page 16 -1.3%, page 128 -1.7%, b66 -1.0%.
+CLUSTER_SIZES = (2, 3, 4)
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
@@ -361,6 +374,7 @@ class DecodePlan:
     keep_partials: bool          # the partials are stored to stay in L2 for the merge
     descriptors: tuple | None    # the TMA kernels' descriptors (``_tma_descriptors``), or None
     overlap_launch: bool         # the split kernel is a programmatic dependent of the stream's previous kernel
+    cluster: int = 1             # programs per cluster that merge their group's splits (``_cluster_size``), or 1
 
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
@@ -392,7 +406,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     work, item_counts = _work_table(schedule, q_lens, first_token)
     part_out = torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device)
     part_lse = torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device)
-    return DecodePlan(
+    plan = DecodePlan(
         q=q, cache=cache, block_table=block_table, visible=visible, work=work.to(device),
         item_counts=item_counts.to(device), groups=_merge_groups(schedule, q_lens, first_token).to(device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
@@ -405,11 +419,16 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         keep_partials=(config.keep_partials if config.keep_partials is not None
                        else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)),
         descriptors=_tma_descriptors(q, cache, config),
-        overlap_launch=config.overlap_launch and _has_dependent_launch(device))
+        overlap_launch=config.overlap_launch and _has_dependent_launch(device),
+        cluster=_cluster_size(schedule, config, cache.layout.name) if device.type == "cuda" else 1)
+    if plan.cluster > 1:
+        _prepare_clusters(plan)
+    return plan
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the split kernel (and the merge where a group has several splits); returns ``(out, lse)``."""
+    """Launch the split kernel (and the merge where a group has several splits, unless they merge in clusters);
+    returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
     overlap = {"launch_pdl": True} if plan.overlap_launch else {}
@@ -425,20 +444,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             LAYOUT="fp8_ds_mla" if cache.layout.name in FP8_DS_MLA else cache.layout.name,
             WAIT_PRIOR=plan.overlap_launch, **decode_rs_fp8.LAUNCH_OPTIONS, **overlap)
     elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
-        # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and
-        # decode_wgmma_quantized decode more than one layout, some with layer scales.
-        specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
-        if kernel is _decode_split_kernel_narrow:
-            specific.update(KEYS_AHEAD=ahead)
-        if kernel is _decode_split_kernel_ws or kernel is _decode_split_kernel_quantized:
-            specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
-        options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
-        kernel[(plan.work.shape[0],)](
-            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
-            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
-            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
-            plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
-            WAIT_PRIOR=plan.overlap_launch, **specific, **options, **overlap)
+        _launch_gluon_split(plan, kernel)
     elif plan.work.shape[0] and plan.descriptors:
         _decode_split_kernel_wgmma_ws[(plan.work.shape[0],)](
             cache.data, *plan.descriptors, plan.block_table, plan.block_table.stride(0), plan.visible, plan.work,
@@ -466,7 +472,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
             EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
             KEYS_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap)
-    if plan.groups.shape[0]:
+    if plan.groups.shape[0] and plan.cluster == 1:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
         _merge_splits_kernel[grid](
@@ -477,6 +483,69 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             RELEASE_NEXT=plan.overlap_launch, num_warps=4,
             **({"launch_pdl": True} if early_merge else {}))
     return plan.out, plan.lse
+
+
+def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
+    """Launch (or with ``warmup`` only compile, returning the compiled kernel) one of the Gluon split kernels that take
+    the same arguments: all but decode_wgmma, decode_wgmma_ws and decode_rs_fp8. Under ``plan.cluster`` the grid is
+    in clusters (``_prepare_clusters``)."""
+    cfg, cache = plan.config, plan.cache
+    # Arguments only some kernels take: decode_mma_fp8's rows are fixed (16); decode_ws and
+    # decode_wgmma_quantized decode more than one layout, some with layer scales.
+    specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
+    if kernel is _decode_split_kernel_narrow:
+        specific.update(KEYS_AHEAD=FIRST_KEYS_AHEAD if plan.overlap_launch else 0, CLUSTER=plan.cluster)
+    if kernel is _decode_split_kernel_ws or kernel is _decode_split_kernel_quantized:
+        specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
+    options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
+    overlap = {"launch_pdl": True} if plan.overlap_launch else {}
+    args = (plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
+            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
+            plan.q.shape[1])
+    kwargs = dict(PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=plan.early_merge,
+                  WAIT_PRIOR=plan.overlap_launch, **specific, **options, **overlap)
+    grid = (plan.work.shape[0] // plan.cluster,)
+    if warmup:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    kernel[grid](*args, **kwargs)
+
+
+def _cluster_size(schedule: Schedule, config: DecodeConfig, layout: str) -> int:
+    """Programs per cluster where decode_wgmma_narrow can merge each group's splits inside a cluster: the splits per
+    group (``CLUSTER_SIZES``) where every group has as many, every program runs one item and the slots run program
+    by program (a group's splits are neighbouring programs in split order); else 1 (the merge kernel)."""
+    tile = (config.block_m, config.block_n, config.num_warps)
+    if not (config.cluster_merge and config.gluon and GLUON_SPLITS.get((tile, layout)) is _decode_split_kernel_narrow):
+        return 1
+    counts = {count for *_, count in schedule.groups}
+    if len(counts) != 1 or counts.pop() not in CLUSTER_SIZES:
+        return 1
+    one_each = schedule.program_items == list(range(schedule.num_programs + 1))
+    in_order = all(item[4] == program for program, item in enumerate(schedule.items))
+    return schedule.groups[0][3] if one_each and in_order else 1
+
+
+def _prepare_clusters(plan: DecodePlan) -> None:
+    """Compile the split kernel for ``plan.cluster`` and mark the compiled kernel for cluster launches: Triton's
+    launcher launches ``num_ctas`` times the grid in clusters of ``num_ctas``, which a kernel compiled for one CTA
+    does not otherwise ask for (its ``CLUSTER`` specialization is only ever launched so). Where the GPU cannot hold
+    all the clusters at once (a second wave would double the time; an H100 holds 66 of 2 but 30 of 4 such
+    programs), ``plan.cluster`` falls back to 1: the merge kernel."""
+    compiled = _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True)
+    if _clusters_resident(compiled, plan.cluster) * plan.cluster < plan.work.shape[0]:
+        plan.cluster = 1
+        return
+    warps, _, shared = compiled.packed_metadata
+    compiled.packed_metadata = (warps, plan.cluster, shared)
+
+
+def _clusters_resident(compiled, size: int) -> int:
+    """How many clusters of ``size`` programs of the compiled kernel the GPU runs at once (the driver's
+    occupancy query, through Triton's utilities)."""
+    compiled._init_handles()
+    return triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, compiled.metadata.shared,
+                                                                           size)
 
 
 def poison_decode(plan: DecodePlan) -> None:

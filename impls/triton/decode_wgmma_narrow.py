@@ -13,7 +13,12 @@ smaller than a step, page 1 b32 51.8 -> 49.2, b128 158.1 -> 149.2, page 16 b64 8
 the two tie (within 0.7% at b32-b128), and the Triton kernel, which the CPU tests run too, stays the default there.
 
 Same arguments, work items, partials and merge as ``decode_kernel._decode_split_kernel``; ``cache`` is the paged
-cache's bytes (bf16 rows of ``WIDTH`` values).
+cache's bytes (bf16 rows of ``WIDTH`` values). With ``CLUSTER`` > 1 the plan has cut every group into that many
+splits, one program each, and launches the grid in clusters of a group's splits: each program stores its partial,
+the cluster's barrier orders the stores before the reads, and each program merges a share of the output columns from
+the group's partials, so no merge kernel runs (``decode._cluster_size``). The merge kernel's 3.6 us at b64 (NOTES.md
+session 43) was a grid-wide wait, a launch and a chain of L2 reads; a cluster waits only for its own splits, and its
+merge is one round of L2 reads (H100, 16 heads b64 ctx4096: 111.8 -> 109.8 us, NOTES.md session 46).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ COPY_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_
 # Outputs [128 columns, rows] stored 4 contiguous columns a thread.
 STORE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[32, 1], warps_per_cta=[1, 4],
                                              order=[0, 1]))
+STORED_ROWS = gl.constexpr(gl.SliceLayout(0, STORE_LAYOUT))  # a [rows] vector beside stored outputs
 
 
 @gluon.jit
@@ -41,11 +47,13 @@ def _decode_split_kernel_narrow(
     q, stride_qt, stride_qh, cache, block_table, stride_bt, visible, work, items_stride, item_counts,
     out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr, CLUSTER: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of ``ROWS`` (16 or 32) query
     rows. ``EARLY_MERGE``: let the merge kernel, a programmatic dependent launch, start now (it waits for this
-    grid's results on the device)."""
+    grid's results on the device); under ``CLUSTER`` there is no merge kernel, and the stream's next kernel, if a
+    programmatic dependent, may start. ``CLUSTER`` > 1: the grid runs in clusters of that many programs, each one
+    item, the splits of one group in rank order, which merge their partials themselves (``_merge_in_cluster``)."""
     if EARLY_MERGE:
         _launch_dependents()
     PROBS_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2)
@@ -62,7 +70,7 @@ def _decode_split_kernel_narrow(
     for i in range(items):
         _attend_item(_item_fields(table + i * ITEM_FIELDS), q, stride_qt, stride_qh, cache, block_table, stride_bt,
                      visible, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
-                     q_lat, q_rope, k_lat, k_rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS)
+                     q_lat, q_rope, k_lat, k_rope, probs, ROWS, PAGE_SIZE, KEEP_PARTIALS, CLUSTER)
 
 
 @gluon.jit
@@ -80,7 +88,7 @@ def _transposed_state(ROWS: gl.constexpr, ACC: gl.constexpr):
 def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, visible,
                  out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
                  q_lat, q_rope, k_lat, k_rope, probs, ROWS: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                 KEEP_PARTIALS: gl.constexpr):
+                 KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
     """One work item (``_item_fields``): ``ROWS`` query rows of one request over keys ``[kv_start, kv_end)``."""
     request, row_block, kv_start, kv_end, slot_out, q_first, q_len = item
     # S^T [64 keys, ROWS] and O^T [128 columns, ROWS] per value tile.
@@ -130,10 +138,26 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     seen = l_i > 0.0
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-    _store_item(acc0, acc1, acc2, acc3, gl.convert_layout(inv_l, gl.SliceLayout(0, STORE_LAYOUT)), out, stride_ot,
-                stride_oh, part_out, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS)
-    _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
-               KEEP_PARTIALS)
+    inv_l = gl.convert_layout(inv_l, STORED_ROWS)
+    if CLUSTER > 1:
+        _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, stride_oh, lse, stride_lt, part_out,
+                          part_lse, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS, CLUSTER)
+    else:
+        _store_item(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first,
+                    q_len, num_heads, ROWS, KEEP_PARTIALS)
+        _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+                   KEEP_PARTIALS)
+
+
+@gluon.jit
+def _normalized(acc0, acc1, acc2, acc3, inv_l):
+    """The four ``O^T`` tiles over the row sums (``inv_l``: their inverses along ``STORED_ROWS``), in
+    ``STORE_LAYOUT``."""
+    o0 = gl.convert_layout(acc0, STORE_LAYOUT) * inv_l[None, :]
+    o1 = gl.convert_layout(acc1, STORE_LAYOUT) * inv_l[None, :]
+    o2 = gl.convert_layout(acc2, STORE_LAYOUT) * inv_l[None, :]
+    o3 = gl.convert_layout(acc3, STORE_LAYOUT) * inv_l[None, :]
+    return o0, o1, o2, o3
 
 
 @gluon.jit
@@ -141,12 +165,9 @@ def _store_item(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, part_o
                 q_len, num_heads, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr):
     """The item's normalized output ``O^T_t / l``, columns contiguous: the final bf16 rows where the item covers
     its rows' whole range (``slot_out < 0``), else a float32 partial for ``_merge_splits_kernel``."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, STORE_LAYOUT))
+    rows = gl.arange(0, ROWS, layout=STORED_ROWS)
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(1, STORE_LAYOUT))[:, None]
-    o0 = gl.convert_layout(acc0, STORE_LAYOUT) * inv_l[None, :]
-    o1 = gl.convert_layout(acc1, STORE_LAYOUT) * inv_l[None, :]
-    o2 = gl.convert_layout(acc2, STORE_LAYOUT) * inv_l[None, :]
-    o3 = gl.convert_layout(acc3, STORE_LAYOUT) * inv_l[None, :]
+    o0, o1, o2, o3 = _normalized(acc0, acc1, acc2, acc3, inv_l)
     if slot_out < 0:
         rows = row_block * ROWS + rows
         out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[None, :] + cols
@@ -174,3 +195,95 @@ def _store_lse(lse2, rows, ok, lse, stride_lt, part_lse, row_block, slot_out, q_
     else:
         policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
         gl.store(part_lse + slot_out.to(gl.int64) * ROWS + (rows - row_block * ROWS), lse2, eviction_policy=policy)
+
+
+@gluon.jit
+def _cluster_barrier():
+    """Wait until every program of this cluster arrives here; the writes each made before arriving (release) are
+    then visible to the others (acquire)."""
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
+                              "mov.u32 $0, $1;", "=r,r", [gl.program_id(0)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, stride_oh, lse, stride_lt, part_out,
+                      part_lse, row_block, slot_out, q_first, q_len, num_heads, ROWS: gl.constexpr,
+                      KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
+    """The item's result where its group's splits are this cluster's programs (rank = split, slot ``slot_out``):
+    the program of rank ``t % CLUSTER`` merges output tile ``t`` (128 columns). Each program stores the tiles the
+    others merge and its LSE, passes the cluster barrier, then merges its own tiles from its registers and the
+    others' partials (``_merge_splits_kernel``'s arithmetic); rank 0 stores the LSE."""
+    rank = gl.program_id(0) % CLUSTER
+    first_slot = (slot_out - rank).to(gl.int64)
+    local = gl.arange(0, ROWS, layout=STORED_ROWS)
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(1, STORE_LAYOUT))[:, None]
+    o0, o1, o2, o3 = _normalized(acc0, acc1, acc2, acc3, inv_l)
+    own_lse = gl.convert_layout(lse2, STORED_ROWS)
+    store_policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+    own_at = part_out + (slot_out.to(gl.int64) * ROWS + local)[None, :] * NOPE + cols
+    _store_for_others(o0, own_at, 0, rank, CLUSTER, store_policy)
+    _store_for_others(o1, own_at, 1, rank, CLUSTER, store_policy)
+    _store_for_others(o2, own_at, 2, rank, CLUSTER, store_policy)
+    _store_for_others(o3, own_at, 3, rank, CLUSTER, store_policy)
+    gl.store(part_lse + slot_out.to(gl.int64) * ROWS + local, own_lse, eviction_policy=store_policy)
+    _cluster_barrier()
+    rows = row_block * ROWS + local
+    ok = rows < q_len * num_heads
+    out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[None, :] + cols
+    m, total = _cluster_weights(part_lse, first_slot, local, ROWS, KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o0, 0, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
+                KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o1, 1, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
+                KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o2, 2, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
+                KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o3, 3, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
+                KEEP_PARTIALS, CLUSTER)
+    if rank == 0:
+        seen = total > 0.0  # rows that saw nothing get lse -inf
+        merged = gl.where(seen, m + gl.log2(gl.where(seen, total, 1.0)), float("-inf"))
+        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), merged * LN2, mask=ok)
+
+
+@gluon.jit
+def _store_for_others(o, own_at, t: gl.constexpr, rank, CLUSTER: gl.constexpr, policy: gl.constexpr):
+    """Store this program's normalized tile ``t`` into its slot (``own_at``: the slot's tile 0) where another rank
+    merges it."""
+    if t % CLUSTER != rank:
+        gl.store(own_at + t * TILE, o, eviction_policy=policy)
+
+
+@gluon.jit
+def _cluster_weights(part_lse, first_slot, local, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+                     CLUSTER: gl.constexpr):
+    """Over the group's ``CLUSTER`` splits, from their stored base-2 LSEs: the largest per row ``m`` (0 where no
+    split saw a key: the weights stay 0) and ``total = sum_k 2^(lse_k - m)``."""
+    policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
+    m = gl.full([ROWS], float("-inf"), gl.float32, STORED_ROWS)
+    for k in gl.static_range(CLUSTER):
+        m = gl.maximum(m, gl.load(part_lse + (first_slot + k) * ROWS + local, eviction_policy=policy))
+    m = gl.where(m == float("-inf"), 0.0, m)
+    total = gl.zeros([ROWS], gl.float32, STORED_ROWS)
+    for k in gl.static_range(CLUSTER):
+        total += gl.exp2(gl.load(part_lse + (first_slot + k) * ROWS + local, eviction_policy=policy) - m)
+    return m, total
+
+
+@gluon.jit
+def _merge_tile(own, t: gl.constexpr, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok,
+                rank, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
+    """Where this program merges output tile ``t`` (rank ``t % CLUSTER``): the weighted sum of its own normalized
+    tile ``own`` and the other splits' (read from their slots), over ``total``, stored as the final bf16 columns."""
+    if t % CLUSTER == rank:
+        policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
+        acc = own * gl.exp2(own_lse - m)[None, :]
+        for k in gl.static_range(CLUSTER):
+            if k != t % CLUSTER:
+                slot = first_slot + k
+                lse_k = gl.load(part_lse + slot * ROWS + local, eviction_policy=policy)
+                o_k = gl.load(part_out + (slot * ROWS + local)[None, :] * NOPE + t * TILE + cols,
+                              eviction_policy=policy)
+                acc += gl.exp2(lse_k - m)[None, :] * o_k
+        seen = total > 0.0
+        inv = gl.where(seen, 1.0 / gl.where(seen, total, 1.0), 0.0)[None, :]
+        gl.store(out_at + t * TILE, (acc * inv).to(gl.bfloat16), mask=ok[None, :])
