@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from impls.triton import compile_check, decode, merge
-from impls.triton.compile_check import Launch, gpu_variant, recorded_launches, write_launches
+from impls.triton.compile_check import Launch, gpu_variant, gpu_variants, recorded_launches, write_launches
 from impls.triton.decode import DecodeConfig, TritonDecode
 from impls.triton.merge import merge_attn_states
 from mla_bench.problem import build_problem
@@ -62,6 +62,14 @@ def test_the_gpu_variant_turns_interpreter_flags_off_and_gpu_only_flags_on():
     assert decode.FIRST_KEYS_AHEAD > 0
     assert gpu_variant(launch).constexprs == {"INTERPRET": False, "EARLY_MERGE": True,
                                               "KEYS_AHEAD": decode.FIRST_KEYS_AHEAD, "N": 3}
+
+
+def test_a_kernel_that_merges_in_clusters_is_compiled_for_every_cluster_size():
+    launch = Launch("m", "k", {"CLUSTER": "constexpr", "N": "constexpr"}, {"CLUSTER": 1, "N": 3}, [], {})
+    sizes = [variant.constexprs["CLUSTER"] for variant in gpu_variants(launch)]
+    assert sizes == [1, *decode.CLUSTER_SIZES] and len(decode.CLUSTER_SIZES) > 0
+    assert [v.constexprs for v in gpu_variants(dataclasses.replace(launch, signature={}, constexprs={"N": 3}))] == [
+        {"N": 3}]
 
 
 def test_arguments_are_specialized_as_tritons_launcher_does():

@@ -20,7 +20,7 @@ from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_kernel import _pages_ahead
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
-from impls.triton.decode_schedule import build_schedule
+from impls.triton.decode_schedule import Schedule, build_schedule
 from impls.triton import decode_wgmma_quantized
 from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
@@ -123,6 +123,33 @@ def test_the_first_keys_asked_of_l2_cover_every_page_they_touch_from_any_start(p
         assert pages & (pages - 1) == 0
         touched = max((start + keys - 1) // page_size - start // page_size + 1 for start in range(2 * page_size))
         assert touched <= pages < 2 * touched
+
+
+@pytest.mark.parametrize("batch, ctx, config, layout, size", [
+    (64, 4096, None, "bf16", 2),                  # 128 programs, two a request
+    (32, 4096, None, "bf16", 4),                  # four a request (a GPU may not hold the clusters: _prepare_clusters)
+    (64, 16384, None, "bf16", 1),                 # three a request, cut unevenly: some programs run two items
+    (48, 4096, None, "bf16", 1),                  # three or four a request
+    (16, 4096, None, "bf16", 1),                  # eight a request
+    (128, 4096, None, "bf16", 1),                 # whole requests: nothing to merge
+    (64, 4096, {"cluster_merge": False}, "bf16", 1),
+    (64, 4096, {"gluon": False}, "bf16", 1),      # the Triton kernel
+    (64, 4096, None, "fp8_ds_mla", 1),            # the narrow tile's fp8_ds_mla kernel is decode_mma_fp8
+])
+def test_splits_merge_in_clusters_only_where_every_group_fills_one(batch, ctx, config, layout, size):
+    narrow = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
+    schedule = build_schedule([1] * batch, [ctx] * batch, 16, 16, 64, 132, 128)
+    assert decode._cluster_size(schedule, dataclasses.replace(narrow, **(config or {})), layout) == size
+
+
+def test_groups_whose_splits_share_programs_do_not_merge_in_clusters():
+    """Two groups of two splits each, but program 1 runs the second split of group 0 and the first of group 1."""
+    narrow = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
+    items = [(0, 0, 0, 64, 0), (0, 0, 64, 128, 1), (1, 0, 0, 64, 2), (1, 0, 64, 128, 3)]
+    shared = Schedule(items, [0, 1, 3, 4], [(0, 0, 0, 2), (1, 0, 2, 2)], 4)
+    one_each = Schedule(items, [0, 1, 2, 3, 4], [(0, 0, 0, 2), (1, 0, 2, 2)], 4)
+    assert decode._cluster_size(shared, narrow, "bf16") == 1
+    assert decode._cluster_size(one_each, narrow, "bf16") == 2
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
@@ -686,6 +713,55 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
     if page_size == 1 and mix is SINGLE:
         chosen = TritonDecode().checked_plan(problem).config  # the default there
         assert chosen.gluon and _gluon_kernel(chosen, "bf16") is _decode_split_kernel_narrow
+
+
+CLUSTER_CASES = [  # (page size, mix, heads, rows, forced splits): every group in as many splits as a cluster has
+    (64, ((1, 1, 1), (300, 520, 257)), 16, 16, 2), (1, ((1, 1, 1), (500, 700, 1000)), 16, 16, 4),
+    (16, ((2, 2), (500, 1000)), 16, 32, 4), (48, ((1, 1), (4100, 130)), 20, 32, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, mix, heads, rows, splits", CLUSTER_CASES,
+                         ids=["ps64-pairs", "ps1-fours", "ps16-mtp-r32-fours", "ps48-h20-r32-pairs"])
+def test_the_narrow_kernel_merges_a_groups_splits_inside_its_cluster_on_hopper(page_size, mix, heads, rows, splits):
+    """Every group cut into 2 or 4 splits, one program each: the splits run as a cluster and merge their partials
+    themselves (no merge kernel), in 16 and 32 rows, MTP and padded heads, splits of unequal length."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size + splits), device)
+    impl = Configured(_narrow(rows, num_splits=splits))
+    assert impl.checked_plan(problem).cluster == splits
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+def test_clusters_the_gpu_cannot_hold_at_once_fall_back_to_the_merge_kernel(monkeypatch):
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size: 0)
+    problem = build_problem(workload("bf16", 64, CLUSTER_CASES[0][1], heads=16, seed=3), device)
+    impl = Configured(_narrow(16, num_splits=2))
+    assert impl.checked_plan(problem).cluster == 1
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+def test_clusters_formed_across_groups_are_caught(monkeypatch):
+    """Planted bug: a plan that runs clusters of 2 where each group has 3 splits (the eligibility rule not checked),
+    so a cluster merges another group's partials."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    monkeypatch.setattr(decode, "_cluster_size", lambda schedule, config, layout: 2)
+    problem = build_problem(workload("bf16", 64, ((1, 1), (300, 520)), heads=16, seed=4), device)
+    impl = Configured(_narrow(16, num_splits=3))
+    assert len(impl.checked_plan(problem).schedule.items) == 6
+    assert judge(impl, problem).status == "failed"
 
 
 @pytest.mark.gpu
