@@ -531,13 +531,16 @@ def _prepare_clusters(plan: DecodePlan) -> None:
     launcher launches ``num_ctas`` times the grid in clusters of ``num_ctas``, which a kernel compiled for one CTA
     does not otherwise ask for (its ``CLUSTER`` specialization is only ever launched so). Where the GPU cannot hold
     all the clusters at once (a second wave would double the time; an H100 holds 66 of 2 but 30 of 4 such
-    programs), ``plan.cluster`` falls back to 1: the merge kernel."""
+    programs), or where the compiled kernel's launch tuple is not the ``(num_warps, num_ctas, shared)`` this was
+    written for (another Triton), ``plan.cluster`` falls back to 1: the merge kernel."""
     compiled = _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True)
-    if _clusters_resident(compiled, plan.cluster) * plan.cluster < plan.work.shape[0]:
+    meta = compiled.metadata
+    as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, meta.shared)
+    if (compiled.packed_metadata not in (as_compiled, clustered)
+            or _clusters_resident(compiled, plan.cluster) * plan.cluster < plan.work.shape[0]):
         plan.cluster = 1
         return
-    warps, _, shared = compiled.packed_metadata
-    compiled.packed_metadata = (warps, plan.cluster, shared)
+    compiled.packed_metadata = clustered
 
 
 def _clusters_resident(compiled, size: int) -> int:
