@@ -376,6 +376,16 @@ class DecodePlan:
     overlap_launch: bool         # the split kernel is a programmatic dependent of the stream's previous kernel
     cluster: int = 1             # programs per cluster that merge their group's splits (``_cluster_size``), or 1
 
+    @property
+    def keys_ahead(self) -> int:
+        """Keys of its first item a bf16 split program asks L2 for before the overlap's wait; none without it."""
+        return FIRST_KEYS_AHEAD if self.overlap_launch else 0
+
+    @property
+    def split_launch(self) -> dict:
+        """The split kernel's launch option under the overlap: a programmatic dependent launch."""
+        return {"launch_pdl": True} if self.overlap_launch else {}
+
 
 def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: Sequence[int],
                 kv_lens: Sequence[int], scale: float, visible_lens: torch.Tensor | None = None,
@@ -431,8 +441,6 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    overlap = {"launch_pdl": True} if plan.overlap_launch else {}
-    ahead = FIRST_KEYS_AHEAD if plan.overlap_launch else 0
     kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
     if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_LAYOUTS:
         _decode_split_kernel_rs_fp8[(plan.work.shape[0],)](
@@ -442,7 +450,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.q.shape[1], plan.nope_scale, plan.out_scale, PAGE_SIZE=cache.page_size,
             KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
             LAYOUT="fp8_ds_mla" if cache.layout.name in FP8_DS_MLA else cache.layout.name,
-            WAIT_PRIOR=plan.overlap_launch, **decode_rs_fp8.LAUNCH_OPTIONS, **overlap)
+            WAIT_PRIOR=plan.overlap_launch, **decode_rs_fp8.LAUNCH_OPTIONS, **plan.split_launch)
     elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         _launch_gluon_split(plan, kernel)
     elif plan.work.shape[0] and plan.descriptors:
@@ -451,14 +459,14 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
             plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
             PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=ahead, **decode_wgmma_ws.LAUNCH_OPTIONS, **overlap)
+            KEYS_AHEAD=plan.keys_ahead, **decode_wgmma_ws.LAUNCH_OPTIONS, **plan.split_launch)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
             plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
             plan.out.stride(0), plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse,
             plan.qk_scale, plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
-            WAIT_PRIOR=plan.overlap_launch, KEYS_AHEAD=ahead, num_warps=cfg.num_warps, **overlap)
+            WAIT_PRIOR=plan.overlap_launch, KEYS_AHEAD=plan.keys_ahead, num_warps=cfg.num_warps, **plan.split_launch)
     elif plan.work.shape[0]:
         _decode_split_kernel[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
@@ -471,7 +479,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
             EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap)
+            KEYS_AHEAD=plan.keys_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **plan.split_launch)
     if plan.groups.shape[0] and plan.cluster == 1:
         rows, cols = plan.merge_tile
         grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
@@ -494,17 +502,16 @@ def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
     # decode_wgmma_quantized decode more than one layout, some with layer scales.
     specific = {} if kernel is _decode_split_kernel_mma_fp8 else {"ROWS": cfg.block_m}
     if kernel is _decode_split_kernel_narrow:
-        specific.update(KEYS_AHEAD=FIRST_KEYS_AHEAD if plan.overlap_launch else 0, CLUSTER=plan.cluster)
+        specific.update(KEYS_AHEAD=plan.keys_ahead, CLUSTER=plan.cluster)
     if kernel is _decode_split_kernel_ws or kernel is _decode_split_kernel_quantized:
         specific.update(nope_scale=plan.nope_scale, out_scale=plan.out_scale, LAYOUT=cache.layout.name)
     options = GLUON_LAUNCH_OPTIONS.get(kernel, {"num_warps": cfg.num_warps})
-    overlap = {"launch_pdl": True} if plan.overlap_launch else {}
     args = (plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
             plan.q.shape[1])
     kwargs = dict(PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=plan.early_merge,
-                  WAIT_PRIOR=plan.overlap_launch, **specific, **options, **overlap)
+                  WAIT_PRIOR=plan.overlap_launch, **specific, **options, **plan.split_launch)
     grid = (plan.work.shape[0] // plan.cluster,)
     if warmup:
         return kernel.warmup(*args, grid=grid, **kwargs)
