@@ -212,7 +212,8 @@ def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, strid
     """The item's result where its group's splits are this cluster's programs (rank = split, slot ``slot_out``):
     the program of rank ``t % CLUSTER`` merges output tile ``t`` (128 columns). Each program stores the tiles the
     others merge and its LSE, passes the cluster barrier, then merges its own tiles from its registers and the
-    others' partials (``_merge_splits_kernel``'s arithmetic); rank 0 stores the LSE."""
+    others' partials, each weighed by its split's share of the merged LSE (every split's LSE read once); rank 0
+    stores the LSE."""
     rank = gl.program_id(0) % CLUSTER
     first_slot = (slot_out - rank).to(gl.int64)
     local = gl.arange(0, ROWS, layout=STORED_ROWS)
@@ -230,18 +231,28 @@ def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, strid
     rows = row_block * ROWS + local
     ok = rows < q_len * num_heads
     out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[None, :] + cols
-    m, total = _cluster_weights(part_lse, first_slot, local, ROWS, KEEP_PARTIALS, CLUSTER)
-    _merge_tile(o0, 0, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
-                KEEP_PARTIALS, CLUSTER)
-    _merge_tile(o1, 1, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
-                KEEP_PARTIALS, CLUSTER)
-    _merge_tile(o2, 2, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
-                KEEP_PARTIALS, CLUSTER)
-    _merge_tile(o3, 3, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok, rank, ROWS,
-                KEEP_PARTIALS, CLUSTER)
+    split0 = _split_lse(part_lse, first_slot, 0, local, ROWS, KEEP_PARTIALS, CLUSTER)
+    split1 = _split_lse(part_lse, first_slot, 1, local, ROWS, KEEP_PARTIALS, CLUSTER)
+    split2 = _split_lse(part_lse, first_slot, 2, local, ROWS, KEEP_PARTIALS, CLUSTER)
+    split3 = _split_lse(part_lse, first_slot, 3, local, ROWS, KEEP_PARTIALS, CLUSTER)
+    m = gl.maximum(gl.maximum(split0, split1), gl.maximum(split2, split3))
+    m = gl.where(m == float("-inf"), 0.0, m)  # no split saw a key: every weight stays 0
+    total = gl.exp2(split0 - m) + gl.exp2(split1 - m) + gl.exp2(split2 - m) + gl.exp2(split3 - m)
+    seen = total > 0.0  # rows that saw nothing get lse -inf
+    merged = gl.where(seen, m + gl.log2(gl.where(seen, total, 1.0)), float("-inf"))
+    w0 = gl.where(seen, gl.exp2(split0 - merged), 0.0)
+    w1 = gl.where(seen, gl.exp2(split1 - merged), 0.0)
+    w2 = gl.where(seen, gl.exp2(split2 - merged), 0.0)
+    w3 = gl.where(seen, gl.exp2(split3 - merged), 0.0)
+    _merge_tile(o0, 0, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
+                CLUSTER)
+    _merge_tile(o1, 1, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
+                CLUSTER)
+    _merge_tile(o2, 2, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
+                CLUSTER)
+    _merge_tile(o3, 3, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
+                CLUSTER)
     if rank == 0:
-        seen = total > 0.0  # rows that saw nothing get lse -inf
-        merged = gl.where(seen, m + gl.log2(gl.where(seen, total, 1.0)), float("-inf"))
         gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), merged * LN2, mask=ok)
 
 
@@ -254,36 +265,42 @@ def _store_for_others(o, own_at, t: gl.constexpr, rank, CLUSTER: gl.constexpr, p
 
 
 @gluon.jit
-def _cluster_weights(part_lse, first_slot, local, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
-                     CLUSTER: gl.constexpr):
-    """Over the group's ``CLUSTER`` splits, from their stored base-2 LSEs: the largest per row ``m`` (0 where no
-    split saw a key: the weights stay 0) and ``total = sum_k 2^(lse_k - m)``."""
-    policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
-    m = gl.full([ROWS], float("-inf"), gl.float32, STORED_ROWS)
-    for k in gl.static_range(CLUSTER):
-        m = gl.maximum(m, gl.load(part_lse + (first_slot + k) * ROWS + local, eviction_policy=policy))
-    m = gl.where(m == float("-inf"), 0.0, m)
-    total = gl.zeros([ROWS], gl.float32, STORED_ROWS)
-    for k in gl.static_range(CLUSTER):
-        total += gl.exp2(gl.load(part_lse + (first_slot + k) * ROWS + local, eviction_policy=policy) - m)
-    return m, total
+def _split_lse(part_lse, first_slot, k: gl.constexpr, local, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+               CLUSTER: gl.constexpr):
+    """The base-2 LSE the group's split ``k`` stored (one read per split and program), -inf for ``k`` past
+    ``CLUSTER``, so that the merge can always weigh four splits."""
+    if k < CLUSTER:
+        policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
+        return gl.load(part_lse + (first_slot + k) * ROWS + local, eviction_policy=policy)
+    else:
+        return gl.full([ROWS], float("-inf"), gl.float32, STORED_ROWS)
 
 
 @gluon.jit
-def _merge_tile(own, t: gl.constexpr, own_lse, m, total, part_out, part_lse, first_slot, local, cols, out_at, ok,
-                rank, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
-    """Where this program merges output tile ``t`` (rank ``t % CLUSTER``): the weighted sum of its own normalized
-    tile ``own`` and the other splits' (read from their slots), over ``total``, stored as the final bf16 columns."""
+def _merge_tile(own, t: gl.constexpr, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank,
+                ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
+    """Where this program merges output tile ``t`` (rank ``t % CLUSTER``): its own normalized tile ``own`` and
+    the other splits' (read from their slots), each times its split's weight ``w_k = 2^(lse_k - lse)``, stored as
+    the final bf16 columns."""
     if t % CLUSTER == rank:
         policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
-        acc = own * gl.exp2(own_lse - m)[None, :]
+        acc = own * _pick(t % CLUSTER, w0, w1, w2, w3)[None, :]
         for k in gl.static_range(CLUSTER):
             if k != t % CLUSTER:
-                slot = first_slot + k
-                lse_k = gl.load(part_lse + slot * ROWS + local, eviction_policy=policy)
-                o_k = gl.load(part_out + (slot * ROWS + local)[None, :] * NOPE + t * TILE + cols,
+                o_k = gl.load(part_out + ((first_slot + k) * ROWS + local)[None, :] * NOPE + t * TILE + cols,
                               eviction_policy=policy)
-                acc += gl.exp2(lse_k - m)[None, :] * o_k
-        seen = total > 0.0
-        inv = gl.where(seen, 1.0 / gl.where(seen, total, 1.0), 0.0)[None, :]
-        gl.store(out_at + t * TILE, (acc * inv).to(gl.bfloat16), mask=ok[None, :])
+                acc += _pick(k, w0, w1, w2, w3)[None, :] * o_k
+        gl.store(out_at + t * TILE, acc.to(gl.bfloat16), mask=ok[None, :])
+
+
+@gluon.jit
+def _pick(k: gl.constexpr, w0, w1, w2, w3):
+    """The ``k``-th of four values, chosen when compiling."""
+    if k == 0:
+        return w0
+    elif k == 1:
+        return w1
+    elif k == 2:
+        return w2
+    else:
+        return w3
