@@ -152,6 +152,39 @@ def test_groups_whose_splits_share_programs_do_not_merge_in_clusters():
     assert decode._cluster_size(one_each, narrow, "bf16") == 2
 
 
+UNEVEN = [4096 + 400 * (i % 5 - 2) for i in range(28)]  # lengths within +-20% of 4096
+
+
+@pytest.mark.parametrize("batch, ctx, q_len, config, sizes", [
+    (24, 2048, 1, None, [4, 3]),                  # 96 or 72 programs: the balanced cut runs two items on some
+    (40, 2048, 1, None, [3, 2]),                  # 120 or 80 (an H100 holds 39 clusters of 3: plan_decode takes 2)
+    (20, 4096, 2, None, [4]),                     # 16 heads x 2 tokens: 32 rows a group
+    (32, 4096, 1, None, []),                      # the balanced cut already runs one item a program
+    (16, 4096, 1, None, []),                      # at most 64 programs
+    (28, 8192, 1, None, []),                      # splits of 2048 keys or more
+    (28, UNEVEN, 1, None, []),                    # the longest request's splits would set the time
+    (24, 2048, 1, {"num_splits": 5}, []),         # a forced cut stays
+    (24, 2048, 1, {"cluster_merge": False}, []),
+    (24, 2048, 1, {"gluon": False}, []),          # the Triton kernel
+])
+def test_straddled_batches_are_cut_into_clusters_only_within_the_measured_bounds(batch, ctx, q_len, config, sizes):
+    """``_cluster_cuts`` offers cuts of every group into k splits, largest k first, each clustered as it is
+    (``_cluster_size``), one item a program, splits equal to within a key block; nothing outside its bounds."""
+    rows = 16 * q_len
+    narrow = dataclasses.replace(DecodeConfig(block_m=rows, block_n=64, num_warps=4, num_stages=1, early_merge=True,
+                                              gluon=True), **(config or {}))
+    kv_lens = ctx if isinstance(ctx, list) else [ctx] * batch
+    q_lens = [q_len] * batch
+    schedule = build_schedule(q_lens, kv_lens, 16, rows, 64, 132, 128, narrow.num_splits)
+    cuts = list(decode._cluster_cuts(schedule, q_lens, kv_lens, 16, narrow, "bf16", 132))
+    assert [cut.max_splits for cut in cuts] == sizes
+    for cut in cuts:
+        assert decode._cluster_size(cut, narrow, "bf16") == cut.max_splits
+        assert cut.program_items == list(range(batch * cut.max_splits + 1))
+        lengths = {end - start for _, _, start, end, _ in cut.items}
+        assert max(lengths) - min(lengths) <= 64
+
+
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
 def test_quantized_tiles_read_twice_pass_too(layout):
     """``reread_values=True``: each latent tile read and decoded once per product."""
@@ -747,6 +780,38 @@ def test_clusters_the_gpu_cannot_hold_at_once_fall_back_to_the_merge_kernel(monk
     impl = Configured(_narrow(16, num_splits=2))
     assert impl.checked_plan(problem).cluster == 1
     verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+STRADDLED = ((1,) * 24, (2048,) * 24)  # the balanced cut runs two items on some programs; the default cuts in fours
+
+
+@pytest.mark.gpu
+def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper():
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload("bf16", 64, STRADDLED, heads=16, seed=5), device)
+    plan = TritonDecode().checked_plan(problem)
+    assert plan.cluster == 4 and plan.schedule.max_splits == 4
+    verdict = judge(TritonDecode(), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+def test_a_cut_into_clusters_the_gpu_cannot_hold_falls_back_to_the_balanced_cut(monkeypatch):
+    """Where no cut's clusters fit, the plan is the balanced cut and its merge kernel, not the cut (whose splits
+    would then also wait for the merge kernel)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size: 0)
+    problem = build_problem(workload("bf16", 64, STRADDLED, heads=16, seed=6), device)
+    plan = TritonDecode().checked_plan(problem)
+    balanced = build_schedule(list(STRADDLED[0]), list(STRADDLED[1]), 16, plan.config.block_m, plan.config.block_n,
+                              decode._sm_count(device), plan.config.min_split)
+    assert plan.cluster == 1 and plan.schedule == balanced
+    verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import triton.testing
@@ -177,7 +177,8 @@ class DecodeConfig:
     results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of the first keys in the bf16
     kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise. ``cluster_merge`` (Hopper):
     where every group has 2 to 4 splits, one program each (``_cluster_size``), decode_wgmma_narrow runs in clusters
-    of a group's splits, which merge their partials themselves, and no merge kernel runs."""
+    of a group's splits, which merge their partials themselves, and no merge kernel runs; where the balanced cut
+    straddles groups, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -248,6 +249,17 @@ FIRST_KEYS_AHEAD = 64
 # of 2 (NOTES.md session 46): b64 ctx4096 111.8 -> 109.8 (0.908 -> 0.924 of copy), ctx2048 -1.2%, ctx1024 -2.4%,
 # page 1 -1.3%, page 16 -1.3%, page 128 -1.7%, b66 -1.0%.
 CLUSTER_SIZES = (2, 3, 4)
+# Where the balanced cut straddles (a program runs pieces of several groups, groups cut in 3-8 splits, and the merge
+# kernel), every group cut into 2-4 equal splits that merge in clusters is faster though fewer programs stream
+# (``_cluster_cuts``). H100, 16 heads, page 64, us, balanced -> clusters, the rule as landed (NOTES.md session 47):
+# ctx2048 b24 30.1 -> 28.0 (-7.1%), b28 -11.7%, b36 -9.5%, b40 -5.7%, b56 -4.2%; ctx1024 b52 -11.7%; ctx4096 b18
+# -5.3%, b28 56.1 -> 53.4 (-4.8%), b36 -1.9%; ctx6144 -2.5 to +0.8%; 16 heads x 2 tokens ctx2048 b36 -15.0%, ctx4096
+# b24 -10.5%; pages 1 and 16 -0.7 to -5.8%. Each bound from the sweep of forced cuts: fewer than 72 programs lose
+# (b16 ctx4096 in fours +4.0%); longer splits lose (2048 keys at ctx8192 +0.4 to +1.7%, 4096 +0.9 to +2.3%); so do
+# uneven batches, where the longest request's splits set the time (lengths within +-25% of ctx4096: +2.4 to +3.4%).
+CLUSTER_CUT_MIN_PROGRAMS_PER_SM = 0.54
+CLUSTER_CUT_MAX_KEYS = 1536
+CLUSTER_CUT_MAX_IMBALANCE = 1.1
 
 
 def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_size: int = 64,
@@ -396,7 +408,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     device = q.device
     _check_batch(q, cache, block_table, q_lens, kv_lens)
     visible = _visible(visible_lens, q_lens, kv_lens, device)
-    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_heads = q.shape[1]
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
     config = config or batch_config(num_heads, q_lens, kv_lens, cache.layout.name, cache.page_size, device)
@@ -409,6 +421,22 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
+    for cut in _cluster_cuts(schedule, q_lens, kv_lens, num_heads, config, cache.layout.name, sms):
+        plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, config, sms)
+        _prepare_clusters(plan)
+        if plan.cluster > 1:
+            return plan
+    plan = _allocate_plan(schedule, q, cache, block_table, visible, q_lens, scale, config, sms)
+    _prepare_clusters(plan)
+    return plan
+
+
+def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor,
+                   visible: torch.Tensor, q_lens: list[int], scale: float, config: DecodeConfig,
+                   sms: int) -> DecodePlan:
+    """The plan of ``schedule``: its work table, merge groups, outputs and workspaces."""
+    device = q.device
+    num_tokens, num_heads = q.shape[0], q.shape[1]
     scaled = KERNEL_LAYOUTS[cache.layout.name]
     global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
     rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, schedule.max_splits, sms)
@@ -416,7 +444,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     work, item_counts = _work_table(schedule, q_lens, first_token)
     part_out = torch.empty(schedule.num_slots, config.block_m, NOPE.value, dtype=torch.float32, device=device)
     part_lse = torch.empty(schedule.num_slots, config.block_m, dtype=torch.float32, device=device)
-    plan = DecodePlan(
+    return DecodePlan(
         q=q, cache=cache, block_table=block_table, visible=visible, work=work.to(device),
         item_counts=item_counts.to(device), groups=_merge_groups(schedule, q_lens, first_token).to(device),
         out=torch.empty(num_tokens, num_heads, NOPE.value, dtype=q.dtype, device=device),
@@ -431,9 +459,6 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
         descriptors=_tma_descriptors(q, cache, config),
         overlap_launch=config.overlap_launch and _has_dependent_launch(device),
         cluster=_cluster_size(schedule, config, cache.layout.name) if device.type == "cuda" else 1)
-    if plan.cluster > 1:
-        _prepare_clusters(plan)
-    return plan
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,12 +543,42 @@ def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
     kernel[grid](*args, **kwargs)
 
 
+def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num_heads: int, config: DecodeConfig,
+                  layout: str, sms: int) -> Iterator[Schedule]:
+    """Cuts of every group into ``k`` equal splits, one program each, to run in clusters (``_cluster_size``), where
+    that beats the balanced ``schedule``; largest ``k`` first (``plan_decode`` takes the first whose clusters the
+    GPU holds). A ``k`` of ``CLUSTER_SIZES`` qualifies where it gives at most one program a slot and at least
+    ``CLUSTER_CUT_MIN_PROGRAMS_PER_SM`` per multiprocessor, in splits of at most ``CLUSTER_CUT_MAX_KEYS`` and no
+    longer than ``CLUSTER_CUT_MAX_IMBALANCE`` times the batch's keys per program; none unless the balanced cut runs
+    several items on some program (else it straddles nothing, and ``_cluster_size`` clusters it as it is)."""
+    one_each = schedule.program_items == list(range(schedule.num_programs + 1))
+    if not _clusters_possible(config, layout) or config.num_splits is not None or one_each:
+        return
+    groups = sum(-(-q * num_heads // config.block_m) for q in q_lens)
+    for k in sorted(CLUSTER_SIZES, reverse=True):
+        programs = groups * k
+        split = -(-max(kv_lens) // (k * config.block_n)) * config.block_n
+        fits = CLUSTER_CUT_MIN_PROGRAMS_PER_SM * sms <= programs <= sms * config.programs_per_sm
+        even = split <= CLUSTER_CUT_MAX_KEYS and split <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / programs
+        if fits and even:
+            cut = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
+                                 sms * config.programs_per_sm, config.min_split, num_splits=k)
+            if _cluster_size(cut, config, layout) == k:
+                yield cut
+
+
+def _clusters_possible(config: DecodeConfig, layout: str) -> bool:
+    """The config asks for cluster merges and runs decode_wgmma_narrow, the kernel that can merge in clusters."""
+    tile = (config.block_m, config.block_n, config.num_warps)
+    return (config.cluster_merge and config.gluon
+            and GLUON_SPLITS.get((tile, layout)) is _decode_split_kernel_narrow)
+
+
 def _cluster_size(schedule: Schedule, config: DecodeConfig, layout: str) -> int:
     """Programs per cluster where decode_wgmma_narrow can merge each group's splits inside a cluster: the splits per
     group (``CLUSTER_SIZES``) where every group has as many, every program runs one item and the slots run program
     by program (a group's splits are neighbouring programs in split order); else 1 (the merge kernel)."""
-    tile = (config.block_m, config.block_n, config.num_warps)
-    if not (config.cluster_merge and config.gluon and GLUON_SPLITS.get((tile, layout)) is _decode_split_kernel_narrow):
+    if not _clusters_possible(config, layout):
         return 1
     counts = {count for *_, count in schedule.groups}
     if len(counts) != 1 or counts.pop() not in CLUSTER_SIZES:
@@ -539,7 +594,9 @@ def _prepare_clusters(plan: DecodePlan) -> None:
     does not otherwise ask for (its ``CLUSTER`` specialization is only ever launched so). Where the GPU cannot hold
     all the clusters at once (a second wave would double the time; an H100 holds 66 of 2 but 30 of 4 such
     programs), or where the compiled kernel's launch tuple is not the ``(num_warps, num_ctas, shared)`` this was
-    written for (another Triton), ``plan.cluster`` falls back to 1: the merge kernel."""
+    written for (another Triton), ``plan.cluster`` falls back to 1: the merge kernel. Nothing to do where it is 1."""
+    if plan.cluster == 1:
+        return
     compiled = _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True)
     meta = compiled.metadata
     as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, meta.shared)

@@ -129,8 +129,8 @@ def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_
                    programs: int, min_split: int, num_splits: int | None = None) -> Schedule:
     """The work of a batch for at most ``programs`` persistent programs, each given at least ``min_split`` keys (a
     group's last split may be shorter), a request's row blocks side by side where all requests have as many
-    (``_side_by_side``). ``num_splits`` instead cuts every group into that many splits, one program each (tests and
-    sweeps)."""
+    (``_side_by_side``). ``num_splits`` instead cuts every group into that many splits, one program each (tests,
+    sweeps, and decode's cuts into clusters)."""
     groups = [(request, row_block) for request, q in enumerate(q_lens)
               for row_block in range(_ceil_div(q * num_heads, block_m))]
     blocks = [_ceil_div(kv_lens[request], block_n) for request, _ in groups]
