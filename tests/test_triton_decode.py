@@ -159,9 +159,11 @@ UNEVEN = [4096 + 400 * (i % 5 - 2) for i in range(28)]  # lengths within +-20% o
     (24, 2048, 1, None, [4, 3]),                  # 96 or 72 programs: the balanced cut runs two items on some
     (40, 2048, 1, None, [3, 2]),                  # 120 or 80 (an H100 holds 39 clusters of 3: plan_decode takes 2)
     (20, 4096, 2, None, [4]),                     # 16 heads x 2 tokens: 32 rows a group
+    (28, 12288, 2, None, [4]),                    # 32 rows take splits of 3072 keys (not k = 3's 4096)
+    (24, 16384, 2, None, []),                     # nor only of 4096
     (32, 4096, 1, None, []),                      # the balanced cut already runs one item a program
     (16, 4096, 1, None, []),                      # at most 64 programs
-    (28, 8192, 1, None, []),                      # splits of 2048 keys or more
+    (28, 8192, 1, None, []),                      # 16 rows: splits of 2048 keys or more
     (28, UNEVEN, 1, None, []),                    # the longest request's splits would set the time
     (24, 2048, 1, {"num_splits": 5}, []),         # a forced cut stays
     (24, 2048, 1, {"cluster_merge": False}, []),
@@ -787,11 +789,12 @@ STRADDLED = ((1,) * 24, (2048,) * 24)  # the balanced cut runs two items on some
 
 
 @pytest.mark.gpu
-def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper():
+@pytest.mark.parametrize("mix", [STRADDLED, ((2,) * 20, (2048,) * 20)], ids=["16-rows", "mtp-32-rows"])
+def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(mix):
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    problem = build_problem(workload("bf16", 64, STRADDLED, heads=16, seed=5), device)
+    problem = build_problem(workload("bf16", 64, mix, heads=16, seed=5), device)
     plan = TritonDecode().checked_plan(problem)
     assert plan.cluster == 4 and plan.schedule.max_splits == 4
     verdict = judge(TritonDecode(), problem)

@@ -253,12 +253,14 @@ CLUSTER_SIZES = (2, 3, 4)
 # kernel), every group cut into 2-4 equal splits that merge in clusters is faster though fewer programs stream
 # (``_cluster_cuts``). H100, 16 heads, page 64, us, balanced -> clusters, the rule as landed (NOTES.md session 47):
 # ctx2048 b24 30.1 -> 28.0 (-7.1%), b28 -11.7%, b36 -9.5%, b40 -5.7%, b56 -4.2%; ctx1024 b52 -11.7%; ctx4096 b18
-# -5.3%, b28 56.1 -> 53.4 (-4.8%), b36 -1.9%; ctx6144 -2.5 to +0.8%; 16 heads x 2 tokens ctx2048 b36 -15.0%, ctx4096
-# b24 -10.5%; pages 1 and 16 -0.7 to -5.8%. Each bound from the sweep of forced cuts: fewer than 72 programs lose
-# (b16 ctx4096 in fours +4.0%); longer splits lose (2048 keys at ctx8192 +0.4 to +1.7%, 4096 +0.9 to +2.3%); so do
-# uneven batches, where the longest request's splits set the time (lengths within +-25% of ctx4096: +2.4 to +3.4%).
+# -5.3%, b28 56.1 -> 53.4 (-4.8%), b36 -1.9%; ctx6144 -2.5 to +0.8%; pages 1 and 16 -0.7 to -5.8%; 16 heads x 2
+# tokens (32 rows) ctx2048 b36 48.5 -> 41.3 (-15.0%), ctx4096 -6.4 to -10.4%, ctx6144 -4.1 to -7.9%, ctx8192 -1.7 to
+# -7.1%, ctx12288 -3.5 to +1.0%. Each bound from the sweeps of forced cuts: fewer than 72 programs lose (b16 ctx4096 in
+# fours +4.0%); long splits lose, sooner in 16 rows (2048 keys at ctx8192 +0.4 to +1.7%) than in 32 (4096 keys at
+# ctx16384 -1.5 to +1.5%); so do uneven batches, where the longest request's splits set the time (lengths within
+# +-25% of ctx4096: +2.4 to +3.4%).
 CLUSTER_CUT_MIN_PROGRAMS_PER_SM = 0.54
-CLUSTER_CUT_MAX_KEYS = 1536
+CLUSTER_CUT_MAX_KEYS = {16: 1536, 32: 3072}  # by rows a group
 CLUSTER_CUT_MAX_IMBALANCE = 1.1
 
 
@@ -548,9 +550,10 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
     """Cuts of every group into ``k`` equal splits, one program each, to run in clusters (``_cluster_size``), where
     that beats the balanced ``schedule``; largest ``k`` first (``plan_decode`` takes the first whose clusters the
     GPU holds). A ``k`` of ``CLUSTER_SIZES`` qualifies where it gives at most one program a slot and at least
-    ``CLUSTER_CUT_MIN_PROGRAMS_PER_SM`` per multiprocessor, in splits of at most ``CLUSTER_CUT_MAX_KEYS`` and no
-    longer than ``CLUSTER_CUT_MAX_IMBALANCE`` times the batch's keys per program; none unless the balanced cut runs
-    several items on some program (else it straddles nothing, and ``_cluster_size`` clusters it as it is)."""
+    ``CLUSTER_CUT_MIN_PROGRAMS_PER_SM`` per multiprocessor, in splits of at most ``CLUSTER_CUT_MAX_KEYS`` (by the
+    row block) and no longer than ``CLUSTER_CUT_MAX_IMBALANCE`` times the batch's keys per program; none unless the
+    balanced cut runs several items on some program (else it straddles nothing, and ``_cluster_size`` clusters it as
+    it is)."""
     one_each = schedule.program_items == list(range(schedule.num_programs + 1))
     if not _clusters_possible(config, layout) or config.num_splits is not None or one_each:
         return
@@ -559,7 +562,8 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
         programs = groups * k
         split = -(-max(kv_lens) // (k * config.block_n)) * config.block_n
         fits = CLUSTER_CUT_MIN_PROGRAMS_PER_SM * sms <= programs <= sms * config.programs_per_sm
-        even = split <= CLUSTER_CUT_MAX_KEYS and split <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / programs
+        even = (split <= CLUSTER_CUT_MAX_KEYS[config.block_m]
+                and split <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / programs)
         if fits and even:
             cut = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                                  sms * config.programs_per_sm, config.min_split, num_splits=k)
