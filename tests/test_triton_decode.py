@@ -159,6 +159,8 @@ UNEVEN = [4096 + 400 * (i % 5 - 2) for i in range(28)]  # lengths within +-20% o
     (24, 2048, 1, None, [4, 3]),                  # 96 or 72 programs: the balanced cut runs two items on some
     (40, 2048, 1, None, [3, 2]),                  # 120 or 80 (an H100 holds 39 clusters of 3: plan_decode takes 2)
     (20, 4096, 2, None, [4]),                     # 16 heads x 2 tokens: 32 rows a group
+    (36, 1024, 1, None, [3, 2]),                  # splits of 384 and 512 keys
+    (52, 512, 1, None, [2]),                      # the balanced cut leaves 52 requests whole, on 52 programs
     (28, 12288, 2, None, [4]),                    # 32 rows take splits of 3072 keys (not k = 3's 4096)
     (24, 16384, 2, None, []),                     # nor only of 4096
     (32, 4096, 1, None, []),                      # the balanced cut already runs one item a program
@@ -171,7 +173,8 @@ UNEVEN = [4096 + 400 * (i % 5 - 2) for i in range(28)]  # lengths within +-20% o
 ])
 def test_straddled_batches_are_cut_into_clusters_only_within_the_measured_bounds(batch, ctx, q_len, config, sizes):
     """``_cluster_cuts`` offers cuts of every group into k splits, largest k first, each clustered as it is
-    (``_cluster_size``), one item a program, splits equal to within a key block; nothing outside its bounds."""
+    (``_cluster_size``), one item a program, none longer than its share of the longest request; nothing outside its
+    bounds."""
     rows = 16 * q_len
     narrow = dataclasses.replace(DecodeConfig(block_m=rows, block_n=64, num_warps=4, num_stages=1, early_merge=True,
                                               gluon=True), **(config or {}))
@@ -183,8 +186,8 @@ def test_straddled_batches_are_cut_into_clusters_only_within_the_measured_bounds
     for cut in cuts:
         assert decode._cluster_size(cut, narrow, "bf16") == cut.max_splits
         assert cut.program_items == list(range(batch * cut.max_splits + 1))
-        lengths = {end - start for _, _, start, end, _ in cut.items}
-        assert max(lengths) - min(lengths) <= 64
+        share = -(-max(kv_lens) // (64 * cut.max_splits)) * 64
+        assert max(end - start for _, _, start, end, _ in cut.items) == share
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
@@ -789,14 +792,18 @@ STRADDLED = ((1,) * 24, (2048,) * 24)  # the balanced cut runs two items on some
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix", [STRADDLED, ((2,) * 20, (2048,) * 20)], ids=["16-rows", "mtp-32-rows"])
-def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(mix):
+@pytest.mark.parametrize("mix, size", [(STRADDLED, 4), (((2,) * 20, (2048,) * 20), 4), (((1,) * 52, (512,) * 52), 2)],
+                         ids=["16-rows", "mtp-32-rows", "whole-requests-triton-default"])
+def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(mix, size):
+    """The default plan cuts into clusters: a batch whose balanced cut straddles requests, in 16 and 32 rows, and
+    52 short requests that the balanced cut leaves whole on 52 programs of the Triton kernel (the plan takes the
+    narrow kernel's tile for the cut)."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload("bf16", 64, mix, heads=16, seed=5), device)
     plan = TritonDecode().checked_plan(problem)
-    assert plan.cluster == 4 and plan.schedule.max_splits == 4
+    assert plan.cluster == size and plan.schedule.max_splits == size and plan.config.gluon
     verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 

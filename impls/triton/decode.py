@@ -178,7 +178,8 @@ class DecodeConfig:
     kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise. ``cluster_merge`` (Hopper):
     where every group has 2 to 4 splits, one program each (``_cluster_size``), decode_wgmma_narrow runs in clusters
     of a group's splits, which merge their partials themselves, and no merge kernel runs; where the balanced cut
-    straddles groups, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
+    straddles groups or leaves short requests whole on too few programs, such a cut replaces it within measured
+    bounds (``_cluster_cuts``)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -250,15 +251,18 @@ FIRST_KEYS_AHEAD = 64
 # page 1 -1.3%, page 16 -1.3%, page 128 -1.7%, b66 -1.0%.
 CLUSTER_SIZES = (2, 3, 4)
 # Where the balanced cut straddles (a program runs pieces of several groups, groups cut in 3-8 splits, and the merge
-# kernel), every group cut into 2-4 equal splits that merge in clusters is faster though fewer programs stream
-# (``_cluster_cuts``). H100, 16 heads, page 64, us, balanced -> clusters, the rule as landed (NOTES.md session 47):
-# ctx2048 b24 30.1 -> 28.0 (-7.1%), b28 -11.7%, b36 -9.5%, b40 -5.7%, b56 -4.2%; ctx1024 b52 -11.7%; ctx4096 b18
-# -5.3%, b28 56.1 -> 53.4 (-4.8%), b36 -1.9%; ctx6144 -2.5 to +0.8%; pages 1 and 16 -0.7 to -5.8%; 16 heads x 2
-# tokens (32 rows) ctx2048 b36 48.5 -> 41.3 (-15.0%), ctx4096 -6.4 to -10.4%, ctx6144 -4.1 to -7.9%, ctx8192 -1.7 to
-# -7.1%, ctx12288 -3.5 to +1.0%. Each bound from the sweeps of forced cuts: fewer than 72 programs lose (b16 ctx4096 in
-# fours +4.0%); long splits lose, sooner in 16 rows (2048 keys at ctx8192 +0.4 to +1.7%) than in 32 (4096 keys at
-# ctx16384 -1.5 to +1.5%); so do uneven batches, where the longest request's splits set the time (lengths within
-# +-25% of ctx4096: +2.4 to +3.4%).
+# kernel), or leaves short requests whole on too few programs, every group cut into 2-4 equal splits that merge in
+# clusters is faster though fewer programs stream than the balanced cut's (``_cluster_cuts``; below
+# NARROW_MIN_KEYS_PER_SM the plan takes the narrow kernel's tile for it). H100, 16 heads, page 64, us, balanced ->
+# clusters, the rule as landed (NOTES.md session 47): ctx2048 b24 30.1 -> 28.0 (-7.1%), b28 -11.7%, b36 -9.5%, b40
+# -5.7%, b56 -4.2%; ctx1024 b20-b52 -2.5 to -11.8%; ctx4096 b18 -5.3%, b28 56.1 -> 53.4 (-4.8%), b36 -1.9%; ctx6144
+# -2.5 to +0.8%; whole requests ctx512 b52 21.4 -> 17.2 (-19.6%) to b66 -11.5%, ctx256 b40 and b64 -9%; pages 1 and 16
+# -0.7 to -5.8%; 16 heads x 2 tokens (32 rows) ctx2048 b36 48.5 -> 41.3 (-15.0%), ctx4096 -6.4 to -10.4%, ctx6144
+# -4.1 to -7.9%, ctx8192 -1.7 to -7.1%, ctx12288 -3.5 to +1.0%. Each bound from the sweeps of forced cuts: fewer than
+# 72 programs lose (b16 ctx4096 in fours +4.0%; b18 ctx1024's 72 +0.8%); long splits lose, sooner in 16 rows (2048
+# keys at ctx8192 +0.4 to +1.7%) than in 32 (4096 keys at ctx16384 -1.5 to +1.5%); so do uneven batches, where the
+# longest request's splits set the time (lengths within +-25% of ctx4096: +2.4 to +3.4%); and where the balanced cut
+# runs one item a program (b33 ctx2048 and ctx4096 +2.2 to +3.8%).
 CLUSTER_CUT_MIN_PROGRAMS_PER_SM = 0.54
 CLUSTER_CUT_MAX_KEYS = {16: 1536, 32: 3072}  # by rows a group
 CLUSTER_CUT_MAX_IMBALANCE = 1.1
@@ -413,6 +417,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     num_heads = q.shape[1]
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
+    chosen = config is None
     config = config or batch_config(num_heads, q_lens, kv_lens, cache.layout.name, cache.page_size, device)
     if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
         raise UnsupportedConfig(f"triton_decode: block_n {config.block_n} with the FP4 layout {cache.layout.name!r}: "
@@ -423,14 +428,32 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
-    for cut in _cluster_cuts(schedule, q_lens, kv_lens, num_heads, config, cache.layout.name, sms):
-        plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, config, sms)
-        _prepare_clusters(plan)
-        if plan.cluster > 1:
-            return plan
+    options = [(config, schedule)]
+    narrow = _narrow_alternative(config, num_heads, max(q_lens), cache, device) if chosen else None
+    if narrow:
+        options.append((narrow, build_schedule(q_lens, kv_lens, num_heads, narrow.block_m, narrow.block_n,
+                                               sms * narrow.programs_per_sm, narrow.min_split)))
+    for option, balanced in options:
+        for cut in _cluster_cuts(balanced, q_lens, kv_lens, num_heads, option, cache.layout.name, sms):
+            plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, option, sms)
+            _prepare_clusters(plan)
+            if plan.cluster > 1:
+                return plan
     plan = _allocate_plan(schedule, q, cache, block_table, visible, q_lens, scale, config, sms)
     _prepare_clusters(plan)
     return plan
+
+
+def _narrow_alternative(config: DecodeConfig, num_heads: int, max_q_len: int, cache: PagedCache,
+                        device: torch.device) -> DecodeConfig | None:
+    """decode_wgmma_narrow's tile where the default chose the Triton kernel's for a bf16 cache on Hopper (16 rows in
+    whole pages below ``NARROW_MIN_KEYS_PER_SM``): the balanced cut runs faster in the Triton kernel, but a cut into
+    clusters (``_cluster_cuts``), which only the narrow kernel runs, can be faster still. None elsewhere."""
+    layout = cache.layout.name
+    if config.gluon or not common.has_wgmma(device):
+        return None
+    narrow = _tile_config(num_heads, max_q_len, layout, cache.page_size, NARROW_MIN_KEYS_PER_SM, True, 0.0)
+    return replace(narrow, min_split=config.min_split) if _clusters_possible(narrow, layout) else None
 
 
 def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor,
@@ -551,20 +574,20 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
     that beats the balanced ``schedule``; largest ``k`` first (``plan_decode`` takes the first whose clusters the
     GPU holds). A ``k`` of ``CLUSTER_SIZES`` qualifies where it gives at most one program a slot and at least
     ``CLUSTER_CUT_MIN_PROGRAMS_PER_SM`` per multiprocessor, in splits of at most ``CLUSTER_CUT_MAX_KEYS`` (by the
-    row block) and no longer than ``CLUSTER_CUT_MAX_IMBALANCE`` times the batch's keys per program; none unless the
-    balanced cut runs several items on some program (else it straddles nothing, and ``_cluster_size`` clusters it as
-    it is)."""
+    row block). None where the longest request is over ``CLUSTER_CUT_MAX_IMBALANCE`` times the mean, or where the
+    balanced cut cuts groups but runs one item a program (it straddles nothing, and ``_cluster_size`` clusters it as
+    it is where it can); a balanced cut of whole groups (short requests, too few of them to fill the GPU) qualifies."""
     one_each = schedule.program_items == list(range(schedule.num_programs + 1))
-    if not _clusters_possible(config, layout) or config.num_splits is not None or one_each:
+    straddles_or_whole = not one_each or not schedule.groups
+    even = max(kv_lens) <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / len(kv_lens)
+    if not (_clusters_possible(config, layout) and config.num_splits is None and straddles_or_whole and even):
         return
     groups = sum(-(-q * num_heads // config.block_m) for q in q_lens)
     for k in sorted(CLUSTER_SIZES, reverse=True):
         programs = groups * k
         split = -(-max(kv_lens) // (k * config.block_n)) * config.block_n
         fits = CLUSTER_CUT_MIN_PROGRAMS_PER_SM * sms <= programs <= sms * config.programs_per_sm
-        even = (split <= CLUSTER_CUT_MAX_KEYS[config.block_m]
-                and split <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / programs)
-        if fits and even:
+        if fits and split <= CLUSTER_CUT_MAX_KEYS[config.block_m]:
             cut = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                                  sms * config.programs_per_sm, config.min_split, num_splits=k)
             if _cluster_size(cut, config, layout) == k:
