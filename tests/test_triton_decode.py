@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -188,6 +189,24 @@ def test_straddled_batches_are_cut_into_clusters_only_within_the_measured_bounds
         assert cut.program_items == list(range(batch * cut.max_splits + 1))
         share = -(-max(kv_lens) // (64 * cut.max_splits)) * 64
         assert max(end - start for _, _, start, end, _ in cut.items) == share
+
+
+@pytest.mark.parametrize("layout, page_size, heads, gluon, narrow", [
+    ("bf16", 64, 16, False, True),       # the Triton kernel's 16 rows in whole pages: the narrow tile may cut instead
+    ("bf16", 64, 16, True, False),       # already the narrow kernel
+    ("bf16", 64, 128, False, False),     # 64-row blocks: no cluster merge
+    ("fp8_ds_mla", 64, 16, False, False),
+])
+def test_the_narrow_tile_is_tried_only_where_the_default_runs_16_bf16_rows_on_the_triton_kernel(
+        monkeypatch, layout, page_size, heads, gluon, narrow):
+    monkeypatch.setattr(common, "has_wgmma", lambda device: True)
+    config = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=3 - 2 * gluon, gluon=gluon)
+    cache = types.SimpleNamespace(layout=types.SimpleNamespace(name=layout), page_size=page_size)
+    alternative = decode._narrow_alternative(config, heads, 1, cache, torch.device("cpu"))
+    if narrow:
+        assert decode._clusters_possible(alternative, layout) and alternative.min_split == config.min_split
+    else:
+        assert alternative is None
 
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "nvfp4"])
