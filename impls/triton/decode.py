@@ -577,8 +577,7 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
     row block). None where the longest request is over ``CLUSTER_CUT_MAX_IMBALANCE`` times the mean, or where the
     balanced cut cuts groups but runs one item a program (it straddles nothing, and ``_cluster_size`` clusters it as
     it is where it can); a balanced cut of whole groups (short requests, too few of them to fill the GPU) qualifies."""
-    one_each = schedule.program_items == list(range(schedule.num_programs + 1))
-    straddles_or_whole = not one_each or not schedule.groups
+    straddles_or_whole = not schedule.one_item_per_program or not schedule.groups
     even = max(kv_lens) <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / len(kv_lens)
     if not (_clusters_possible(config, layout) and config.num_splits is None and straddles_or_whole and even):
         return
@@ -610,9 +609,8 @@ def _cluster_size(schedule: Schedule, config: DecodeConfig, layout: str) -> int:
     counts = {count for *_, count in schedule.groups}
     if len(counts) != 1 or counts.pop() not in CLUSTER_SIZES:
         return 1
-    one_each = schedule.program_items == list(range(schedule.num_programs + 1))
     in_order = all(item[4] == program for program, item in enumerate(schedule.items))
-    return schedule.groups[0][3] if one_each and in_order else 1
+    return schedule.groups[0][3] if schedule.one_item_per_program and in_order else 1
 
 
 def _prepare_clusters(plan: DecodePlan) -> None:

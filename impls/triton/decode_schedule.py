@@ -47,6 +47,11 @@ class Schedule:
         return len(self.program_items) - 1
 
     @property
+    def one_item_per_program(self) -> bool:
+        """Every program runs exactly one item (a split or a whole group)."""
+        return self.program_items == list(range(self.num_programs + 1))
+
+    @property
     def max_splits(self) -> int:
         return max((count for *_, count in self.groups), default=1)
 
