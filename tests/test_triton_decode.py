@@ -126,6 +126,9 @@ def test_the_first_keys_asked_of_l2_cover_every_page_they_touch_from_any_start(p
         assert touched <= pages < 2 * touched
 
 
+WS_TILE = {"num_warps": decode.WS_CONFIG.num_warps}  # over the narrow tile: decode_ws's
+
+
 @pytest.mark.parametrize("batch, ctx, config, layout, size", [
     (64, 4096, None, "bf16", 2),                  # 128 programs, two a request
     (32, 4096, None, "bf16", 4),                  # four a request (a GPU may not hold the clusters: _prepare_clusters)
@@ -136,6 +139,11 @@ def test_the_first_keys_asked_of_l2_cover_every_page_they_touch_from_any_start(p
     (64, 4096, {"cluster_merge": False}, "bf16", 1),
     (64, 4096, {"gluon": False}, "bf16", 1),      # the Triton kernel
     (64, 4096, None, "fp8_ds_mla", 1),            # the narrow tile's fp8_ds_mla kernel is decode_mma_fp8
+    (64, 4096, WS_TILE, "fp8_ds_mla", 2),         # decode_ws's tile: decode_rs_fp8 where the cache takes TMA
+    (32, 4096, WS_TILE, "fp8_e4m3", 4),
+    (64, 4096, WS_TILE, "nvfp4", 2),
+    (64, 4096, {**WS_TILE, "tma_loader": False}, "fp8_ds_mla", 1),  # decode_ws, no cluster merge
+    (64, 4096, WS_TILE, "mxfp4_nsa", 1),          # decode_ws's layout that decode_rs_fp8 does not read
 ])
 def test_splits_merge_in_clusters_only_where_every_group_fills_one(batch, ctx, config, layout, size):
     narrow = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
@@ -189,6 +197,25 @@ def test_straddled_batches_are_cut_into_clusters_only_within_the_measured_bounds
         assert cut.program_items == list(range(batch * cut.max_splits + 1))
         share = -(-max(kv_lens) // (64 * cut.max_splits)) * 64
         assert max(end - start for _, _, start, end, _ in cut.items) == share
+
+
+@pytest.mark.parametrize("layout, batch, ctx, q_len, sizes", [
+    ("fp8_ds_mla", 28, 2048, 1, [4]),             # 112 programs (84 in threes: too few for decode_rs_fp8)
+    ("fp8_ds_mla_pow2", 52, 512, 1, [2]),         # short requests left whole on 52 programs
+    ("fp8_e4m3", 36, 1024, 1, [3]),               # 108 programs (144 in fours: more than the GPU's)
+    ("fp8_ds_mla", 18, 2048, 1, []),              # 72 programs: enough for the narrow kernel, not for this one
+    ("fp8_ds_mla", 28, 2048, 2, []),              # two 16-row blocks a request, side by side in the balanced cut
+    ("nvfp4", 28, 2048, 1, []),                   # not measured to gain
+])
+def test_decode_rs_fp8_layouts_are_cut_into_clusters_within_their_own_bounds(layout, batch, ctx, q_len, sizes):
+    """decode_rs_fp8's layouts take cuts into clusters from more programs than the narrow kernel, of requests in
+    one row block, and not nvfp4."""
+    ws = decode.WS_CONFIG
+    q_lens, kv_lens = [q_len] * batch, [ctx] * batch
+    schedule = build_schedule(q_lens, kv_lens, 16, 16, 64, 132, ws.min_split)
+    cuts = list(decode._cluster_cuts(schedule, q_lens, kv_lens, 16, ws, layout, 132))
+    assert [cut.max_splits for cut in cuts] == sizes
+    assert all(decode._cluster_size(cut, ws, layout) == cut.max_splits for cut in cuts)
 
 
 @pytest.mark.parametrize("layout, page_size, heads, gluon, narrow", [
@@ -794,6 +821,35 @@ def test_the_narrow_kernel_merges_a_groups_splits_inside_its_cluster_on_hopper(p
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
+RS_CLUSTER_CASES = [  # (layout, page size, mix, heads, forced splits, expected cluster)
+    ("fp8_ds_mla", 64, ((1, 1, 1), (300, 520, 257)), 16, 2, 2),
+    ("fp8_ds_mla_pow2", 128, ((1, 1), (700, 900)), 16, 3, 3),
+    ("fp8_e4m3", 64, ((2, 2), (500, 1000)), 16, 4, 4),    # two row blocks a request (MTP)
+    ("nvfp4", 64, ((1, 1), (4100, 130)), 20, 2, 2),       # padded heads, splits of unequal length
+    ("fp8_ds_mla", 16, ((1, 1), (300, 520)), 16, 2, 1),   # pages of 16 keys: decode_ws, the merge kernel
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, page_size, mix, heads, splits, cluster", RS_CLUSTER_CASES,
+                         ids=["ds-mla-pairs", "pow2-threes-ps128", "e4m3-mtp-fours", "nvfp4-h20-pairs",
+                              "ds-mla-ps16-merge-kernel"])
+def test_decode_rs_fp8_merges_a_groups_splits_inside_its_cluster_on_hopper(layout, page_size, mix, heads, splits,
+                                                                          cluster):
+    """decode_rs_fp8 (its layouts in pages of whole 64-key steps) merges a group's splits inside their cluster, for
+    each of its layouts, in pairs, threes and fours, MTP and padded heads; decode_ws (pages of 16) keeps the merge
+    kernel."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + splits), device)
+    impl = Configured(_ws(num_splits=splits))
+    plan = impl.checked_plan(problem)
+    assert plan.cluster == cluster and bool(plan.descriptors) == (cluster > 1)
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
 @pytest.mark.gpu
 def test_clusters_the_gpu_cannot_hold_at_once_fall_back_to_the_merge_kernel(monkeypatch):
     device = torch.device("cuda")
@@ -811,16 +867,18 @@ STRADDLED = ((1,) * 24, (2048,) * 24)  # the balanced cut runs two items on some
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix, size", [(STRADDLED, 4), (((2,) * 20, (2048,) * 20), 4), (((1,) * 52, (512,) * 52), 2)],
-                         ids=["16-rows", "mtp-32-rows", "whole-requests-triton-default"])
-def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(mix, size):
+@pytest.mark.parametrize("layout, mix, size", [
+    ("bf16", STRADDLED, 4), ("bf16", ((2,) * 20, (2048,) * 20), 4), ("bf16", ((1,) * 52, (512,) * 52), 2),
+    ("fp8_ds_mla", ((1,) * 28, (2048,) * 28), 4), ("fp8_e4m3", ((1,) * 52, (512,) * 52), 2),
+], ids=["16-rows", "mtp-32-rows", "whole-requests-triton-default", "fp8-ds-mla-rs", "fp8-e4m3-whole-requests-rs"])
+def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(layout, mix, size):
     """The default plan cuts into clusters: a batch whose balanced cut straddles requests, in 16 and 32 rows, and
     52 short requests that the balanced cut leaves whole on 52 programs of the Triton kernel (the plan takes the
-    narrow kernel's tile for the cut)."""
+    narrow kernel's tile for the cut); fp8_ds_mla and fp8_e4m3 through decode_rs_fp8."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    problem = build_problem(workload("bf16", 64, mix, heads=16, seed=5), device)
+    problem = build_problem(workload(layout, 64, mix, heads=16, seed=5), device)
     plan = TritonDecode().checked_plan(problem)
     assert plan.cluster == size and plan.schedule.max_splits == size and plan.config.gluon
     verdict = judge(TritonDecode(), problem)
@@ -845,15 +903,17 @@ def test_a_cut_into_clusters_the_gpu_cannot_hold_falls_back_to_the_balanced_cut(
 
 
 @pytest.mark.gpu
-def test_clusters_formed_across_groups_are_caught(monkeypatch):
+@pytest.mark.parametrize("layout, config", [("bf16", _narrow(16, num_splits=3)), ("fp8_ds_mla", _ws(num_splits=3))],
+                         ids=["narrow", "rs-fp8"])
+def test_clusters_formed_across_groups_are_caught(monkeypatch, layout, config):
     """Planted bug: a plan that runs clusters of 2 where each group has 3 splits (the eligibility rule not checked),
     so a cluster merges another group's partials."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     monkeypatch.setattr(decode, "_cluster_size", lambda schedule, config, layout: 2)
-    problem = build_problem(workload("bf16", 64, ((1, 1), (300, 520)), heads=16, seed=4), device)
-    impl = Configured(_narrow(16, num_splits=3))
+    problem = build_problem(workload(layout, 64, ((1, 1), (300, 520)), heads=16, seed=4), device)
+    impl = Configured(config)
     assert len(impl.checked_plan(problem).schedule.items) == 6
     assert judge(impl, problem).status == "failed"
 

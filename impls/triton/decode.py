@@ -27,8 +27,11 @@ session 44). Before that wait, the bf16 split kernels ask L2 for their first ite
 ``FIRST_KEYS_AHEAD``): a hint, whose block-table entry may be stale and is not used for anything else.
 
 Where every group is cut into 2 to 4 splits of one program each, as a batch of 64 requests of 4096 keys is on 132
-multiprocessors, decode_wgmma_narrow runs in clusters of a group's splits, which merge their partials themselves after
-a cluster barrier; no merge kernel runs (``_cluster_size``, ``CLUSTER_SIZES``; H100, 16 heads b64: 111.8 -> 109.8 us).
+multiprocessors, decode_wgmma_narrow and decode_rs_fp8 run in clusters of a group's splits, which merge their
+partials themselves after a cluster barrier; no merge kernel runs (``_cluster_size``, ``CLUSTER_SIZES``; H100, 16
+heads b64: bf16 111.8 -> 109.8 us, fp8_ds_mla 72.3 -> 71.9). Where the balanced cut straddles groups or leaves short
+requests whole, a cut into such clusters replaces it within measured bounds (``_cluster_cuts``; fp8_ds_mla b28
+ctx2048 25.8 -> 23.0 us).
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -176,10 +179,10 @@ class DecodeConfig:
     their work rows, while that kernel finishes; every split kernel waits on the device for the previous kernel's
     results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of the first keys in the bf16
     kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise. ``cluster_merge`` (Hopper):
-    where every group has 2 to 4 splits, one program each (``_cluster_size``), decode_wgmma_narrow runs in clusters
-    of a group's splits, which merge their partials themselves, and no merge kernel runs; where the balanced cut
-    straddles groups or leaves short requests whole on too few programs, such a cut replaces it within measured
-    bounds (``_cluster_cuts``)."""
+    where every group has 2 to 4 splits, one program each (``_cluster_size``), decode_wgmma_narrow and decode_rs_fp8
+    run in clusters of a group's splits, which merge their partials themselves, and no merge kernel runs; where the
+    balanced cut straddles groups or leaves short requests whole on too few programs, such a cut replaces it within
+    measured bounds (``_cluster_cuts``)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -263,7 +266,15 @@ CLUSTER_SIZES = (2, 3, 4)
 # keys at ctx8192 +0.4 to +1.7%) than in 32 (4096 keys at ctx16384 -1.5 to +1.5%); so do uneven batches, where the
 # longest request's splits set the time (lengths within +-25% of ctx4096: +2.4 to +3.4%); and where the balanced cut
 # runs one item a program (b33 ctx2048 and ctx4096 +2.2 to +3.8%).
-CLUSTER_CUT_MIN_PROGRAMS_PER_SM = 0.54
+# decode_rs_fp8 (fp8_ds_mla, fp8_e4m3 in pages of whole steps; rule on against off, NOTES.md session 48): fp8_ds_mla
+# ctx512 b52 19.2 -> 15.5 (-19.3%), b64 -15.5%; ctx1024 b36-b52 -4.5 to -10.1%; ctx2048 b22-b56 -3.0 to -11.1% (b28
+# 25.8 -> 23.0); ctx4096 b24-b36 -3.6 to -7.4%; ctx6144 b28 -2.5%; page 128 -11.7%; lengths within +-5% -7.4%;
+# fp8_e4m3 -5.5 to -11.3%. Its programs stream slower alone (a step's chain of decoding and products, not the
+# memory, bounds one), so fewer of them lose sooner: 72 programs +7.1% (b18 ctx2048) and +11.3% (ctx4096), 80 of
+# 1536 keys +12.4% (b20 ctx6144; 80 of 256 keys -6.0%, b20 ctx1024). Not nvfp4 (decoding bounds it harder: b24
+# ctx4096 +14.6%, ctx1024-2048 -0.9 to +0.7%), nor requests in several 16-row blocks, which the balanced cut runs side
+# by side over the same keys (16 heads x 2 tokens ctx2048 b28 +4.6%, b20 +30.5%).
+CLUSTER_CUT_MIN_PROGRAMS_PER_SM = {"bf16": 0.54, "fp8_ds_mla": 0.66, "fp8_ds_mla_pow2": 0.66, "fp8_e4m3": 0.66}
 CLUSTER_CUT_MAX_KEYS = {16: 1536, 32: 3072}  # by rows a group
 CLUSTER_CUT_MAX_IMBALANCE = 1.1
 
@@ -433,7 +444,9 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     if narrow:
         options.append((narrow, build_schedule(q_lens, kv_lens, num_heads, narrow.block_m, narrow.block_n,
                                                sms * narrow.programs_per_sm, narrow.min_split)))
-    for option, balanced in options:
+    # decode_rs_fp8, the kernel of its layouts that merges in clusters, reads pages of whole 64-key steps
+    whole_steps = cache.layout.name not in RS_LAYOUTS or cache.page_size % decode_wgmma_ws.KEYS.value == 0
+    for option, balanced in options if whole_steps else ():
         for cut in _cluster_cuts(balanced, q_lens, kv_lens, num_heads, option, cache.layout.name, sms):
             plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, option, sms)
             _prepare_clusters(plan)
@@ -450,7 +463,7 @@ def _narrow_alternative(config: DecodeConfig, num_heads: int, max_q_len: int, ca
     whole pages below ``NARROW_MIN_KEYS_PER_SM``): the balanced cut runs faster in the Triton kernel, but a cut into
     clusters (``_cluster_cuts``), which only the narrow kernel runs, can be faster still. None elsewhere."""
     layout = cache.layout.name
-    if config.gluon or not common.has_wgmma(device):
+    if config.gluon or layout != "bf16" or not common.has_wgmma(device):
         return None
     narrow = _tile_config(num_heads, max_q_len, layout, cache.page_size, NARROW_MIN_KEYS_PER_SM, True, 0.0)
     return replace(narrow, min_split=config.min_split) if _clusters_possible(narrow, layout) else None
@@ -493,14 +506,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     early_merge = plan.early_merge
     kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
     if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_LAYOUTS:
-        _decode_split_kernel_rs_fp8[(plan.work.shape[0],)](
-            plan.q, plan.q.stride(0), plan.q.stride(1), *plan.descriptors, plan.block_table, plan.block_table.stride(0),
-            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
-            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
-            plan.q.shape[1], plan.nope_scale, plan.out_scale, PAGE_SIZE=cache.page_size,
-            KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=early_merge,
-            LAYOUT="fp8_ds_mla" if cache.layout.name in FP8_DS_MLA else cache.layout.name,
-            WAIT_PRIOR=plan.overlap_launch, **decode_rs_fp8.LAUNCH_OPTIONS, **plan.split_launch)
+        _launch_rs_fp8(plan)
     elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         _launch_gluon_split(plan, kernel)
     elif plan.work.shape[0] and plan.descriptors:
@@ -543,6 +549,24 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     return plan.out, plan.lse
 
 
+def _launch_rs_fp8(plan: DecodePlan, warmup: bool = False):
+    """Launch (or with ``warmup`` only compile, returning the compiled kernel) decode_rs_fp8, in clusters under
+    ``plan.cluster`` (``_prepare_clusters``)."""
+    cache = plan.cache
+    args = (plan.q, plan.q.stride(0), plan.q.stride(1), *plan.descriptors, plan.block_table, plan.block_table.stride(0),
+            plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
+            plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
+            plan.q.shape[1], plan.nope_scale, plan.out_scale)
+    kwargs = dict(PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=plan.early_merge,
+                  LAYOUT="fp8_ds_mla" if cache.layout.name in FP8_DS_MLA else cache.layout.name,
+                  WAIT_PRIOR=plan.overlap_launch, CLUSTER=plan.cluster, **decode_rs_fp8.LAUNCH_OPTIONS,
+                  **plan.split_launch)
+    grid = (plan.work.shape[0] // plan.cluster,)
+    if warmup:
+        return _decode_split_kernel_rs_fp8.warmup(*args, grid=grid, **kwargs)
+    _decode_split_kernel_rs_fp8[grid](*args, **kwargs)
+
+
 def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
     """Launch (or with ``warmup`` only compile, returning the compiled kernel) one of the Gluon split kernels that take
     the same arguments: all but decode_wgmma, decode_wgmma_ws and decode_rs_fp8. Under ``plan.cluster`` the grid is
@@ -573,19 +597,21 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
     """Cuts of every group into ``k`` equal splits, one program each, to run in clusters (``_cluster_size``), where
     that beats the balanced ``schedule``; largest ``k`` first (``plan_decode`` takes the first whose clusters the
     GPU holds). A ``k`` of ``CLUSTER_SIZES`` qualifies where it gives at most one program a slot and at least
-    ``CLUSTER_CUT_MIN_PROGRAMS_PER_SM`` per multiprocessor, in splits of at most ``CLUSTER_CUT_MAX_KEYS`` (by the
-    row block). None where the longest request is over ``CLUSTER_CUT_MAX_IMBALANCE`` times the mean, or where the
-    balanced cut cuts groups but runs one item a program (it straddles nothing, and ``_cluster_size`` clusters it as
-    it is where it can); a balanced cut of whole groups (short requests, too few of them to fill the GPU) qualifies."""
+    ``CLUSTER_CUT_MIN_PROGRAMS_PER_SM`` per multiprocessor (by the layout: only those measured), in splits of at
+    most ``CLUSTER_CUT_MAX_KEYS`` (by the row block). None where a request has several row blocks, where the longest
+    request is over ``CLUSTER_CUT_MAX_IMBALANCE`` times the mean, or where the balanced cut cuts groups but runs one
+    item a program (it straddles nothing, and ``_cluster_size`` clusters it as it is where it can); a balanced cut of
+    whole groups (short requests, too few of them to fill the GPU) qualifies."""
     straddles_or_whole = not schedule.one_item_per_program or not schedule.groups
     even = max(kv_lens) <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / len(kv_lens)
-    if not (_clusters_possible(config, layout) and config.num_splits is None and straddles_or_whole and even):
-        return
     groups = sum(-(-q * num_heads // config.block_m) for q in q_lens)
+    measured = _clusters_possible(config, layout) and layout in CLUSTER_CUT_MIN_PROGRAMS_PER_SM
+    if not (measured and config.num_splits is None and straddles_or_whole and even and groups == len(q_lens)):
+        return
     for k in sorted(CLUSTER_SIZES, reverse=True):
         programs = groups * k
         split = -(-max(kv_lens) // (k * config.block_n)) * config.block_n
-        fits = CLUSTER_CUT_MIN_PROGRAMS_PER_SM * sms <= programs <= sms * config.programs_per_sm
+        fits = CLUSTER_CUT_MIN_PROGRAMS_PER_SM[layout] * sms <= programs <= sms * config.programs_per_sm
         if fits and split <= CLUSTER_CUT_MAX_KEYS[config.block_m]:
             cut = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                                  sms * config.programs_per_sm, config.min_split, num_splits=k)
@@ -594,14 +620,16 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
 
 
 def _clusters_possible(config: DecodeConfig, layout: str) -> bool:
-    """The config asks for cluster merges and runs decode_wgmma_narrow, the kernel that can merge in clusters."""
+    """The config asks for cluster merges and runs a kernel that can merge in clusters: decode_wgmma_narrow, or
+    decode_rs_fp8 (decode_ws's tile of its layouts, copied by TMA where the cache allows: ``_prepare_clusters``)."""
     tile = (config.block_m, config.block_n, config.num_warps)
-    return (config.cluster_merge and config.gluon
-            and GLUON_SPLITS.get((tile, layout)) is _decode_split_kernel_narrow)
+    kernel = GLUON_SPLITS.get((tile, layout))
+    rs_fp8 = kernel is _decode_split_kernel_ws and layout in RS_LAYOUTS and config.tma_loader
+    return config.cluster_merge and config.gluon and (kernel is _decode_split_kernel_narrow or rs_fp8)
 
 
 def _cluster_size(schedule: Schedule, config: DecodeConfig, layout: str) -> int:
-    """Programs per cluster where decode_wgmma_narrow can merge each group's splits inside a cluster: the splits per
+    """Programs per cluster where the split kernel can merge each group's splits inside a cluster: the splits per
     group (``CLUSTER_SIZES``) where every group has as many, every program runs one item and the slots run program
     by program (a group's splits are neighbouring programs in split order); else 1 (the merge kernel)."""
     if not _clusters_possible(config, layout):
@@ -622,7 +650,11 @@ def _prepare_clusters(plan: DecodePlan) -> None:
     written for (another Triton), ``plan.cluster`` falls back to 1: the merge kernel. Nothing to do where it is 1."""
     if plan.cluster == 1:
         return
-    compiled = _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True)
+    if plan.cache.layout.name in RS_LAYOUTS and not plan.descriptors:  # decode_ws, which does not merge in clusters
+        plan.cluster = 1
+        return
+    compiled = (_launch_rs_fp8(plan, warmup=True) if plan.descriptors
+                else _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True))
     meta = compiled.metadata
     as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, meta.shared)
     if (compiled.packed_metadata not in (as_compiled, clustered)

@@ -84,7 +84,8 @@ from impls.triton.decode_kernel import NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at,
                                        _row_limits, _step_page)
 from impls.triton.decode_wgmma_fp8 import KEYS, WORDS_SMEM, _seen_as, _softmax_to_probs
-from impls.triton.decode_wgmma_narrow import COPY_LAYOUT, _store_lse, _transposed_state
+from impls.triton.decode_wgmma_narrow import (COPY_LAYOUT, _cluster_arrive, _cluster_wait, _merge_stored_splits,
+                                              _store_lse, _transposed_state)
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
 from impls.triton.decode_ws import NVFP4_ROPE_AT, NVFP4_ROW_BYTES, NVFP4_SCALES_AT, e2m1_word_ptx
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
@@ -208,7 +209,7 @@ def _decode_split_kernel_rs_fp8(
     q, stride_qt, stride_qh, codes_desc, rope_desc, scales_desc, block_table, stride_bt, visible, work,
     items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, qk_scale, num_heads,
     nope_scale, out_scale, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, EARLY_MERGE: gl.constexpr,
-    LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
+    LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows of a
     ``LAYOUT`` cache (fp8_ds_mla, fp8_e4m3 or nvfp4). ``EARLY_MERGE``: let the merge kernel, a programmatic
@@ -216,7 +217,10 @@ def _decode_split_kernel_rs_fp8(
     kernel, each partition reads only the plan's work rows before that kernel's results are complete and visible
     (``decode_wgmma._program_items``). fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer
     scale is in ``qk_scale``, nvfp4's (latent keys only) in ``nope_scale``, and both, for outputs stored here rather
-    than merged, in ``out_scale``."""
+    than merged, in ``out_scale``. ``CLUSTER`` > 1: the grid runs in clusters of that many programs, each one item,
+    the splits of one group in rank order: every partition arrives at the cluster barrier once its part of the item
+    is stored, and the value warpgroup then merges its share of the group's output from their slots
+    (``decode_wgmma_narrow._merge_stored_splits``), so no merge kernel runs."""
     STAGES: gl.constexpr = stages(LAYOUT)
     if EARLY_MERGE:
         _launch_dependents()
@@ -251,19 +255,21 @@ def _decode_split_kernel_rs_fp8(
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
                   qk_scale, num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out,
-                  halves, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR)),
-        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes,
-                  scales, probs, factors, to_out, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR)),
+                  halves, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR, CLUSTER)),
+        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
+                  out_scale, num_heads, codes, scales, probs, factors, to_out, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR,
+                  CLUSTER)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
-                       halves, bars, LAYOUT, WAIT_PRIOR)),
+                       halves, bars, LAYOUT, WAIT_PRIOR, CLUSTER)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
-                 rope, scales, bars, PAGE_SIZE, LAYOUT, WAIT_PRIOR)),
+                 rope, scales, bars, PAGE_SIZE, LAYOUT, WAIT_PRIOR, CLUSTER)),
     ], [4, 4, 4], [224, 112, 24])
 
 
 @gluon.jit
 def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
-          scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+          scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
+          CLUSTER: gl.constexpr):
     """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it."""
     STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
@@ -293,12 +299,14 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
                     _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
                     _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
             g += 1
+    if CLUSTER > 1:
+        _cluster_arrive()
 
 
 @gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
            num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+           KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
     and the output factor for the value warpgroup."""
@@ -356,11 +364,13 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             nq += 1
         _store_lse(gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf")), rows_s, ok_s, lse,
                    stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS, KEEP_PARTIALS)
+    if CLUSTER > 1:  # the item's LSE is in its slot
+        _cluster_arrive()
 
 
 @gluon.jit
 def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales, halves,
-                bars, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+                bars, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The second scoring warpgroup: each item's query tiles 2 and 3, each step's scores of those (each by its tile
     scale) for the first."""
     STAGES: gl.constexpr = stages(LAYOUT)
@@ -385,6 +395,8 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
             half = p2 * x2[:, None] + p3 * x3[:, None]
             _send(halves.index(pb), half, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
             g += 1
+    if CLUSTER > 1:
+        _cluster_arrive()
 
 
 @gluon.jit
@@ -496,11 +508,12 @@ def _step_scales(every, x, start, kv_end, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, out_scale, num_heads, codes, scales,
-           probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, out_scale,
+           num_heads, codes, scales, probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr,
+           WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each fp8 tile apart,
-    nvfp4's columns by their position in a quad of four (fp8_e4m3, nvfp4: outputs stored here, not merged, times
-    the layer's ``out_scale``)."""
+    nvfp4's columns by their position in a quad of four (fp8_e4m3, nvfp4: outputs stored here, not merged, and
+    outputs merged in the cluster, times the layer's ``out_scale``)."""
     STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
@@ -575,20 +588,35 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
                 factor = factor * out_scale
             if LAYOUT == "nvfp4":  # E2M1_QUADS' values are 64 times too small
                 factor = factor * 64.0
-        if LAYOUT == "nvfp4":
-            _store_columns(_quads_as_rows(e0, o0, e1, o1, factor), 0, out, stride_ot, stride_oh, part_out, row_block,
-                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
-            _store_columns(_quads_as_rows(e2, o2, e3, o3, factor), 2 * TILE, out, stride_ot, stride_oh, part_out,
-                           row_block, slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
-        else:
-            _store_columns(_pairs_as_rows(e0, o0, factor), 0, out, stride_ot, stride_oh, part_out, row_block, slot_out,
-                           q_first, q_len, num_heads, KEEP_PARTIALS)
-            _store_columns(_pairs_as_rows(e1, o1, factor), TILE, out, stride_ot, stride_oh, part_out, row_block,
-                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
-            _store_columns(_pairs_as_rows(e2, o2, factor), 2 * TILE, out, stride_ot, stride_oh, part_out, row_block,
-                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
-            _store_columns(_pairs_as_rows(e3, o3, factor), 3 * TILE, out, stride_ot, stride_oh, part_out, row_block,
-                           slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+        _store_item(e0, o0, e1, o1, e2, o2, e3, o3, factor, out, stride_ot, stride_oh, part_out, row_block,
+                    slot_out, q_first, q_len, num_heads, KEEP_PARTIALS, LAYOUT)
+        if CLUSTER > 1:  # the other partitions arrive once their part is stored: the first scorer's LSE
+            _cluster_arrive()
+            _cluster_wait()
+            _merge_stored_splits(None, None, None, None, out_scale, out, stride_ot, stride_oh, lse, stride_lt,
+                                 part_out, part_lse, row_block, slot_out, q_first, q_len, num_heads, ROWS,
+                                 KEEP_PARTIALS, CLUSTER)
+
+
+@gluon.jit
+def _store_item(e0, o0, e1, o1, e2, o2, e3, o3, factor, out, stride_ot, stride_oh, part_out, row_block, slot_out,
+                q_first, q_len, num_heads, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
+    """The item's output columns (``_store_columns``): final rows, or a partial in its slot for the merge kernel or
+    for the cluster's merge."""
+    if LAYOUT == "nvfp4":
+        _store_columns(_quads_as_rows(e0, o0, e1, o1, factor), 0, out, stride_ot, stride_oh, part_out, row_block,
+                       slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+        _store_columns(_quads_as_rows(e2, o2, e3, o3, factor), 2 * TILE, out, stride_ot, stride_oh, part_out,
+                       row_block, slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+    else:
+        _store_columns(_pairs_as_rows(e0, o0, factor), 0, out, stride_ot, stride_oh, part_out, row_block, slot_out,
+                       q_first, q_len, num_heads, KEEP_PARTIALS)
+        _store_columns(_pairs_as_rows(e1, o1, factor), TILE, out, stride_ot, stride_oh, part_out, row_block,
+                       slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+        _store_columns(_pairs_as_rows(e2, o2, factor), 2 * TILE, out, stride_ot, stride_oh, part_out, row_block,
+                       slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
+        _store_columns(_pairs_as_rows(e3, o3, factor), 3 * TILE, out, stride_ot, stride_oh, part_out, row_block,
+                       slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
 
 
 @gluon.jit

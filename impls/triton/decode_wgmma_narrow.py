@@ -201,8 +201,24 @@ def _store_lse(lse2, rows, ok, lse, stride_lt, part_lse, row_block, slot_out, q_
 def _cluster_barrier():
     """Wait until every program of this cluster arrives here; the writes each made before arriving (release) are
     then visible to the others (acquire)."""
-    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
-                              "mov.u32 $0, $1;", "=r,r", [gl.program_id(0)], dtype=gl.int32, is_pure=False, pack=1)
+    _cluster_arrive()
+    _cluster_wait()
+
+
+@gluon.jit
+def _cluster_arrive():
+    """This thread's arrival at the cluster barrier, releasing its writes; a warp-specialized partition with nothing
+    to merge arrives and goes on (the barrier waits for every thread of the cluster that has not exited)."""
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _cluster_wait():
+    """Wait until every thread of this cluster has arrived (``_cluster_arrive``); their released writes are then
+    visible (acquire)."""
+    gl.inline_asm_elementwise("barrier.cluster.wait.acquire.aligned; mov.u32 $0, $1;", "=r,r", [gl.program_id(0)],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -212,10 +228,8 @@ def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, strid
     """The item's result where its group's splits are this cluster's programs (rank = split, slot ``slot_out``):
     the program of rank ``t % CLUSTER`` merges output tile ``t`` (128 columns). Each program stores the tiles the
     others merge and its LSE, passes the cluster barrier, then merges its own tiles from its registers and the
-    others' partials, each weighed by its split's share of the merged LSE (every split's LSE read once); rank 0
-    stores the LSE."""
+    others' partials (``_merge_stored_splits``)."""
     rank = gl.program_id(0) % CLUSTER
-    first_slot = (slot_out - rank).to(gl.int64)
     local = gl.arange(0, ROWS, layout=STORED_ROWS)
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(1, STORE_LAYOUT))[:, None]
     o0, o1, o2, o3 = _normalized(acc0, acc1, acc2, acc3, inv_l)
@@ -228,6 +242,22 @@ def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, strid
     _store_for_others(o3, own_at, 3, rank, CLUSTER, store_policy)
     gl.store(part_lse + slot_out.to(gl.int64) * ROWS + local, own_lse, eviction_policy=store_policy)
     _cluster_barrier()
+    _merge_stored_splits(o0, o1, o2, o3, 1.0, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, row_block,
+                         slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS, CLUSTER)
+
+
+@gluon.jit
+def _merge_stored_splits(o0, o1, o2, o3, out_scale, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
+                         row_block, slot_out, q_first, q_len, num_heads, ROWS: gl.constexpr,
+                         KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
+    """After the cluster barrier, with every split's base-2 LSE and the tiles others merge in its slot: the program
+    of rank ``t % CLUSTER`` merges output tile ``t`` from its own normalized tile (``o0``-``o3``, ``STORE_LAYOUT``;
+    None: read from its slot too, where decode_rs_fp8 stores every tile) and the others' stored ones, each weighed by
+    its split's share of the merged LSE (every split's LSE read once), times ``out_scale``; rank 0 stores the LSE."""
+    rank = gl.program_id(0) % CLUSTER
+    first_slot = (slot_out - rank).to(gl.int64)
+    local = gl.arange(0, ROWS, layout=STORED_ROWS)
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(1, STORE_LAYOUT))[:, None]
     rows = row_block * ROWS + local
     ok = rows < q_len * num_heads
     out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[None, :] + cols
@@ -240,10 +270,10 @@ def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, strid
     total = gl.exp2(split0 - m) + gl.exp2(split1 - m) + gl.exp2(split2 - m) + gl.exp2(split3 - m)
     seen = total > 0.0  # rows that saw nothing get lse -inf
     merged = gl.where(seen, m + gl.log2(gl.where(seen, total, 1.0)), float("-inf"))
-    w0 = gl.where(seen, gl.exp2(split0 - merged), 0.0)
-    w1 = gl.where(seen, gl.exp2(split1 - merged), 0.0)
-    w2 = gl.where(seen, gl.exp2(split2 - merged), 0.0)
-    w3 = gl.where(seen, gl.exp2(split3 - merged), 0.0)
+    w0 = gl.where(seen, gl.exp2(split0 - merged), 0.0) * out_scale
+    w1 = gl.where(seen, gl.exp2(split1 - merged), 0.0) * out_scale
+    w2 = gl.where(seen, gl.exp2(split2 - merged), 0.0) * out_scale
+    w3 = gl.where(seen, gl.exp2(split3 - merged), 0.0) * out_scale
     _merge_tile(o0, 0, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
                 CLUSTER)
     _merge_tile(o1, 1, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
@@ -279,14 +309,17 @@ def _split_lse(part_lse, first_slot, k: gl.constexpr, local, ROWS: gl.constexpr,
 @gluon.jit
 def _merge_tile(own, t: gl.constexpr, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank,
                 ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
-    """Where this program merges output tile ``t`` (rank ``t % CLUSTER``): its own normalized tile ``own`` and
-    the other splits' (read from their slots), each times its split's weight ``w_k = 2^(lse_k - lse)``, stored as
-    the final bf16 columns."""
+    """Where this program merges output tile ``t`` (rank ``t % CLUSTER``): its own normalized tile ``own`` (None:
+    from its slot) and the other splits' (read from their slots), each times its split's weight
+    ``w_k = 2^(lse_k - lse)``, stored as the final bf16 columns."""
     if t % CLUSTER == rank:
         policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
-        acc = own * _pick(t % CLUSTER, w0, w1, w2, w3)[None, :]
+        if own is None:  # this split's tile is in its slot too
+            acc = gl.zeros([TILE, ROWS], gl.float32, STORE_LAYOUT)
+        else:
+            acc = own * _pick(t % CLUSTER, w0, w1, w2, w3)[None, :]
         for k in gl.static_range(CLUSTER):
-            if k != t % CLUSTER:
+            if own is None or k != t % CLUSTER:
                 o_k = gl.load(part_out + ((first_slot + k) * ROWS + local)[None, :] * NOPE + t * TILE + cols,
                               eviction_policy=policy)
                 acc += _pick(k, w0, w1, w2, w3)[None, :] * o_k
