@@ -444,9 +444,9 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     if narrow:
         options.append((narrow, build_schedule(q_lens, kv_lens, num_heads, narrow.block_m, narrow.block_n,
                                                sms * narrow.programs_per_sm, narrow.min_split)))
-    # decode_rs_fp8, the kernel of its layouts that merges in clusters, reads pages of whole 64-key steps
-    whole_steps = cache.layout.name not in RS_LAYOUTS or cache.page_size % decode_wgmma_ws.KEYS.value == 0
-    for option, balanced in options if whole_steps else ():
+    # decode_rs_fp8, the kernel of its layouts that merges in clusters, copies by TMA
+    clusters_here = cache.layout.name not in RS_LAYOUTS or _tma_pages(cache)
+    for option, balanced in options if clusters_here else ():
         for cut in _cluster_cuts(balanced, q_lens, kv_lens, num_heads, option, cache.layout.name, sms):
             plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, option, sms)
             _prepare_clusters(plan)
@@ -865,7 +865,7 @@ def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -
     wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
     rs = (config.gluon and cache.layout.name in RS_LAYOUTS
           and (config.block_m, config.block_n, config.num_warps) == (16, tile, decode_ws.WARPS))
-    if not (config.tma_loader and cache.page_size % tile == 0 and _tma_rows(cache.data)):
+    if not (config.tma_loader and _tma_pages(cache)):
         return None
     if wgmma_bf16 and _tma_rows(q):
         rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
@@ -885,6 +885,11 @@ def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -
                                                          decode_rs_fp8.BLOCKS_SMEM.value)
     return codes, rope, TensorDescriptor.from_tensor(slots.view(torch.float32), [tile, 4],
                                                      decode_rs_fp8.SCALES_SMEM.value)
+
+
+def _tma_pages(cache: PagedCache) -> bool:
+    """The cache's pages hold whole 64-key tiles and its rows are TMA rows: the TMA kernels can copy it."""
+    return cache.page_size % decode_wgmma_ws.KEYS.value == 0 and _tma_rows(cache.data)
 
 
 def _tma_rows(t: torch.Tensor) -> bool:

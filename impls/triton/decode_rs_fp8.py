@@ -84,7 +84,7 @@ from impls.triton.decode_kernel import NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _launch_dependents, _program_items, _row_at,
                                        _row_limits, _step_page)
 from impls.triton.decode_wgmma_fp8 import KEYS, WORDS_SMEM, _seen_as, _softmax_to_probs
-from impls.triton.decode_wgmma_narrow import (COPY_LAYOUT, _cluster_arrive, _cluster_wait, _merge_stored_splits,
+from impls.triton.decode_wgmma_narrow import (COPY_LAYOUT, _cluster_arrive, _cluster_barrier, _merge_stored_splits,
                                               _store_lse, _transposed_state)
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
 from impls.triton.decode_ws import NVFP4_ROPE_AT, NVFP4_ROW_BYTES, NVFP4_SCALES_AT, e2m1_word_ptx
@@ -591,8 +591,7 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stri
         _store_item(e0, o0, e1, o1, e2, o2, e3, o3, factor, out, stride_ot, stride_oh, part_out, row_block,
                     slot_out, q_first, q_len, num_heads, KEEP_PARTIALS, LAYOUT)
         if CLUSTER > 1:  # the other partitions arrive once their part is stored: the first scorer's LSE
-            _cluster_arrive()
-            _cluster_wait()
+            _cluster_barrier()
             _merge_stored_splits(None, None, None, None, out_scale, out, stride_ot, stride_oh, lse, stride_lt,
                                  part_out, part_lse, row_block, slot_out, q_first, q_len, num_heads, ROWS,
                                  KEEP_PARTIALS, CLUSTER)

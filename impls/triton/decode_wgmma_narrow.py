@@ -139,14 +139,14 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     inv_l = gl.convert_layout(inv_l, STORED_ROWS)
+    _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
+               KEEP_PARTIALS)  # into the split's slot where it merges in its cluster
     if CLUSTER > 1:
-        _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, stride_oh, lse, stride_lt, part_out,
+        _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, lse, stride_lt, part_out,
                           part_lse, row_block, slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS, CLUSTER)
     else:
         _store_item(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, part_out, row_block, slot_out, q_first,
                     q_len, num_heads, ROWS, KEEP_PARTIALS)
-        _store_lse(lse2, rows_s, ok_s, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
-                   KEEP_PARTIALS)
 
 
 @gluon.jit
@@ -222,25 +222,23 @@ def _cluster_wait():
 
 
 @gluon.jit
-def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, lse2, out, stride_ot, stride_oh, lse, stride_lt, part_out,
-                      part_lse, row_block, slot_out, q_first, q_len, num_heads, ROWS: gl.constexpr,
-                      KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
-    """The item's result where its group's splits are this cluster's programs (rank = split, slot ``slot_out``):
-    the program of rank ``t % CLUSTER`` merges output tile ``t`` (128 columns). Each program stores the tiles the
-    others merge and its LSE, passes the cluster barrier, then merges its own tiles from its registers and the
-    others' partials (``_merge_stored_splits``)."""
+def _merge_in_cluster(acc0, acc1, acc2, acc3, inv_l, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
+                      row_block, slot_out, q_first, q_len, num_heads, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+                      CLUSTER: gl.constexpr):
+    """The item's result where its group's splits are this cluster's programs (rank = split, slot ``slot_out``, its
+    LSE already stored there): the program of rank ``t % CLUSTER`` merges output tile ``t`` (128 columns). Each
+    program stores the tiles the others merge, passes the cluster barrier, then merges its own tiles from its
+    registers and the others' partials (``_merge_stored_splits``)."""
     rank = gl.program_id(0) % CLUSTER
     local = gl.arange(0, ROWS, layout=STORED_ROWS)
     cols = gl.arange(0, TILE, layout=gl.SliceLayout(1, STORE_LAYOUT))[:, None]
     o0, o1, o2, o3 = _normalized(acc0, acc1, acc2, acc3, inv_l)
-    own_lse = gl.convert_layout(lse2, STORED_ROWS)
     store_policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
     own_at = part_out + (slot_out.to(gl.int64) * ROWS + local)[None, :] * NOPE + cols
     _store_for_others(o0, own_at, 0, rank, CLUSTER, store_policy)
     _store_for_others(o1, own_at, 1, rank, CLUSTER, store_policy)
     _store_for_others(o2, own_at, 2, rank, CLUSTER, store_policy)
     _store_for_others(o3, own_at, 3, rank, CLUSTER, store_policy)
-    gl.store(part_lse + slot_out.to(gl.int64) * ROWS + local, own_lse, eviction_policy=store_policy)
     _cluster_barrier()
     _merge_stored_splits(o0, o1, o2, o3, 1.0, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, row_block,
                          slot_out, q_first, q_len, num_heads, ROWS, KEEP_PARTIALS, CLUSTER)
