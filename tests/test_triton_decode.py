@@ -542,6 +542,22 @@ def test_the_wgmma_kernels_pass_the_judge_on_hopper(page_size, mix, heads, split
         assert TritonDecode().checked_plan(problem).config.gluon  # the default there
 
 
+@pytest.mark.parametrize("heads, q_lens, kv_lens, asks", [
+    (128, (1, 1), (900, 300), True), (64, (2, 2), (900, 300), True), (128, (2, 2), (900, 300), False),
+    (64, (1, 1), (900, 300), False), (128, (1, 2), (900, 300), False), (128, (1, 1), (100, 100), False),
+    (128, (1, 1), (5000, 5000), False),
+])
+def test_decode_wgmma_ws_asks_l2_for_next_tiles_where_two_programs_read_each_tile_of_mid_length_items(
+        heads, q_lens, kv_lens, asks):
+    """The loader's request for the next tile gains where two row blocks read each tile side by side and items hold
+    256-4096 keys; it loses with one or four programs a tile, and with shorter or longer items (NOTES.md session 49):
+    the plan asks only there (this machine's plan: a few programs, items as long as the requests here)."""
+    problem = build_problem(workload("bf16", 64, (q_lens, kv_lens), heads=heads))
+    meta = problem.meta
+    plan = plan_decode(problem.q, problem.cache, meta.block_table, meta.q_lens, meta.kv_lens, problem.scale)
+    assert plan.l2_next_tile == asks
+
+
 def test_the_warp_specialized_64_row_kernel_takes_pages_of_whole_tiles_and_a_contiguous_query():
     """decode_wgmma_ws's TMA descriptors are made where it can run (64 rows of bf16 in Gluon, pages of whole 64-key
     tiles, a query contiguous from a 16-byte boundary, ``tma_loader`` on), and nowhere else: there decode_wgmma copies

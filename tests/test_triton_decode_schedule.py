@@ -131,11 +131,26 @@ def test_the_row_blocks_of_a_request_run_side_by_side_over_the_same_keys(q_lens,
     the second read hits L2 (NOTES.md, session 34)."""
     schedule = build_schedule(list(q_lens), list(kv_lens), heads, block_m, 64, programs=programs, min_split=128)
     coverage(schedule, q_lens, kv_lens, heads, block_m)
-    assert schedule.num_programs % 2 == 0 and schedule.num_programs <= programs
+    assert schedule.side == 2 and schedule.num_programs % 2 == 0 and schedule.num_programs <= programs
     for p in range(0, schedule.num_programs, 2):
         pair = [schedule.items[schedule.program_items[p + k]:schedule.program_items[p + k + 1]] for k in (0, 1)]
         assert [(r, start, end) for r, _, start, end, _ in pair[0]] == [(r, start, end) for r, _, start, end, _ in pair[1]]
         assert {rb for _, rb, *_ in pair[0]} == {0} and {rb for _, rb, *_ in pair[1]} == {1}
+
+
+@pytest.mark.parametrize("q_lens, heads, num_splits, side", [
+    ((1, 1, 1), 128, None, 2), ((2, 2), 128, None, 4), ((1, 1), 64, None, 1), ((1, 2), 128, None, 1),
+    ((1, 1), 128, 2, 1),
+])
+def test_the_schedule_says_how_many_programs_read_each_piece_side_by_side(q_lens, heads, num_splits, side):
+    """``Schedule.side``: a request's row blocks in 64-row blocks where every request has as many; 1 where they
+    differ, where there is one, and under forced splits (each group cut on its own)."""
+    kv_lens = [3000 + 500 * r for r in range(len(q_lens))]
+    schedule = build_schedule(list(q_lens), kv_lens, heads, 64, 64, programs=132, min_split=128,
+                              num_splits=num_splits)
+    assert schedule.side == side
+    keys = [end - start for _, _, start, end, _ in schedule.items]
+    assert schedule.mean_item_keys == sum(keys) / len(keys) > 0
 
 
 def test_requests_of_different_row_block_counts_are_cut_group_by_group():
@@ -143,4 +158,4 @@ def test_requests_of_different_row_block_counts_are_cut_group_by_group():
     which still covers every key once."""
     q_lens, kv_lens = [1, 3, 1], [5000, 2000, 64]
     schedule = build_schedule(q_lens, kv_lens, 16, 16, 64, programs=16, min_split=128)
-    assert coverage(schedule, q_lens, kv_lens, 16, 16)[(0, 0)] > 1
+    assert schedule.side == 1 and coverage(schedule, q_lens, kv_lens, 16, 16)[(0, 0)] > 1

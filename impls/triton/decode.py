@@ -247,6 +247,16 @@ NARROW_MIN_KEYS_PER_SM = 320
 # quantized kernels measured -0.4 to +0.6% with it (decode_rs_fp8's fp8 layouts slower) and do not ask (NOTES.md
 # session 45).
 FIRST_KEYS_AHEAD = 64
+# decode_wgmma_ws's loader asks L2 for the tile after the one it waits to copy where the schedule runs two programs
+# side by side over each tile (128 heads of one token, or 64 heads of two, in 64-row blocks) and its items hold 256 to
+# 4096 keys on average. H100, bf16, page 64 unless said, us, asked against not (NOTES.md session 49): 128 heads b2
+# ctx8192 -1.4%, b1 ctx32768 -5.8%, b4 ctx8192 -6.3%, b8 ctx4096 -6.2%, b16 ctx8192 -4.7%, b32 ctx4096 -3.2 to -4.1%,
+# b48 ctx8192 -1.1%, b96 ctx4096 -1.5%, b128 ctx2048 -1.5%, b128 ctx4096 -2.0 to -5.3%, b16 ctx16384 -0.6%, page 128
+# b32 -4.4%, 64 heads x 2 tokens b32 -3.2%; not asked: 128-key items (b1 ctx8192) +0.9 to +1.7%, longer items (b128
+# ctx8192 +0.9%, b32 ctx16384 +0.4 to +1.3%, b64 ctx16384 -1.1 to +1.6%; but b64 ctx8192 -3.6%), four programs a tile
+# (128 heads x 2 tokens) +1.0 to +2.1%, one (64 heads, 16 heads x 4 tokens) +14 to +21%.
+L2_NEXT_TILE_SIDE = 2
+L2_NEXT_TILE_ITEM_KEYS = (256, 4096)
 # Splits per group that decode_wgmma_narrow merges inside a cluster of that many programs (``_cluster_size``), where
 # the GPU holds all the clusters at once (an H100 runs 66 clusters of 2 narrow programs but only 30 of 4, so b32
 # ctx4096's 32 groups of 4 keep the merge kernel). H100, 16 heads, page 64 unless said, us, merge kernel -> clusters
@@ -411,6 +421,13 @@ class DecodePlan:
         return FIRST_KEYS_AHEAD if self.overlap_launch else 0
 
     @property
+    def l2_next_tile(self) -> bool:
+        """decode_wgmma_ws's loader asks L2 for each next key tile: two programs a tile, items of mid length
+        (``L2_NEXT_TILE_SIDE``, ``L2_NEXT_TILE_ITEM_KEYS``)."""
+        low, high = L2_NEXT_TILE_ITEM_KEYS
+        return self.schedule.side == L2_NEXT_TILE_SIDE and low <= self.schedule.mean_item_keys <= high
+
+    @property
     def split_launch(self) -> dict:
         """The split kernel's launch option under the overlap: a programmatic dependent launch."""
         return {"launch_pdl": True} if self.overlap_launch else {}
@@ -515,7 +532,8 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
             plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
             PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=plan.keys_ahead, **decode_wgmma_ws.LAUNCH_OPTIONS, **plan.split_launch)
+            KEYS_AHEAD=plan.keys_ahead, L2_NEXT_TILE=plan.l2_next_tile, **decode_wgmma_ws.LAUNCH_OPTIONS,
+            **plan.split_launch)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,

@@ -35,12 +35,14 @@ SPLIT_PENALTY_KEYS = 256  # what cutting any group costs the batch (partials, th
 class Schedule:
     """``items``: rows of (request, row block, kv start, kv end, workspace slot or -1 for direct output), program
     after program; ``program_items``: program p runs ``items[program_items[p]:program_items[p + 1]]``;
-    ``groups``: rows of (request, row block, first slot, number of slots) for groups with several splits."""
+    ``groups``: rows of (request, row block, first slot, number of slots) for groups with several splits;
+    ``side``: how many neighbouring programs run each piece of a request side by side (``_side_by_side``), else 1."""
 
     items: list[tuple[int, int, int, int, int]]
     program_items: list[int]
     groups: list[tuple[int, int, int, int]]
     num_slots: int
+    side: int = 1
 
     @property
     def num_programs(self) -> int:
@@ -50,6 +52,11 @@ class Schedule:
     def one_item_per_program(self) -> bool:
         """Every program runs exactly one item (a split or a whole group)."""
         return self.program_items == list(range(self.num_programs + 1))
+
+    @property
+    def mean_item_keys(self) -> float:
+        """The keys of an item on average (0 without items)."""
+        return sum(end - start for _, _, start, end, _ in self.items) / len(self.items) if self.items else 0.0
 
     @property
     def max_splits(self) -> int:
@@ -139,6 +146,7 @@ def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_
     groups = [(request, row_block) for request, q in enumerate(q_lens)
               for row_block in range(_ceil_div(q * num_heads, block_m))]
     blocks = [_ceil_div(kv_lens[request], block_n) for request, _ in groups]
+    side = 1
     if num_splits is not None:
         assignment = []
         for g, n in enumerate(blocks):
@@ -177,4 +185,4 @@ def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_
             slot = first_slot[group] + split if group in first_slot else -1
             items.append((request, row_block, first * block_n, min(kv_lens[request], end * block_n), slot))
         program_items.append(len(items))
-    return Schedule(items, program_items, split_groups, num_slots)
+    return Schedule(items, program_items, split_groups, num_slots, side)

@@ -18,6 +18,12 @@ as FlashInfer's Hopper MLA kernel divides it (``include/flashinfer/attention/mla
 ctx16384 372.0 -> 343.6, b64 ctx16384 723.6 -> 648.7, b8 ctx4096 38.4 both; H200 b32 100.4 -> 92.9, b128 362.3 ->
 327.4, b64 ctx16384 718.7 -> 636.0.
 
+Its loop waits on its copies more than on its products (session 49, H100, 128 heads b128 ctx4096: the copies alone,
+every product left out, 250 us of the kernel's 348; either warpgroup's value products left out, -1.1 and -1.4%; one
+256-column product a step instead of two of 128, P from registers, or the value warpgroup taking 384 columns: within
++-1.4%). So where two programs read each tile side by side, the loader asks L2 for the tile after the one it waits to
+copy (``L2_NEXT_TILE``, ``decode.L2_NEXT_TILE_SIDE``): b32 ctx4096 99.3 -> 94.5, b128 344.4 -> 331.2.
+
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the cache as
 ``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of their pointers and strides. Launch with
 ``LAUNCH_OPTIONS``.
@@ -31,8 +37,9 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _cta_barrier, _item_fields,
-                                       _prefetch_first_keys, _program_items, _row_at, _row_limits, _step_page)
+from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _bulk_prefetch_step, _cta_barrier,
+                                       _item_fields, _prefetch_first_keys, _program_items, _row_at, _row_limits,
+                                       _step_page)
 from impls.triton.decode_wgmma_narrow import _store_lse
 
 # Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
@@ -61,10 +68,11 @@ LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for
 def _decode_split_kernel_wgmma_ws(
     cache, q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
     lse, stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
-    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr, L2_NEXT_TILE: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract); ``q_desc`` and ``k_desc``: the
-    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes (``cache``, its base, for ``KEYS_AHEAD``)."""
+    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes (``cache``, its base, for ``KEYS_AHEAD`` and
+    ``L2_NEXT_TILE``: the loader asks L2 for the tile after the one it waits to copy)."""
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KEYS, TILE], SWIZZLED)  # stage b, tile t: 4 b + t
@@ -84,15 +92,16 @@ def _decode_split_kernel_wgmma_ws(
                   WAIT_PRIOR)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope,
                   factors, sums, bars, KEEP_PARTIALS, WAIT_PRIOR)),
-        (_load, (q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope,
-                 k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR)),
+        (_load, (cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat,
+                 q_rope, k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR, L2_NEXT_TILE)),
     ], [4, 4], [240, 24])
 
 
 @gluon.jit
-def _load(q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope, k_lat,
-          k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr):
-    """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2."""
+def _load(cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope,
+          k_lat, k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr, L2_NEXT_TILE: gl.constexpr):
+    """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2; with
+    ``L2_NEXT_TILE``, before waiting for a free stage, L2 asked for the tile after the one it will copy."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
@@ -111,9 +120,12 @@ def _load(q_desc, k_desc, block_table, stride_bt, work, items_stride, item_count
             pages = block_table + request.to(gl.int64) * stride_bt
             for j in range(tiles):
                 b = g % STAGES
+                start = kv_start + j * KEYS
+                if L2_NEXT_TILE:
+                    _bulk_prefetch_step(cache.to(gl.pointer_type(gl.uint8)), pages, start + KEYS, kv_end, PAGE_SIZE,
+                                        2 * WIDTH)
                 mbarrier.wait(bars.index(KFREE + b), ((g // STAGES) & 1) ^ 1)
                 bar = bars.index(KREADY + b)
-                start = kv_start + j * KEYS
                 row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
                 mbarrier.expect(bar, KEYS * WIDTH * 2)
                 for t in gl.static_range(4):
