@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from impls.triton import compile_check, decode, merge
-from impls.triton.compile_check import Launch, gpu_variant, gpu_variants, recorded_launches, write_launches
+from impls.triton.compile_check import (SHAPE_FLAGS, Launch, gpu_variant, gpu_variants, recorded_launches,
+                                        write_launches)
 from impls.triton.decode import DecodeConfig, TritonDecode
 from impls.triton.merge import merge_attn_states
 from mla_bench.problem import build_problem
@@ -70,6 +71,20 @@ def test_a_kernel_that_merges_in_clusters_is_compiled_for_every_cluster_size():
     assert sizes == [1, *decode.CLUSTER_SIZES] and len(decode.CLUSTER_SIZES) > 0
     assert [v.constexprs for v in gpu_variants(dataclasses.replace(launch, signature={}, constexprs={"N": 3}))] == [
         {"N": 3}]
+
+
+def test_a_flag_that_a_gpu_plan_sets_by_shape_is_compiled_both_ways_at_every_cluster_size():
+    """decode_wgmma_ws's ``L2_NEXT_TILE`` is on only for 128-head batches of mid-length items, which the recorded
+    problems need not be: each launch compiles with it on and off whichever way it was recorded."""
+    assert "L2_NEXT_TILE" in SHAPE_FLAGS
+    for recorded in (False, True):
+        launch = Launch("m", "k", {"L2_NEXT_TILE": "constexpr", "N": "constexpr"},
+                        {"L2_NEXT_TILE": recorded, "N": 3}, [], {})
+        assert sorted(v.constexprs["L2_NEXT_TILE"] for v in gpu_variants(launch)) == [False, True]
+    both = Launch("m", "k", {"CLUSTER": "constexpr", "L2_NEXT_TILE": "constexpr"},
+                  {"CLUSTER": 1, "L2_NEXT_TILE": False}, [], {})
+    pairs = {(v.constexprs["CLUSTER"], v.constexprs["L2_NEXT_TILE"]) for v in gpu_variants(both)}
+    assert pairs == {(size, flag) for size in (1, *decode.CLUSTER_SIZES) for flag in (False, True)}
 
 
 def test_arguments_are_specialized_as_tritons_launcher_does():
@@ -136,7 +151,7 @@ def test_the_gluon_decode_kernels_are_recorded_as_on_hopper_and_compile_for_sm90
     assert launch.signature["cache"] == "*bf16" and launch.constexprs["PAGE_SIZE"] == 64
     done = _compile_phase(tmp_path, [ws, launch])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 of 2 kernel launches compile" in done.stdout
+    assert "3 of 3 kernel launches compile" in done.stdout  # decode_wgmma_ws with and without L2_NEXT_TILE
 
 
 def test_a_gluon_launch_whose_wgmmas_ptxas_serializes_fails_the_check_by_name(tmp_path):
