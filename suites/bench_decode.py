@@ -44,6 +44,14 @@ LAYOUTS = ("bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "fp4_mx16", "mxf
 PRESET_OF_HEADS = {16: "deepseek-v3-tp8", 64: "kimi-k2", 128: "deepseek-v3"}
 
 
+def heads_fields(heads: int) -> dict:
+    """A workload's model fields for ``heads`` query heads: the preset of that many, else DeepSeek-V3's with the
+    head count set (the MLA dimensions are the same)."""
+    if heads in PRESET_OF_HEADS:
+        return {"preset": PRESET_OF_HEADS[heads]}
+    return {"preset": "deepseek-v3", "num_heads": heads}
+
+
 # ---- shapes and problems ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class Shape:
                 + (" seq" if self.sequential else ""))
 
     def workload(self, seed: int = 0) -> Workload:
-        return Workload.uniform(Mode.DECODE, self.batch, self.q_len, self.ctx, preset=PRESET_OF_HEADS[self.heads],
+        return Workload.uniform(Mode.DECODE, self.batch, self.q_len, self.ctx, **heads_fields(self.heads),
                                 layout=self.layout, page_size=self.page_size, seed=seed)
 
 
@@ -137,8 +145,8 @@ def check_workload(impl: Impl, workload: Workload, device: torch.device) -> dict
 def config_check_workload(shape: Shape) -> Workload:
     """A small problem with the shape's heads, query length, layout and page size: three requests, one long,
     one short, one of exactly the query length."""
-    return Workload(mode="decode", preset=PRESET_OF_HEADS[shape.heads], layout=shape.layout,
-                    page_size=shape.page_size, q_lens=(shape.q_len,) * 3, kv_lens=(2100, 333, shape.q_len), seed=7)
+    return Workload(mode="decode", **heads_fields(shape.heads), layout=shape.layout, page_size=shape.page_size,
+                    q_lens=(shape.q_len,) * 3, kv_lens=(2100, 333, shape.q_len), seed=7)
 
 
 def _check_task(task: tuple[str, str, dict | None, dict, str]) -> tuple[str, dict]:

@@ -39,6 +39,15 @@ def test_config_checks_use_the_shapes_heads_layout_page_size_and_query_length():
     assert (w.dims.num_heads, w.layout, w.page_size, set(w.q_lens)) == (128, "nvfp4", 1, {2})
 
 
+@pytest.mark.parametrize("heads, preset", [(16, "deepseek-v3-tp8"), (64, "kimi-k2"), (128, "deepseek-v3"),
+                                           (32, "deepseek-v3"), (20, "deepseek-v3")])
+def test_a_shape_of_any_head_count_makes_its_workload(heads, preset):
+    """Shapes of the presets' head counts take those presets; any other count, DeepSeek-V3's with its heads."""
+    shape = Shape(heads, 4, 300, q_len=2)
+    for w in (shape.workload(), config_check_workload(shape)):
+        assert (w.preset, w.dims.num_heads) == (preset, heads)
+
+
 def test_a_timing_problem_is_a_valid_input():
     shape = Shape(16, 2, 45, q_len=2, page_size=16, layout="fp8_ds_mla")
     problem = timing_problem(shape, torch.device("cpu"), seed=1)
