@@ -414,18 +414,12 @@ class DecodePlan:
     descriptors: tuple | None    # the TMA kernels' descriptors (``_tma_descriptors``), or None
     overlap_launch: bool         # the split kernel is a programmatic dependent of the stream's previous kernel
     cluster: int = 1             # programs per cluster that merge their group's splits (``_cluster_size``), or 1
+    l2_next_tile: bool = False   # decode_wgmma_ws's loader asks L2 for each next key tile (``_l2_next_tile``)
 
     @property
     def keys_ahead(self) -> int:
         """Keys of its first item a bf16 split program asks L2 for before the overlap's wait; none without it."""
         return FIRST_KEYS_AHEAD if self.overlap_launch else 0
-
-    @property
-    def l2_next_tile(self) -> bool:
-        """decode_wgmma_ws's loader asks L2 for each next key tile: two programs a tile, items of mid length
-        (``L2_NEXT_TILE_SIDE``, ``L2_NEXT_TILE_ITEM_KEYS``)."""
-        low, high = L2_NEXT_TILE_ITEM_KEYS
-        return self.schedule.side == L2_NEXT_TILE_SIDE and low <= self.schedule.mean_item_keys <= high
 
     @property
     def split_launch(self) -> dict:
@@ -513,7 +507,15 @@ def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block
                        else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)),
         descriptors=_tma_descriptors(q, cache, config),
         overlap_launch=config.overlap_launch and _has_dependent_launch(device),
-        cluster=_cluster_size(schedule, config, cache.layout.name) if device.type == "cuda" else 1)
+        cluster=_cluster_size(schedule, config, cache.layout.name) if device.type == "cuda" else 1,
+        l2_next_tile=_l2_next_tile(schedule))
+
+
+def _l2_next_tile(schedule: Schedule) -> bool:
+    """Whether decode_wgmma_ws's loader asks L2 for each next key tile: two programs a tile, items of mid length
+    (``L2_NEXT_TILE_SIDE``, ``L2_NEXT_TILE_ITEM_KEYS``). Decided once in the plan, not per launch."""
+    low, high = L2_NEXT_TILE_ITEM_KEYS
+    return schedule.side == L2_NEXT_TILE_SIDE and low <= schedule.mean_item_keys <= high
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
