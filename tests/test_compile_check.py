@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from impls.triton import compile_check, decode, merge
-from impls.triton.compile_check import (SHAPE_FLAGS, Launch, gpu_variant, gpu_variants, recorded_launches,
-                                        write_launches)
+from impls.triton.compile_check import Launch, gpu_variant, gpu_variants, recorded_launches, write_launches
 from impls.triton.decode import DecodeConfig, TritonDecode
 from impls.triton.merge import merge_attn_states
 from mla_bench.problem import build_problem
@@ -73,20 +72,6 @@ def test_a_kernel_that_merges_in_clusters_is_compiled_for_every_cluster_size():
         {"N": 3}]
 
 
-def test_a_flag_that_a_gpu_plan_sets_by_shape_is_compiled_both_ways_at_every_cluster_size():
-    """decode_wgmma_ws's ``L2_NEXT_TILE`` is on only for 128-head batches of mid-length items, which the recorded
-    problems need not be: each launch compiles with it on and off whichever way it was recorded."""
-    assert "L2_NEXT_TILE" in SHAPE_FLAGS
-    for recorded in (False, True):
-        launch = Launch("m", "k", {"L2_NEXT_TILE": "constexpr", "N": "constexpr"},
-                        {"L2_NEXT_TILE": recorded, "N": 3}, [], {})
-        assert sorted(v.constexprs["L2_NEXT_TILE"] for v in gpu_variants(launch)) == [False, True]
-    both = Launch("m", "k", {"CLUSTER": "constexpr", "L2_NEXT_TILE": "constexpr"},
-                  {"CLUSTER": 1, "L2_NEXT_TILE": False}, [], {})
-    pairs = {(v.constexprs["CLUSTER"], v.constexprs["L2_NEXT_TILE"]) for v in gpu_variants(both)}
-    assert pairs == {(size, flag) for size in (1, *decode.CLUSTER_SIZES) for flag in (False, True)}
-
-
 def test_arguments_are_specialized_as_tritons_launcher_does():
     def kernel(wide, one, aligned, odd, x, tensor, N: "tl.constexpr"):  # noqa: F821 - an annotation, as in kernels
         pass
@@ -98,9 +83,9 @@ def test_arguments_are_specialized_as_tritons_launcher_does():
     assert launch.aligned == ["wide", "aligned"]  # the tensor starts 4 bytes into its storage
 
 
-def _decode_launch(config: DecodeConfig, layout: str = "bf16") -> Launch:
+def _decode_launch(config: DecodeConfig, layout: str = "bf16", page_size: int = 64) -> Launch:
     problem = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(70,),
-                                     layout=layout), torch.device("cpu"))
+                                     layout=layout, page_size=page_size), torch.device("cpu"))
     impl = TritonDecode()
     impl.config = config
     with recorded_launches() as launches:
@@ -140,18 +125,20 @@ def test_launches_compile_for_sm90_and_rejected_ones_fail_the_check_by_name(tmp_
 
 def test_the_gluon_decode_kernels_are_recorded_as_on_hopper_and_compile_for_sm90(tmp_path):
     """The interpreter cannot run Gluon: its launches are recorded from plans made as on a Hopper GPU, and compiled:
-    decode_wgmma_ws (TMA descriptors of the query and the cache in its signature, pages of whole tiles) and
-    decode_wgmma (``tma_loader`` off)."""
+    decode_wgmma_ws (TMA descriptors of the query and the cache in its signature) in pages of whole tiles and in
+    pages it gathers, and decode_wgmma (``tma_loader`` off)."""
     wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
     ws = _decode_launch(wgmma)
     assert ws.kernel == "_decode_split_kernel_wgmma_ws" and ws.options == {"num_warps": 4, "maxnreg": 168}
     assert ws.signature["q_desc"].startswith("tensordesc<bf16[64, 64]") and ws.constexprs["PAGE_SIZE"] == 64
+    gathering = _decode_launch(wgmma, page_size=16)
+    assert gathering.kernel == ws.kernel and gathering.constexprs["PAGE_SIZE"] == 16
     launch = _decode_launch(dataclasses.replace(wgmma, tma_loader=False))
     assert launch.kernel == "_decode_split_kernel_wgmma" and launch.options == {"num_warps": 8}
     assert launch.signature["cache"] == "*bf16" and launch.constexprs["PAGE_SIZE"] == 64
-    done = _compile_phase(tmp_path, [ws, launch])
+    done = _compile_phase(tmp_path, [ws, gathering, launch])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "3 of 3 kernel launches compile" in done.stdout  # decode_wgmma_ws with and without L2_NEXT_TILE
+    assert "3 of 3 kernel launches compile" in done.stdout
 
 
 def test_a_gluon_launch_whose_wgmmas_ptxas_serializes_fails_the_check_by_name(tmp_path):

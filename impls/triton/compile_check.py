@@ -21,8 +21,7 @@ with the GPU machine's 3.6). So this check:
    the interpreter flags off and the GPU-only constexprs at their GPU values (``GPU_ONLY_FLAGS`` on: the
    programmatic launches' waits and releases; ``KEYS_AHEAD``, the keys asked of L2 before the wait, at
    ``decode.FIRST_KEYS_AHEAD``; a kernel that merges in clusters once more for each of ``decode.CLUSTER_SIZES``, which
-   only a GPU's plan asks for; a flag a GPU's plan sets by shape, ``SHAPE_FLAGS``, both ways); a kernel that needs
-   more shared memory than a program may have on sm_90 fails too.
+   only a GPU's plan asks for); a kernel that needs more shared memory than a program may have on sm_90 fails too.
    ptxas ships with Triton's wheel. ``--resources`` also prints each launch's registers and spills (``ptxas -v``)
    and shared memory;
 3. asks ptxas (``-v``) whether it serialized a Gluon launch's wgmmas (infos C7508-C7512, e.g. too few registers
@@ -63,7 +62,6 @@ INTERPRETER_FLAGS = ("INTERPRET",)  # the decode's constexpr for the interpreter
 HOST_CHOICE_MODULES = ("impls.triton.latent_io", "impls.triton.merge", "impls.triton.prefill_kernel",
                        "impls.triton.sparse_kernel")
 GPU_ONLY_FLAGS = ("EARLY_MERGE", "WAIT_PRIOR", "RELEASE_NEXT")  # constexprs a plan turns on only on a GPU
-SHAPE_FLAGS = ("L2_NEXT_TILE",)  # constexprs a GPU plan sets by the batch's shape: each launch compiled both ways
 DECODE_PAGE_SIZES = (1, 16, 64)  # page 1 prefetches table lines, 16 is under a tile, 64 fills one
 SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized[^\n]*")  # ptxas -v's performance info
 
@@ -162,6 +160,12 @@ def _drive_impls() -> None:
     with mock.patch.object(decode, "_sm_count", lambda device: 132):
         decode.run_decode(decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens,
                                              long.meta.kv_lens, long.scale, config=config))
+    # 128 heads of one token: two 64-row blocks side by side, whose decode_wgmma_ws loader asks L2 for the next tiles.
+    wide = build_problem(Workload(mode="decode", preset="tiny", num_heads=128, q_lens=(1, 1), kv_lens=(200, 70),
+                                  page_size=64), cpu)
+    config = decode.default_config(128, 1, "bf16", 64, 1e9, True, 1e9)
+    decode.run_decode(decode.plan_decode(wide.q, wide.cache, wide.meta.block_table, wide.meta.q_lens,
+                                         wide.meta.kv_lens, wide.scale, config=config))
 
     for layout, code in LAYOUT_CODES.items():
         for mode in ("sparse_decode", "sparse_prefill"):
@@ -233,21 +237,15 @@ def gpu_variant(launch: Launch) -> Launch:
 
 
 def gpu_variants(launch: Launch) -> list[Launch]:
-    """``gpu_variant``; for a kernel that can merge in clusters (a ``CLUSTER`` constexpr, 1 where recorded: a plan
-    on the CPU has none) also its variant for each cluster size (``decode.CLUSTER_SIZES``); and each of these with
-    every ``SHAPE_FLAGS`` constexpr it has flipped, whichever way the recorded problem set it."""
+    """``gpu_variant``, and for a kernel that can merge in clusters (a ``CLUSTER`` constexpr, 1 where recorded: a
+    plan on the CPU has none) also its variant for each cluster size (``decode.CLUSTER_SIZES``)."""
     from impls.triton.decode import CLUSTER_SIZES
 
     variant = gpu_variant(launch)
-    variants = [variant]
-    if "CLUSTER" in variant.constexprs:
-        variants += [dataclasses.replace(variant, constexprs={**variant.constexprs, "CLUSTER": size})
-                     for size in CLUSTER_SIZES]
-    for flag in SHAPE_FLAGS:
-        if flag in variant.constexprs:
-            variants += [dataclasses.replace(v, constexprs={**v.constexprs, flag: not v.constexprs[flag]})
-                         for v in variants]
-    return variants
+    if "CLUSTER" not in variant.constexprs:
+        return [variant]
+    return [variant] + [dataclasses.replace(variant, constexprs={**variant.constexprs, "CLUSTER": size})
+                        for size in CLUSTER_SIZES]
 
 
 def compile_launch(launch: Launch, resources: bool = False) -> tuple[str | None, str]:

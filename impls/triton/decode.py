@@ -6,17 +6,17 @@ configuration and the split-KV schedule, and allocates the outputs and workspace
 launches kernels: no allocation, no host synchronization, so it can be captured in a CUDA graph and replayed
 after the caller updates ``q``, the cache and the block table in place.
 
-On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma_ws`` where pages
-hold whole 64-key tiles: a loader warpgroup copies by TMA, one warpgroup scores and one multiplies values;
-``decode_wgmma`` in other pages: the score product once across both warpgroups, where Triton's layout rule computes
-it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa (``decode_wgmma_quantized``: sparse_wgmma's step over
-the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on wgmma's M side, tiles copied straight into its
-operands), 16 rows of fp8_ds_mla, fp8_e4m3 and nvfp4 in pages of whole 64-key steps (``decode_rs_fp8``:
-warp-specialized, copied by TMA, the codes decoded into wgmma's register operands), 16 rows of the quantized layouts
-elsewhere (``decode_ws``: warp-specialized, eight warps decoding beside a warpgroup of products) and 32 of fp8_ds_mla
-(``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything else are shared. ``decode_mma_fp8`` (16
-rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no default since decode_ws beat it at every
-size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its tile.
+On Hopper, some row blocks run the split step in Gluon: 64 rows of a bf16 cache (``decode_wgmma_ws``: a loader warpgroup
+copies by TMA, or gathers pages under a tile key by key, one warpgroup scores and one multiplies values;
+``decode_wgmma`` where ``tma_loader`` is off or the query or cache are not TMA rows: the score product once across both
+warpgroups, where Triton's layout rule computes it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa
+(``decode_wgmma_quantized``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on
+wgmma's M side, tiles copied straight into its operands), 16 rows of fp8_ds_mla, fp8_e4m3 and nvfp4 in pages of whole
+64-key steps (``decode_rs_fp8``: warp-specialized, copied by TMA, the codes decoded into wgmma's register operands), 16
+rows of the quantized layouts elsewhere (``decode_ws``: warp-specialized, eight warps decoding beside a warpgroup of
+products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything else are shared.
+``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no default since decode_ws
+beat it at every size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its tile.
 
 On Hopper the split kernel is a programmatic dependent launch of the stream's previous kernel
 (``DecodeConfig.overlap_launch``): its programs start, and read the plan's work rows, while that kernel finishes, then
@@ -151,38 +151,37 @@ INTERPRETED = isinstance(_decode_split_kernel, InterpretedFunction)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows
-    on the N side of the matrix products (see decode_kernel); ``num_stages`` is the software pipeline's depth (the
-    kernel keeps ``num_stages - 1`` key tiles in flight); ``programs_per_sm`` sets the persistent grid (SMs times
-    it), ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program
-    each (tests, sweeps). ``merge_splits`` caps the partials a merge step reads at once (None: as many as
-    ``MERGE_VALUES`` allows). ``early_merge``: launch the merge kernel as a programmatic dependent of the split
-    kernel (Hopper), which starts it while the split kernel runs and hides its launch latency. ``reread_values``:
-    quantized caches read each latent tile once per product and decode it in that product's operand layout, fp8 as
-    bf16 (the round-2 kernel: fewer registers); off (the default), a tile is read and decoded once for both
-    products, fp8 as float16 with the query scaled into float16's range (see decode_kernel). ``keep_partials``:
-    store the split partials to stay in L2 for the merge (None: when they fit ``PARTIALS_L2_SHARE`` of it).
-    ``gluon``: the split step runs one of the Gluon kernels for Hopper (``GLUON_SPLITS``), chosen by the tile and
-    the cache layout: bf16 in 64 rows ``decode_wgmma_ws`` where ``tma_loader`` allows it (``_tma_descriptors``),
-    else ``decode_wgmma`` (the score product once across its two warpgroups), in 16 or 32 rows with 4 warps
-    ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa in 64 rows
-    ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both products); fp8_ds_mla in 16
-    or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4 warps
-    ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12 warps
-    ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and
-    the FP4 layouts in 16 rows. ``tma_loader``: where pages hold whole 64-key tiles and the cache (and for bf16 the
-    query) is contiguous, 64 rows of bf16 run ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, one warpgroup
-    scores, one multiplies values) and decode_ws's tile of fp8_ds_mla, fp8_e4m3 and nvfp4 runs ``decode_rs_fp8`` (a TMA
-    loader, two scoring warpgroups and one of values, the codes decoded into wgmma's register operands, no decoded
-    tile in shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere. ``overlap_launch`` (Hopper): launch the
-    split kernel as a programmatic dependent of the stream's previous kernel, so that its programs start, and read
-    their work rows, while that kernel finishes; every split kernel waits on the device for the previous kernel's
-    results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of the first keys in the bf16
-    kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise. ``cluster_merge`` (Hopper):
-    where every group has 2 to 4 splits, one program each (``_cluster_size``), decode_wgmma_narrow and decode_rs_fp8
-    run in clusters of a group's splits, which merge their partials themselves, and no merge kernel runs; where the
-    balanced cut straddles groups or leaves short requests whole on too few programs, such a cut replaces it within
-    measured bounds (``_cluster_cuts``)."""
+    """Kernel parameters. ``block_m`` query rows and ``block_n`` keys per step; ``heads_as_n`` puts the query rows on
+    the N side of the matrix products (see decode_kernel); ``num_stages`` is the software pipeline's depth (the kernel
+    keeps ``num_stages - 1`` key tiles in flight); ``programs_per_sm`` sets the persistent grid (SMs times it),
+    ``min_split`` the fewest keys a program gets; ``num_splits`` forces the splits per group, one program each (tests,
+    sweeps). ``merge_splits`` caps the partials a merge step reads at once (None: as many as ``MERGE_VALUES`` allows).
+    ``early_merge``: launch the merge kernel as a programmatic dependent of the split kernel (Hopper), which starts it
+    while the split kernel runs and hides its launch latency. ``reread_values``: quantized caches read each latent tile
+    once per product and decode it in that product's operand layout, fp8 as bf16 (the round-2 kernel: fewer registers);
+    off (the default), a tile is read and decoded once for both products, fp8 as float16 with the query scaled into
+    float16's range (see decode_kernel). ``keep_partials``: store the split partials to stay in L2 for the merge (None:
+    when they fit ``PARTIALS_L2_SHARE`` of it). ``gluon``: the split step runs one of the Gluon kernels for Hopper
+    (``GLUON_SPLITS``), chosen by the tile and the cache layout: bf16 in 64 rows ``decode_wgmma_ws`` where
+    ``tma_loader`` allows it (``_tma_descriptors``), else ``decode_wgmma`` (the score product once across its two
+    warpgroups), in 16 or 32 rows with 4 warps ``decode_wgmma_narrow`` (keys on wgmma's M side); fp8_ds_mla, fp8_e4m3,
+    nvfp4 and mxfp4_nsa in 64 rows ``decode_wgmma_quantized`` (rows on wgmma's M side, each tile decoded once for both
+    products); fp8_ds_mla in 16 or 32 rows with 8 warps ``decode_wgmma_fp8`` (keys on wgmma's M side), in 16 rows with 4
+    warps ``decode_mma_fp8`` (mma.sync: codes decoded straight into operand registers), in 16 rows with 12 warps
+    ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and the
+    FP4 layouts in 16 rows. ``tma_loader``: where the cache (and for bf16 the query) is contiguous, 64 rows of bf16 run
+    ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, or gathers pages under a tile by cp.async, one warpgroup
+    scores, one multiplies values) and, where pages hold whole 64-key tiles, decode_ws's tile of fp8_ds_mla, fp8_e4m3
+    and nvfp4 runs ``decode_rs_fp8`` (a TMA loader, two scoring warpgroups and one of values, the codes decoded into
+    wgmma's register operands, no decoded tile in shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere.
+    ``overlap_launch`` (Hopper): launch the split kernel as a programmatic dependent of the stream's previous kernel, so
+    that its programs start, and read their work rows, while that kernel finishes; every split kernel waits on the
+    device for the previous kernel's results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of
+    the first keys in the bf16 kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise.
+    ``cluster_merge`` (Hopper): where every group has 2 to 4 splits, one program each (``_cluster_size``),
+    decode_wgmma_narrow and decode_rs_fp8 run in clusters of a group's splits, which merge their partials themselves,
+    and no merge kernel runs; where the balanced cut straddles groups or leaves short requests whole on too few
+    programs, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -247,16 +246,6 @@ NARROW_MIN_KEYS_PER_SM = 320
 # quantized kernels measured -0.4 to +0.6% with it (decode_rs_fp8's fp8 layouts slower) and do not ask (NOTES.md
 # session 45).
 FIRST_KEYS_AHEAD = 64
-# decode_wgmma_ws's loader asks L2 for the tile after the one it waits to copy where the schedule runs two programs
-# side by side over each tile (128 heads of one token, or 64 heads of two, in 64-row blocks) and its items hold 256 to
-# 4096 keys on average. H100, bf16, page 64 unless said, us, asked against not (NOTES.md session 49): 128 heads b2
-# ctx8192 -1.4%, b1 ctx32768 -5.8%, b4 ctx8192 -6.3%, b8 ctx4096 -6.2%, b16 ctx8192 -4.7%, b32 ctx4096 -3.2 to -4.1%,
-# b48 ctx8192 -1.1%, b96 ctx4096 -1.5%, b128 ctx2048 -1.5%, b128 ctx4096 -2.0 to -5.3%, b16 ctx16384 -0.6%, page 128
-# b32 -4.4%, 64 heads x 2 tokens b32 -3.2%; not asked: 128-key items (b1 ctx8192) +0.9 to +1.7%, longer items (b128
-# ctx8192 +0.9%, b32 ctx16384 +0.4 to +1.3%, b64 ctx16384 -1.1 to +1.6%; but b64 ctx8192 -3.6%), four programs a tile
-# (128 heads x 2 tokens) +1.0 to +2.1%, one (64 heads, 16 heads x 4 tokens) +14 to +21%.
-L2_NEXT_TILE_SIDE = 2
-L2_NEXT_TILE_ITEM_KEYS = (256, 4096)
 # Splits per group that decode_wgmma_narrow merges inside a cluster of that many programs (``_cluster_size``), where
 # the GPU holds all the clusters at once (an H100 runs 66 clusters of 2 narrow programs but only 30 of 4, so b32
 # ctx4096's 32 groups of 4 keep the merge kernel). H100, 16 heads, page 64 unless said, us, merge kernel -> clusters
@@ -414,7 +403,6 @@ class DecodePlan:
     descriptors: tuple | None    # the TMA kernels' descriptors (``_tma_descriptors``), or None
     overlap_launch: bool         # the split kernel is a programmatic dependent of the stream's previous kernel
     cluster: int = 1             # programs per cluster that merge their group's splits (``_cluster_size``), or 1
-    l2_next_tile: bool = False   # decode_wgmma_ws's loader asks L2 for each next key tile (``_l2_next_tile``)
 
     @property
     def keys_ahead(self) -> int:
@@ -507,15 +495,7 @@ def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block
                        else _partials_fit_l2(part_out.nbytes + part_lse.nbytes, device)),
         descriptors=_tma_descriptors(q, cache, config),
         overlap_launch=config.overlap_launch and _has_dependent_launch(device),
-        cluster=_cluster_size(schedule, config, cache.layout.name) if device.type == "cuda" else 1,
-        l2_next_tile=_l2_next_tile(schedule))
-
-
-def _l2_next_tile(schedule: Schedule) -> bool:
-    """Whether decode_wgmma_ws's loader asks L2 for each next key tile: two programs a tile, items of mid length
-    (``L2_NEXT_TILE_SIDE``, ``L2_NEXT_TILE_ITEM_KEYS``). Decided once in the plan, not per launch."""
-    low, high = L2_NEXT_TILE_ITEM_KEYS
-    return schedule.side == L2_NEXT_TILE_SIDE and low <= schedule.mean_item_keys <= high
+        cluster=_cluster_size(schedule, config, cache.layout.name) if device.type == "cuda" else 1)
 
 
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -534,7 +514,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
             plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
             PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=plan.keys_ahead, L2_NEXT_TILE=plan.l2_next_tile, **decode_wgmma_ws.LAUNCH_OPTIONS,
+            KEYS_AHEAD=plan.keys_ahead, **decode_wgmma_ws.LAUNCH_OPTIONS,
             **plan.split_launch)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
@@ -875,22 +855,23 @@ def _check_gluon(cache: PagedCache, device: torch.device, config: DecodeConfig) 
 
 
 def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -> tuple | None:
-    """The TMA descriptors of the kernels that copy by TMA, where ``tma_loader`` is on, the pages hold whole 64-key
-    tiles and the cache is contiguous from a 16-byte boundary (its rows are TMA rows): ``decode_wgmma_ws``'s of the
-    query and the cache (``[rows, 576]`` bf16 in ``[64, 64]`` boxes) for 64 rows of bf16 in Gluon with a query
-    contiguous alike; ``decode_rs_fp8``'s of the cache's codes, rope and scales for decode_ws's tile of fp8_ds_mla
-    (per-key tile scales), of nvfp4 (a 128-byte chunk's 16 block scales a key) and of fp8_e4m3 (e4m3 rope, no
-    scales: None). Else None (``decode_wgmma`` copies key by key, ``decode_ws`` decodes through registers)."""
+    """The TMA descriptors of the kernels that copy by TMA, where ``tma_loader`` is on and the cache is contiguous from
+    a 16-byte boundary (its rows are TMA rows): ``decode_wgmma_ws``'s of the query and the cache (``[rows, 576]`` bf16
+    in ``[64, 64]`` boxes) for 64 rows of bf16 in Gluon with a query contiguous alike (any page size: its loader gathers
+    pages under a tile, the cache's descriptor unused then); in pages of whole 64-key tiles, ``decode_rs_fp8``'s of the
+    cache's codes, rope and scales for decode_ws's tile of fp8_ds_mla (per-key tile scales), of nvfp4 (a 128-byte
+    chunk's 16 block scales a key) and of fp8_e4m3 (e4m3 rope, no scales: None). Else None (``decode_wgmma`` copies key
+    by key, ``decode_ws`` decodes through registers)."""
     tile = decode_wgmma_ws.KEYS.value  # keys (and query rows) per box; 64 columns: the 128-byte swizzle
     wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
     rs = (config.gluon and cache.layout.name in RS_LAYOUTS
           and (config.block_m, config.block_n, config.num_warps) == (16, tile, decode_ws.WARPS))
-    if not (config.tma_loader and _tma_pages(cache)):
+    if not (config.tma_loader and _tma_rows(cache.data)):
         return None
     if wgmma_bf16 and _tma_rows(q):
         rows = (q.reshape(-1, LATENT_DIM), cache.data.view(torch.bfloat16).reshape(-1, LATENT_DIM))
         return tuple(TensorDescriptor.from_tensor(t, [tile, 64], SWIZZLED.value) for t in rows)
-    if not rs:
+    if not (rs and _tma_pages(cache)):
         return None
     slots = cache.data.reshape(-1, cache.layout.bytes_per_token)
     codes = TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn), [tile, TILE.value],

@@ -54,11 +54,6 @@ class Schedule:
         return self.program_items == list(range(self.num_programs + 1))
 
     @property
-    def mean_item_keys(self) -> float:
-        """The keys of an item on average (0 without items)."""
-        return sum(end - start for _, _, start, end, _ in self.items) / len(self.items) if self.items else 0.0
-
-    @property
     def max_splits(self) -> int:
         return max((count for *_, count in self.groups), default=1)
 

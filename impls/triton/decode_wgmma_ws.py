@@ -10,8 +10,11 @@ as FlashInfer's Hopper MLA kernel divides it (``include/flashinfer/attention/mla
   read) and the rescale factor beside it, then multiplies P by the values of output columns 256-511;
 - the value warpgroup multiplies each tile's P by the values of columns 0-255, rescaled by that factor, while the
   scoring warpgroup takes the next tile's scores;
-- a loader warpgroup copies each item's query block and its key tiles by TMA into two stages: pages of whole tiles
-  (``PAGE_SIZE`` a multiple of 64; ``decode_wgmma`` copies any page key by key) and a contiguous query.
+- a loader warpgroup copies each item's query block (contiguous) by TMA and its key tiles into two stages: by TMA
+  where pages hold whole tiles (``PAGE_SIZE`` a multiple of 64), else gathered key by key with cp.async, as
+  ``decode_wgmma`` copies them (session 50, H100, against decode_wgmma, us: 128 heads page 1 b1 ctx8192 26.7 ->
+  24.1, b8 38.6 -> 35.9, b32 105.1 -> 92.2, b128 382.4 -> 318.3, b64 ctx16384 741.3 -> 617.8; pages 16, 32 and 48
+  b32 about 108.8 -> 91.8; 64 heads x 2 tokens page 1 b32 106.0 -> 92.8; 16 heads x 4 tokens 77.2 -> 75.4).
 
 128 heads, page 64, with the schedule's row blocks side by side, us, best of three (NOTES.md, session 34),
 ``decode_wgmma`` -> this kernel: H100 b1 ctx8192 27.7 -> 26.2, b32 ctx4096 104.7 -> 99.0, b128 376.7 -> 345.7, b32
@@ -21,8 +24,11 @@ ctx16384 372.0 -> 343.6, b64 ctx16384 723.6 -> 648.7, b8 ctx4096 38.4 both; H200
 Its loop waits on its copies more than on its products (session 49, H100, 128 heads b128 ctx4096: the copies alone,
 every product left out, 250 us of the kernel's 348; either warpgroup's value products left out, -1.1 and -1.4%; one
 256-column product a step instead of two of 128, P from registers, or the value warpgroup taking 384 columns: within
-+-1.4%). So where two programs read each tile side by side, the loader asks L2 for the tile after the one it waits to
-copy (``L2_NEXT_TILE``, ``decode.L2_NEXT_TILE_SIDE``): b32 ctx4096 99.3 -> 94.5, b128 344.4 -> 331.2.
++-1.4%). So the scoring warpgroup frees the previous tile's stage before it issues the next scores, not after they
+finish, and the loader's next copy starts a score product earlier (session 50, best of five: b32 ctx4096 94.5 ->
+93.4, b64 ctx16384 643.5 -> 618.5, 128 heads x 2 tokens b32 158.0 -> 153.0; no shape measured slower by more than
+0.3%). Session 49's request to L2 for the tile after the one the loader waits to copy (3-6% then, where two programs
+read each tile) lost from then on: b32 -1.1%, but b64 +4.4%, b96 +5.3%, b64 ctx16384 +6.1%, page 1 +6 to +17%.
 
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the cache as
 ``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of their pointers and strides. Launch with
@@ -31,15 +37,17 @@ Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, w
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _bulk_prefetch_step, _cta_barrier,
-                                       _item_fields, _prefetch_first_keys, _program_items, _row_at, _row_limits,
-                                       _step_page)
+from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _copy_key_tile, _cta_barrier,
+                                       _item_fields, _key_rows, _prefetch_first_keys, _program_items, _row_at,
+                                       _row_limits, _step_page)
 from impls.triton.decode_wgmma_narrow import _store_lse
 
 # Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
@@ -61,18 +69,26 @@ QFREE = gl.constexpr(7)    # the scoring warpgroup is done with the query block
 LREADY = gl.constexpr(8)   # the item's row sums are in (for the value warpgroup)
 LFREE = gl.constexpr(9)    # the value warpgroup has read them
 BARRIERS = gl.constexpr(10)
+LOADER_WARPS = gl.constexpr(4)  # a gathered tile's barrier waits for each of their threads' copies
 LAUNCH_OPTIONS = {"num_warps": 4, "maxnreg": 168}  # 12 warps: 240 registers for each multiplying warpgroup
+
+
+@triton.constexpr_function
+def _gathers(page_size):
+    """Whether the loader gathers each key tile row by row (cp.async: pages smaller than a tile or not a multiple of
+    it, where a tile's keys are not one TMA box) rather than copying it by TMA."""
+    return page_size % KEYS.value != 0
 
 
 @gluon.jit
 def _decode_split_kernel_wgmma_ws(
     cache, q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
     lse, stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
-    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr, L2_NEXT_TILE: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract); ``q_desc`` and ``k_desc``: the
-    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes (``cache``, its base, for ``KEYS_AHEAD`` and
-    ``L2_NEXT_TILE``: the loader asks L2 for the tile after the one it waits to copy)."""
+    query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes (``cache``, its base: for ``KEYS_AHEAD``, and
+    for the loader's gathers in pages under a tile, where ``k_desc`` goes unused)."""
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KEYS, TILE], SWIZZLED)  # stage b, tile t: 4 b + t
@@ -80,28 +96,30 @@ def _decode_split_kernel_wgmma_ws(
     factors = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS], FLAT)  # each stage's P: the output's rescale
     sums = gl.allocate_shared_memory(gl.float32, [ROWS], FLAT)  # an item's row sums, for the value warpgroup
     bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(BARRIERS):
-        mbarrier.init(bars.index(b), count=2 if (b == KFREE or b == KFREE + 1) else 1)
+    for b in gl.static_range(BARRIERS):  # a gathered tile: each loader thread arrives once its copies are in
+        mbarrier.init(bars.index(b), count=2 if b >= KFREE and b < KFREE + STAGES else
+                      (32 * LOADER_WARPS if _gathers(PAGE_SIZE) and b < KREADY + STAGES else 1))
     hopper.fence_async_shared()
     if KEYS_AHEAD > 0:  # before the partitions: the loader's registers are few
         _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, stride_bt, PAGE_SIZE, 2 * WIDTH,
                              KEYS_AHEAD)
     gl.warp_specialize([
         (_score, (visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out,
-                  part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS,
-                  WAIT_PRIOR)),
+                  part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, PAGE_SIZE,
+                  KEEP_PARTIALS, WAIT_PRIOR)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope,
-                  factors, sums, bars, KEEP_PARTIALS, WAIT_PRIOR)),
+                  factors, sums, bars, PAGE_SIZE, KEEP_PARTIALS, WAIT_PRIOR)),
         (_load, (cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat,
-                 q_rope, k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR, L2_NEXT_TILE)),
-    ], [4, 4], [240, 24])
+                 q_rope, k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR)),
+    ], [4, LOADER_WARPS], [240, 24])
 
 
 @gluon.jit
 def _load(cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope,
-          k_lat, k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr, L2_NEXT_TILE: gl.constexpr):
-    """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2; with
-    ``L2_NEXT_TILE``, before waiting for a free stage, L2 asked for the tile after the one it will copy."""
+          k_lat, k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+    """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2: by TMA in
+    pages of whole tiles, else gathered key by key (cp.async, each thread arriving on the tile's barrier once its
+    copies land)."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
@@ -121,24 +139,28 @@ def _load(cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, ite
             for j in range(tiles):
                 b = g % STAGES
                 start = kv_start + j * KEYS
-                if L2_NEXT_TILE:
-                    _bulk_prefetch_step(cache.to(gl.pointer_type(gl.uint8)), pages, start + KEYS, kv_end, PAGE_SIZE,
-                                        2 * WIDTH)
-                mbarrier.wait(bars.index(KFREE + b), ((g // STAGES) & 1) ^ 1)
                 bar = bars.index(KREADY + b)
-                row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
-                mbarrier.expect(bar, KEYS * WIDTH * 2)
-                for t in gl.static_range(4):
-                    _tma_load(k_desc, [row, TILE * t], bar, k_lat.index(4 * b + t).slice(0, 64, 1))
-                    _tma_load(k_desc, [row, TILE * t + 64], bar, k_lat.index(4 * b + t).slice(64, 64, 1))
-                _tma_load(k_desc, [row, NOPE], bar, k_rope.index(b))
+                if _gathers(PAGE_SIZE):  # the tile's block-table entries read before the wait
+                    rows, ok = _key_rows(cache.to(gl.pointer_type(gl.bfloat16)), pages, start, kv_end, PAGE_SIZE,
+                                         TILE_LAYOUT)
+                    mbarrier.wait(bars.index(KFREE + b), ((g // STAGES) & 1) ^ 1)
+                    _copy_key_tile(k_lat, k_rope, b, rows, ok)
+                    async_copy.mbarrier_arrive(bar, increment_count=False)
+                else:
+                    mbarrier.wait(bars.index(KFREE + b), ((g // STAGES) & 1) ^ 1)
+                    row = (_step_page(pages, start, kv_end, PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE).to(gl.int32)
+                    mbarrier.expect(bar, KEYS * WIDTH * 2)
+                    for t in gl.static_range(4):
+                        _tma_load(k_desc, [row, TILE * t], bar, k_lat.index(4 * b + t).slice(0, 64, 1))
+                        _tma_load(k_desc, [row, TILE * t + 64], bar, k_lat.index(4 * b + t).slice(64, 64, 1))
+                    _tma_load(k_desc, [row, NOPE], bar, k_rope.index(b))
                 g += 1
 
 
 @gluon.jit
 def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
-           qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, KEEP_PARTIALS: gl.constexpr,
-           WAIT_PRIOR: gl.constexpr):
+           qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, PAGE_SIZE: gl.constexpr,
+           KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The scoring warpgroup: each tile's scores and softmax, P over the tile's rope, then output columns 256-511."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
@@ -159,17 +181,20 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
                 b = g % STAGES
                 start = kv_start + j * KEYS
                 zero = start >> 30  # a run-time 0: operand addresses made in the loop, not held in registers
+                # The previous tile's value products done: its stage is free before these scores are issued.
+                acc0, acc1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
+                if j > 0:
+                    _cta_barrier()
+                    mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
                 mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
+                if _gathers(PAGE_SIZE):
+                    hopper.fence_async_shared()  # the loader's cp.async writes, before wgmma reads them
                 s = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
                 s = hopper.warpgroup_mma(q_rope.index(zero), k_rope.index(b).permute((1, 0)), s, is_async=True)
                 for t in gl.static_range(4):
                     s = hopper.warpgroup_mma(q_lat.index(t + zero), k_lat.index(4 * b + t).permute((1, 0)), s,
                                              is_async=True)
-                # Also waits for the previous tile's value products: its stage is free after them.
-                s, acc0, acc1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s, acc0, acc1])
-                if j > 0:
-                    _cta_barrier()
-                    mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
+                s = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 if j == tiles - 1:
                     _cta_barrier()
                     mbarrier.arrive(bars.index(QFREE), count=1)
@@ -183,7 +208,7 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
                 _cta_barrier()  # every warp's score products are done reading the rope P replaces
                 k_rope.index(b).store(p)
                 factors.index(b).store(alpha)
-                if start + KEYS > kv_end:
+                if not _gathers(PAGE_SIZE) and start + KEYS > kv_end:  # a gathered tile has zeros there
                     _zero_past(k_lat, b, start, kv_end)
                 hopper.fence_async_shared()
                 _cta_barrier()
@@ -210,7 +235,7 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
 
 @gluon.jit
 def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope, factors,
-           sums, bars, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+           sums, bars, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
     """The value warpgroup: output columns 0-255 of every tile, from the P and factor the scoring warpgroup left."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
@@ -225,6 +250,8 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
                 b = g % STAGES
                 zero = j >> 30
                 mbarrier.wait(bars.index(PREADY + b), (g // STAGES) & 1)
+                if _gathers(PAGE_SIZE):
+                    hopper.fence_async_shared()  # the loader's cp.async writes, before wgmma reads them
                 alpha_o = factors.index(b).load(ROW_O)[:, None]
                 acc0 = hopper.warpgroup_mma(k_rope.index(b + zero), k_lat.index(4 * b), acc0 * alpha_o,
                                             is_async=True)
