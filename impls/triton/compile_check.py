@@ -160,12 +160,6 @@ def _drive_impls() -> None:
     with mock.patch.object(decode, "_sm_count", lambda device: 132):
         decode.run_decode(decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens,
                                              long.meta.kv_lens, long.scale, config=config))
-    # 128 heads of one token: two 64-row blocks side by side, whose decode_wgmma_ws loader asks L2 for the next tiles.
-    wide = build_problem(Workload(mode="decode", preset="tiny", num_heads=128, q_lens=(1, 1), kv_lens=(200, 70),
-                                  page_size=64), cpu)
-    config = decode.default_config(128, 1, "bf16", 64, 1e9, True, 1e9)
-    decode.run_decode(decode.plan_decode(wide.q, wide.cache, wide.meta.block_table, wide.meta.q_lens,
-                                         wide.meta.kv_lens, wide.scale, config=config))
 
     for layout, code in LAYOUT_CODES.items():
         for mode in ("sparse_decode", "sparse_prefill"):
