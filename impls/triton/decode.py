@@ -514,8 +514,7 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
             plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
             plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
             PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=plan.keys_ahead, **decode_wgmma_ws.LAUNCH_OPTIONS,
-            **plan.split_launch)
+            KEYS_AHEAD=plan.keys_ahead, **decode_wgmma_ws.LAUNCH_OPTIONS, **plan.split_launch)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,

@@ -202,21 +202,6 @@ def _prefetch_first_keys(work, items_stride, item_counts, cache, block_table, st
 
 
 @gluon.jit
-def _bulk_prefetch_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, ROW_BYTES: gl.constexpr):
-    """Ask L2 for the ``ROW_BYTES``-byte rows of keys ``[start, start + 64)`` (none past ``kv_end``) in pages of whole
-    64-key steps, where they are contiguous: one thread of the calling warps asks the TMA unit for all of them with
-    one ``cp.async.bulk.prefetch.L2`` (``cache``: a byte pointer)."""
-    page = _step_page(pages, start, kv_end, PAGE_SIZE)
-    thread = gl.arange(0, 32 * gl.num_warps(), layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * ROW_BYTES + thread * 0
-    nbytes = gl.minimum(kv_end - start, KEYS) * ROW_BYTES + thread * 0  # whole rows: a multiple of 16 bytes
-    asks = ((thread == 0) & (start < kv_end)).to(gl.int32)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [first, nbytes, asks], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _item_fields(row):
     """A work item's row (``decode.ITEM_COLUMNS``) as scalars, one load each (known uniform across the program)."""
     return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),

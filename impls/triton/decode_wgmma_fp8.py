@@ -34,8 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 
 from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
-from impls.triton.decode_wgmma import (SWIZZLED, _bulk_prefetch_step, _cta_barrier, _item_fields, _launch_dependents,
-                                       _program_items, _row_at, _row_limits, _step_page)
+from impls.triton.decode_wgmma import (SWIZZLED, _cta_barrier, _item_fields, _launch_dependents, _program_items,
+                                       _row_at, _row_limits, _step_page)
 from impls.triton.decode_wgmma_narrow import _store_lse, _transposed_state
 from impls.triton.sparse_wgmma import (LINES_LAYOUT, ROPE_AT, ROW_BYTES, SCALES_AT, _prefetch_row_lines,
                                        _stage_query, _tiles)
@@ -54,6 +54,10 @@ WORD_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_
 # bytes apart, in each bank group).
 CODE_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[2, 16], warps_per_cta=[8, 1],
                                            order=[1, 0]))
+# One element a thread of the 8 warps that load a step (this kernel's, decode_ws's decoder): the bulk prefetch's
+# predicate picks one thread.
+STEP_THREADS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[8],
+                                             order=[0]))
 # fp8_ds_mla's tile scales of a step, [64 keys, 4 tiles], one a thread of the 8 warps: one load a step, handed to the
 # products' layout through shared memory (a load per tile along the keys, replicated over the warps that share a key,
 # took 32 warp loads of 16-32 lines each a step; NOTES.md sessions 21 and 22).
@@ -169,7 +173,14 @@ def _prefetch_page_step(cache, pages, start, kv_end, PAGE_SIZE: gl.constexpr, RO
     16 heads, fp8_ds_mla b64: decode_ws 87.4 -> 81.5 us, this kernel at 2 tokens b32 76.7 -> 70.0; the FP4 layouts
     measured 2-6% slower with it; NOTES.md session 21)."""
     if PAGE_SIZE % KEYS == 0:
-        _bulk_prefetch_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
+        page = _step_page(pages, start, kv_end, PAGE_SIZE)
+        thread = gl.arange(0, 256, layout=STEP_THREADS)
+        first = cache + (page * PAGE_SIZE + start % PAGE_SIZE) * ROW_BYTES + thread * 0
+        nbytes = gl.minimum(kv_end - start, KEYS) * ROW_BYTES + thread * 0  # whole rows: a multiple of 16 bytes
+        asks = ((thread == 0) & (start < kv_end)).to(gl.int32)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [first, nbytes, asks], dtype=gl.int32, is_pure=False, pack=1)
     else:
         _prefetch_step(cache, pages, start, kv_end, PAGE_SIZE, ROW_BYTES)
 
