@@ -21,7 +21,7 @@ from magnify import magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_kernel import _pages_ahead
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
-from impls.triton.decode_schedule import Schedule, build_schedule
+from impls.triton.decode_schedule import Schedule, build_schedule, in_slot_order
 from impls.triton import decode_wgmma_quantized
 from impls.triton.decode_wgmma_quantized import _decode_split_kernel_quantized
 from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
@@ -151,6 +151,26 @@ def test_splits_merge_in_clusters_only_where_every_group_fills_one(batch, ctx, c
     assert decode._cluster_size(schedule, dataclasses.replace(narrow, **(config or {})), layout) == size
 
 
+WGMMA_TILE = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=True)  # decode_wgmma_ws's
+
+
+@pytest.mark.parametrize("batch, heads, config, size", [
+    (32, 128, None, 2),                           # two row blocks side by side, two splits each
+    (8, 128, None, 1),                            # eight splits a group: no cluster that large
+    (64, 128, None, 1),                           # whole requests: nothing to merge
+    (32, 128, {"tma_loader": False}, 1),          # decode_wgmma: no cluster merge
+    (32, 128, {"cluster_merge": False}, 1),
+])
+def test_the_64_row_kernel_merges_in_clusters_once_its_splits_run_in_slot_order(batch, heads, config, size):
+    """decode_wgmma_ws merges a group's splits in a cluster where they run on neighbouring programs; the balanced
+    cut runs a request's row blocks there instead, so the plan takes the schedule in slot order
+    (``in_slot_order``)."""
+    schedule = build_schedule([1] * batch, [4096] * batch, heads, 64, 64, 132, 128)
+    wgmma = dataclasses.replace(WGMMA_TILE, **(config or {}))
+    assert decode._cluster_size(schedule, wgmma, "bf16") == 1
+    assert decode._cluster_size(in_slot_order(schedule), wgmma, "bf16") == size
+
+
 def test_groups_whose_splits_share_programs_do_not_merge_in_clusters():
     """Two groups of two splits each, but program 1 runs the second split of group 0 and the first of group 1."""
     narrow = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
@@ -221,7 +241,7 @@ def test_decode_rs_fp8_layouts_are_cut_into_clusters_within_their_own_bounds(lay
 @pytest.mark.parametrize("layout, page_size, heads, gluon, narrow", [
     ("bf16", 64, 16, False, True),       # the Triton kernel's 16 rows in whole pages: the narrow tile may cut instead
     ("bf16", 64, 16, True, False),       # already the narrow kernel
-    ("bf16", 64, 128, False, False),     # 64-row blocks: no cluster merge
+    ("bf16", 64, 128, False, False),     # 64-row blocks: not the narrow kernel's tile
     ("fp8_ds_mla", 64, 16, False, False),
 ])
 def test_the_narrow_tile_is_tried_only_where_the_default_runs_16_bf16_rows_on_the_triton_kernel(
@@ -849,6 +869,46 @@ def test_decode_rs_fp8_merges_a_groups_splits_inside_its_cluster_on_hopper(layou
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
+WS_CLUSTER_CASES = [  # (page size, mix, heads, forced splits): 64-row blocks of bf16 through decode_wgmma_ws
+    (64, ((1, 1, 1), (300, 520, 257)), 128, 2),   # two row blocks a request, side by side
+    (1, ((4, 4), (700, 1000)), 16, 4),            # MTP (64 rows of 16 heads x 4 tokens), gathered pages
+    (48, ((1, 1), (4100, 130)), 40, 3),           # padded heads, splits of 22 tiles and of one (one of 2 keys)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, mix, heads, splits", WS_CLUSTER_CASES,
+                         ids=["ps64-h128-pairs", "ps1-mtp-fours", "ps48-h40-threes"])
+def test_decode_wgmma_ws_merges_a_groups_splits_inside_its_cluster_on_hopper(page_size, mix, heads, splits):
+    """decode_wgmma_ws (64 rows of bf16) merges a group's splits inside their cluster: in pairs, threes and fours,
+    with a request's row blocks side by side, MTP rows across tokens, padded heads, TMA and gathered pages."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size + splits), device)
+    impl = Configured(dataclasses.replace(WGMMA_TILE, num_splits=splits))
+    plan = impl.checked_plan(problem)
+    assert plan.cluster == splits and plan.descriptors is not None
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+def test_the_default_plan_of_128_heads_runs_a_groups_splits_in_a_cluster_on_hopper():
+    """128 heads, a quarter as many requests as multiprocessors: the balanced cut runs each request's two row blocks
+    side by side in two splits each; the plan reorders the programs so that a group's splits are neighbours
+    (``in_slot_order``) and they merge in clusters of 2, with no merge kernel."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    requests = decode._sm_count(device) // 4
+    problem = build_problem(workload("bf16", 64, ((1,) * requests, (1024,) * requests), heads=128, seed=9), device)
+    plan = TritonDecode().checked_plan(problem)
+    assert plan.cluster == 2 and plan.schedule.max_splits == 2 and plan.descriptors is not None
+    verdict = judge(TritonDecode(), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
 @pytest.mark.gpu
 def test_clusters_the_gpu_cannot_hold_at_once_fall_back_to_the_merge_kernel(monkeypatch):
     device = torch.device("cuda")
@@ -902,8 +962,9 @@ def test_a_cut_into_clusters_the_gpu_cannot_hold_falls_back_to_the_balanced_cut(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, config", [("bf16", _narrow(16, num_splits=3)), ("fp8_ds_mla", _ws(num_splits=3))],
-                         ids=["narrow", "rs-fp8"])
+@pytest.mark.parametrize("layout, config", [("bf16", _narrow(16, num_splits=3)), ("fp8_ds_mla", _ws(num_splits=3)),
+                                            ("bf16", dataclasses.replace(WGMMA_TILE, num_splits=3))],
+                         ids=["narrow", "rs-fp8", "wgmma-ws"])
 def test_clusters_formed_across_groups_are_caught(monkeypatch, layout, config):
     """Planted bug: a plan that runs clusters of 2 where each group has 3 splits (the eligibility rule not checked),
     so a cluster merges another group's partials."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from impls.triton.decode_schedule import OVERHEAD_KEYS, build_schedule
+from impls.triton.decode_schedule import OVERHEAD_KEYS, build_schedule, in_slot_order
 
 
 def coverage(schedule, q_lens, kv_lens, heads, block_m):
@@ -157,3 +157,34 @@ def test_requests_of_different_row_block_counts_are_cut_group_by_group():
     q_lens, kv_lens = [1, 3, 1], [5000, 2000, 64]
     schedule = build_schedule(q_lens, kv_lens, 16, 16, 64, programs=16, min_split=128)
     assert schedule.side == 1 and coverage(schedule, q_lens, kv_lens, 16, 16)[(0, 0)] > 1
+
+
+@pytest.mark.parametrize("q_lens, kv_lens, heads, num_splits", [
+    ((1,) * 32, (4096,) * 32, 128, None),         # two row blocks side by side, two splits each
+    ((2,) * 8, (4096,) * 8, 128, None),           # four row blocks, four splits each
+    ((1, 1, 1), (300, 9000, 4100), 20, 3),        # forced splits, one of them empty
+])
+def test_in_slot_order_puts_each_groups_splits_on_neighbouring_programs(q_lens, kv_lens, heads, num_splits):
+    """Reordered for clusters (decode_wgmma_ws), the programs run the same items, one each, program p the item of
+    slot p, so each group's splits are neighbouring programs in split order."""
+    schedule = build_schedule(list(q_lens), list(kv_lens), heads, 64, 64, programs=132, min_split=128,
+                              num_splits=num_splits)
+    ordered = in_slot_order(schedule)
+    coverage(ordered, q_lens, kv_lens, heads, 64)
+    assert sorted(ordered.items) == sorted(schedule.items) and ordered.one_item_per_program
+    assert [item[4] for item in ordered.items] == list(range(ordered.num_programs))
+    for request, row_block, first, count in ordered.groups:
+        splits = ordered.items[first:first + count]
+        assert {(r, rb) for r, rb, *_ in splits} == {(request, row_block)}
+        assert [start for _, _, start, _, _ in splits] == sorted(start for _, _, start, _, _ in splits)
+    if schedule.side > 1:
+        assert ordered.items != schedule.items and ordered.side == 1
+
+
+@pytest.mark.parametrize("q_lens, kv_lens, heads", [
+    ((1,) * 48, (4096,) * 48, 16),                # some programs run two items
+    ((1,) * 128, (4096,) * 128, 128),             # whole groups: nothing to merge
+])
+def test_in_slot_order_leaves_schedules_it_cannot_order_as_they_are(q_lens, kv_lens, heads):
+    schedule = build_schedule(list(q_lens), list(kv_lens), heads, 64, 64, programs=132, min_split=128)
+    assert in_slot_order(schedule) is schedule

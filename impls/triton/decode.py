@@ -27,11 +27,12 @@ session 44). Before that wait, the bf16 split kernels ask L2 for their first ite
 ``FIRST_KEYS_AHEAD``): a hint, whose block-table entry may be stale and is not used for anything else.
 
 Where every group is cut into 2 to 4 splits of one program each, as a batch of 64 requests of 4096 keys is on 132
-multiprocessors, decode_wgmma_narrow and decode_rs_fp8 run in clusters of a group's splits, which merge their
-partials themselves after a cluster barrier; no merge kernel runs (``_cluster_size``, ``CLUSTER_SIZES``; H100, 16
-heads b64: bf16 111.8 -> 109.8 us, fp8_ds_mla 72.3 -> 71.9). Where the balanced cut straddles groups or leaves short
-requests whole, a cut into such clusters replaces it within measured bounds (``_cluster_cuts``; fp8_ds_mla b28
-ctx2048 25.8 -> 23.0 us).
+multiprocessors, decode_wgmma_narrow, decode_rs_fp8 and decode_wgmma_ws run in clusters of a group's splits, which
+merge their partials themselves after a cluster barrier; no merge kernel runs (``_cluster_size``, ``CLUSTER_SIZES``;
+H100, 16 heads b64: bf16 111.8 -> 109.8 us, fp8_ds_mla 72.3 -> 71.9; 64 heads b64 130.2 -> 123.0, 128 heads b32
+90.9 -> 88.9, with the programs in slot order: ``in_slot_order``). Where the balanced cut straddles groups or leaves
+short requests whole, a cut into such clusters replaces it within measured bounds (``_cluster_cuts``; fp8_ds_mla
+b28 ctx2048 25.8 -> 23.0 us).
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -55,7 +56,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from impls.triton import common
 from impls.triton.decode_kernel import (ITEM_FIELDS, LOG2E, NOPE, ROPE, TILE, _decode_split_kernel,
                                        _merge_splits_kernel)
-from impls.triton.decode_schedule import Schedule, build_schedule
+from impls.triton.decode_schedule import Schedule, build_schedule, in_slot_order
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
 from impls.triton.decode_wgmma import SWIZZLED, _decode_split_kernel_wgmma
 from impls.triton import decode_wgmma_ws
@@ -179,9 +180,9 @@ class DecodeConfig:
     device for the previous kernel's results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of
     the first keys in the bf16 kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise.
     ``cluster_merge`` (Hopper): where every group has 2 to 4 splits, one program each (``_cluster_size``),
-    decode_wgmma_narrow and decode_rs_fp8 run in clusters of a group's splits, which merge their partials themselves,
-    and no merge kernel runs; where the balanced cut straddles groups or leaves short requests whole on too few
-    programs, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
+    decode_wgmma_narrow, decode_rs_fp8 and decode_wgmma_ws run in clusters of a group's splits, which merge their
+    partials themselves, and no merge kernel runs; where the balanced cut straddles groups or leaves short requests
+    whole on too few programs, such a cut replaces it within measured bounds (``_cluster_cuts``; 16 and 32 rows)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -250,7 +251,8 @@ FIRST_KEYS_AHEAD = 64
 # the GPU holds all the clusters at once (an H100 runs 66 clusters of 2 narrow programs but only 30 of 4, so b32
 # ctx4096's 32 groups of 4 keep the merge kernel). H100, 16 heads, page 64 unless said, us, merge kernel -> clusters
 # of 2 (NOTES.md session 46): b64 ctx4096 111.8 -> 109.8 (0.908 -> 0.924 of copy), ctx2048 -1.2%, ctx1024 -2.4%,
-# page 1 -1.3%, page 16 -1.3%, page 128 -1.7%, b66 -1.0%.
+# page 1 -1.3%, page 16 -1.3%, page 128 -1.7%, b66 -1.0%. decode_wgmma_ws alike (session 51, clusters of 2): 64 heads
+# b64 -5.6%, b66 ctx2048 -9.7%, 16 heads x 4 tokens b64 -5.8%, 128 heads b32 -2.2%, b33 -2.9%, page 1 b32 -3.5%.
 CLUSTER_SIZES = (2, 3, 4)
 # Where the balanced cut straddles (a program runs pieces of several groups, groups cut in 3-8 splits, and the merge
 # kernel), or leaves short requests whole on too few programs, every group cut into 2-4 equal splits that merge in
@@ -438,6 +440,8 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     sms = _sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
+    if _gluon_split(config, cache.layout.name) is _decode_split_kernel_wgmma:
+        schedule = in_slot_order(schedule)  # a group's splits side by side, for decode_wgmma_ws's clusters
     options = [(config, schedule)]
     narrow = _narrow_alternative(config, num_heads, max(q_lens), cache, device) if chosen else None
     if narrow:
@@ -465,7 +469,8 @@ def _narrow_alternative(config: DecodeConfig, num_heads: int, max_q_len: int, ca
     if config.gluon or layout != "bf16" or not common.has_wgmma(device):
         return None
     narrow = _tile_config(num_heads, max_q_len, layout, cache.page_size, NARROW_MIN_KEYS_PER_SM, True, 0.0)
-    return replace(narrow, min_split=config.min_split) if _clusters_possible(narrow, layout) else None
+    runs_narrow = _gluon_split(narrow, layout) is _decode_split_kernel_narrow
+    return replace(narrow, min_split=config.min_split) if runs_narrow and _clusters_possible(narrow, layout) else None
 
 
 def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor,
@@ -503,18 +508,13 @@ def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     returns ``(out, lse)``."""
     cfg, cache = plan.config, plan.cache
     early_merge = plan.early_merge
-    kernel = GLUON_SPLITS[(cfg.block_m, cfg.block_n, cfg.num_warps), cache.layout.name] if cfg.gluon else None
+    kernel = _gluon_split(cfg, cache.layout.name) if cfg.gluon else None
     if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_LAYOUTS:
         _launch_rs_fp8(plan)
     elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
         _launch_gluon_split(plan, kernel)
     elif plan.work.shape[0] and plan.descriptors:
-        _decode_split_kernel_wgmma_ws[(plan.work.shape[0],)](
-            cache.data, *plan.descriptors, plan.block_table, plan.block_table.stride(0), plan.visible, plan.work,
-            plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
-            plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1],
-            PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=plan.keys_ahead, **decode_wgmma_ws.LAUNCH_OPTIONS, **plan.split_launch)
+        _launch_wgmma_ws(plan)
     elif plan.work.shape[0] and cfg.gluon:
         _decode_split_kernel_wgmma[(plan.work.shape[0],)](
             plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
@@ -566,6 +566,22 @@ def _launch_rs_fp8(plan: DecodePlan, warmup: bool = False):
     _decode_split_kernel_rs_fp8[grid](*args, **kwargs)
 
 
+def _launch_wgmma_ws(plan: DecodePlan, warmup: bool = False):
+    """Launch (or with ``warmup`` only compile, returning the compiled kernel) decode_wgmma_ws, in clusters under
+    ``plan.cluster`` (``_prepare_clusters``)."""
+    cache = plan.cache
+    args = (cache.data, *plan.descriptors, plan.block_table, plan.block_table.stride(0), plan.visible, plan.work,
+            plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
+            plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale, plan.q.shape[1])
+    kwargs = dict(PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
+                  KEYS_AHEAD=plan.keys_ahead, CLUSTER=plan.cluster, **decode_wgmma_ws.LAUNCH_OPTIONS,
+                  **plan.split_launch)
+    grid = (plan.work.shape[0] // plan.cluster,)
+    if warmup:
+        return _decode_split_kernel_wgmma_ws.warmup(*args, grid=grid, **kwargs)
+    _decode_split_kernel_wgmma_ws[grid](*args, **kwargs)
+
+
 def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
     """Launch (or with ``warmup`` only compile, returning the compiled kernel) one of the Gluon split kernels that take
     the same arguments: all but decode_wgmma, decode_wgmma_ws and decode_rs_fp8. Under ``plan.cluster`` the grid is
@@ -604,7 +620,8 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
     straddles_or_whole = not schedule.one_item_per_program or not schedule.groups
     even = max(kv_lens) <= CLUSTER_CUT_MAX_IMBALANCE * sum(kv_lens) / len(kv_lens)
     groups = sum(-(-q * num_heads // config.block_m) for q in q_lens)
-    measured = _clusters_possible(config, layout) and layout in CLUSTER_CUT_MIN_PROGRAMS_PER_SM
+    measured = (_clusters_possible(config, layout) and layout in CLUSTER_CUT_MIN_PROGRAMS_PER_SM
+                and config.block_m in CLUSTER_CUT_MAX_KEYS)
     if not (measured and config.num_splits is None and straddles_or_whole and even and groups == len(q_lens)):
         return
     for k in sorted(CLUSTER_SIZES, reverse=True):
@@ -619,12 +636,18 @@ def _cluster_cuts(schedule: Schedule, q_lens: list[int], kv_lens: list[int], num
 
 
 def _clusters_possible(config: DecodeConfig, layout: str) -> bool:
-    """The config asks for cluster merges and runs a kernel that can merge in clusters: decode_wgmma_narrow, or
-    decode_rs_fp8 (decode_ws's tile of its layouts, copied by TMA where the cache allows: ``_prepare_clusters``)."""
-    tile = (config.block_m, config.block_n, config.num_warps)
-    kernel = GLUON_SPLITS.get((tile, layout))
+    """The config asks for cluster merges and runs a kernel that can merge in clusters: decode_wgmma_narrow,
+    decode_rs_fp8 (decode_ws's tile of its layouts) or decode_wgmma_ws (64 rows of bf16), the last two where the plan
+    has their TMA descriptors (``_prepare_clusters``)."""
+    kernel = _gluon_split(config, layout)
     rs_fp8 = kernel is _decode_split_kernel_ws and layout in RS_LAYOUTS and config.tma_loader
-    return config.cluster_merge and config.gluon and (kernel is _decode_split_kernel_narrow or rs_fp8)
+    wgmma_ws = kernel is _decode_split_kernel_wgmma and config.tma_loader
+    return config.cluster_merge and config.gluon and (kernel is _decode_split_kernel_narrow or rs_fp8 or wgmma_ws)
+
+
+def _gluon_split(config: DecodeConfig, layout: str):
+    """The Gluon split kernel of the config's tile and the layout (``GLUON_SPLITS``), or None."""
+    return GLUON_SPLITS.get(((config.block_m, config.block_n, config.num_warps), layout))
 
 
 def _cluster_size(schedule: Schedule, config: DecodeConfig, layout: str) -> int:
@@ -649,10 +672,12 @@ def _prepare_clusters(plan: DecodePlan) -> None:
     written for (another Triton), ``plan.cluster`` falls back to 1: the merge kernel. Nothing to do where it is 1."""
     if plan.cluster == 1:
         return
-    if plan.cache.layout.name in RS_LAYOUTS and not plan.descriptors:  # decode_ws, which does not merge in clusters
+    kernel = _gluon_split(plan.config, plan.cache.layout.name)
+    if kernel is not _decode_split_kernel_narrow and not plan.descriptors:  # decode_ws or decode_wgmma: no clusters
         plan.cluster = 1
         return
-    compiled = (_launch_rs_fp8(plan, warmup=True) if plan.descriptors
+    compiled = (_launch_rs_fp8(plan, warmup=True) if plan.cache.layout.name in RS_LAYOUTS
+                else _launch_wgmma_ws(plan, warmup=True) if kernel is _decode_split_kernel_wgmma
                 else _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True))
     meta = compiled.metadata
     as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, meta.shared)

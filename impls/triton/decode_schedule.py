@@ -25,7 +25,7 @@ Pure host code on plain lists, so it is unit-tested without a kernel.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 OVERHEAD_KEYS = 64  # what an item costs beyond its keys (query load, result store, merge), in keys
 SPLIT_PENALTY_KEYS = 256  # what cutting any group costs the batch (partials, the merge's wait), in keys
@@ -181,3 +181,13 @@ def build_schedule(q_lens: list[int], kv_lens: list[int], num_heads: int, block_
             items.append((request, row_block, first * block_n, min(kv_lens[request], end * block_n), slot))
         program_items.append(len(items))
     return Schedule(items, program_items, split_groups, num_slots, side)
+
+
+def in_slot_order(schedule: Schedule) -> Schedule:
+    """Where every program runs one split, the same work with the programs in the order of their items' workspace
+    slots, so that each group's splits run on neighbouring programs in split order (as a cluster of them merges,
+    ``decode._cluster_size``); else the schedule as it is. Row blocks side by side keep running the same pieces at
+    once, on programs ``splits`` apart instead of next to each other (``side`` 1)."""
+    if not schedule.one_item_per_program or any(item[4] < 0 for item in schedule.items):
+        return schedule
+    return replace(schedule, items=sorted(schedule.items, key=lambda item: item[4]), side=1)

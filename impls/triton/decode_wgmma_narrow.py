@@ -259,6 +259,23 @@ def _merge_stored_splits(o0, o1, o2, o3, out_scale, out, stride_ot, stride_oh, l
     rows = row_block * ROWS + local
     ok = rows < q_len * num_heads
     out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[None, :] + cols
+    merged, w0, w1, w2, w3 = _cluster_weights(part_lse, first_slot, local, out_scale, ROWS, KEEP_PARTIALS, CLUSTER)
+    w0, w1, w2, w3, ok2 = w0[None, :], w1[None, :], w2[None, :], w3[None, :], ok[None, :]
+    slot_at = (local * NOPE)[None, :] + cols
+    _merge_tile(o0, 0, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok2, rank, ROWS, KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o1, 1, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok2, rank, ROWS, KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o2, 2, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok2, rank, ROWS, KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o3, 3, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok2, rank, ROWS, KEEP_PARTIALS, CLUSTER)
+    if rank == 0:
+        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), merged * LN2, mask=ok)
+
+
+@gluon.jit
+def _cluster_weights(part_lse, first_slot, local, out_scale, ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+                     CLUSTER: gl.constexpr):
+    """For the rows ``local`` (in their layout) of a group whose splits are slots ``first_slot ..`` (every split's
+    base-2 LSE stored there, read once): the merged base-2 LSE and each split's weight ``2^(lse_k - lse)`` times
+    ``out_scale``, four of them (0 past ``CLUSTER``)."""
     split0 = _split_lse(part_lse, first_slot, 0, local, ROWS, KEEP_PARTIALS, CLUSTER)
     split1 = _split_lse(part_lse, first_slot, 1, local, ROWS, KEEP_PARTIALS, CLUSTER)
     split2 = _split_lse(part_lse, first_slot, 2, local, ROWS, KEEP_PARTIALS, CLUSTER)
@@ -272,16 +289,7 @@ def _merge_stored_splits(o0, o1, o2, o3, out_scale, out, stride_ot, stride_oh, l
     w1 = gl.where(seen, gl.exp2(split1 - merged), 0.0) * out_scale
     w2 = gl.where(seen, gl.exp2(split2 - merged), 0.0) * out_scale
     w3 = gl.where(seen, gl.exp2(split3 - merged), 0.0) * out_scale
-    _merge_tile(o0, 0, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
-                CLUSTER)
-    _merge_tile(o1, 1, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
-                CLUSTER)
-    _merge_tile(o2, 2, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
-                CLUSTER)
-    _merge_tile(o3, 3, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank, ROWS, KEEP_PARTIALS,
-                CLUSTER)
-    if rank == 0:
-        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), merged * LN2, mask=ok)
+    return merged, w0, w1, w2, w3
 
 
 @gluon.jit
@@ -301,27 +309,29 @@ def _split_lse(part_lse, first_slot, k: gl.constexpr, local, ROWS: gl.constexpr,
         policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
         return gl.load(part_lse + (first_slot + k) * ROWS + local, eviction_policy=policy)
     else:
-        return gl.full([ROWS], float("-inf"), gl.float32, STORED_ROWS)
+        return gl.full_like(local, float("-inf"), dtype=gl.float32)
 
 
 @gluon.jit
-def _merge_tile(own, t: gl.constexpr, w0, w1, w2, w3, part_out, first_slot, local, cols, out_at, ok, rank,
+def _merge_tile(own, t: gl.constexpr, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok, rank,
                 ROWS: gl.constexpr, KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
     """Where this program merges output tile ``t`` (rank ``t % CLUSTER``): its own normalized tile ``own`` (None:
     from its slot) and the other splits' (read from their slots), each times its split's weight
-    ``w_k = 2^(lse_k - lse)``, stored as the final bf16 columns."""
+    ``w_k = 2^(lse_k - lse)``, stored as the final bf16 columns. Any orientation: ``slot_at`` (a slot's tile 0,
+    offsets from the slot's start), ``out_at`` (the output's tile 0), the weights and the rows' mask ``ok`` come
+    broadcast to the tile's shape and layout."""
     if t % CLUSTER == rank:
         policy: gl.constexpr = "evict_first" if KEEP_PARTIALS else ""
         if own is None:  # this split's tile is in its slot too
-            acc = gl.zeros([TILE, ROWS], gl.float32, STORE_LAYOUT)
+            acc = gl.zeros_like(out_at, dtype=gl.float32)
         else:
-            acc = own * _pick(t % CLUSTER, w0, w1, w2, w3)[None, :]
+            acc = own * _pick(t % CLUSTER, w0, w1, w2, w3)
         for k in gl.static_range(CLUSTER):
             if own is None or k != t % CLUSTER:
-                o_k = gl.load(part_out + ((first_slot + k) * ROWS + local)[None, :] * NOPE + t * TILE + cols,
+                o_k = gl.load(part_out + (first_slot + k) * (ROWS * NOPE) + slot_at + t * TILE,
                               eviction_policy=policy)
-                acc += _pick(k, w0, w1, w2, w3)[None, :] * o_k
-        gl.store(out_at + t * TILE, acc.to(gl.bfloat16), mask=ok[None, :])
+                acc += _pick(k, w0, w1, w2, w3) * o_k
+        gl.store(out_at + t * TILE, acc.to(gl.bfloat16), mask=ok)
 
 
 @gluon.jit

@@ -30,6 +30,13 @@ finish, and the loader's next copy starts a score product earlier (session 50, b
 0.3%). Session 49's request to L2 for the tile after the one the loader waits to copy (3-6% then, where two programs
 read each tile) lost from then on: b32 -1.1%, but b64 +4.4%, b96 +5.3%, b64 ctx16384 +6.1%, page 1 +6 to +17%.
 
+Where every group is cut into 2-4 splits of one program each (``CLUSTER``), the splits run as a thread-block cluster
+and merge their partials themselves, as ``decode_wgmma_narrow``'s do; the merge kernel's 64-row partials had cost
+5.4-12.2 us (session 51, H100: 128 heads b32 ctx4096 6.6 us of 90.9). Its programs then release the stream's next
+kernel at their start. H100, the merge kernel -> clusters, us, best of five (NOTES.md, session 51): 128 heads b32
+ctx4096 90.9 -> 88.9, b33 92.6 -> 90.0 (-2.9%), page 1 b32 92.1 -> 88.9, 2 tokens b16 86.9 -> 84.8; 64 heads b64
+130.2 -> 123.0 (-5.6%), b66 ctx2048 81.2 -> 73.3 (-9.7%); 16 heads x 4 tokens b64 130.3 -> 122.7.
+
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the cache as
 ``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of their pointers and strides. Launch with
 ``LAUNCH_OPTIONS``.
@@ -44,11 +51,12 @@ from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from impls.triton.decode_kernel import ITEM_FIELDS, NOPE, ROPE, TILE
+from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _copy_key_tile, _cta_barrier,
-                                       _item_fields, _key_rows, _prefetch_first_keys, _program_items, _row_at,
-                                       _row_limits, _step_page)
-from impls.triton.decode_wgmma_narrow import _store_lse
+                                       _item_fields, _key_rows, _launch_dependents, _prefetch_first_keys,
+                                       _program_items, _row_at, _row_limits, _step_page)
+from impls.triton.decode_wgmma_narrow import (_cluster_arrive, _cluster_wait, _cluster_weights, _merge_tile,
+                                              _store_for_others, _store_lse)
 
 # Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -84,11 +92,16 @@ def _gathers(page_size):
 def _decode_split_kernel_wgmma_ws(
     cache, q_desc, k_desc, block_table, stride_bt, visible, work, items_stride, item_counts, out, stride_ot, stride_oh,
     lse, stride_lt, part_out, part_lse, qk_scale, num_heads, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
-    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr,
+    WAIT_PRIOR: gl.constexpr, KEYS_AHEAD: gl.constexpr, CLUSTER: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract); ``q_desc`` and ``k_desc``: the
     query and the cache as ``[rows, 576]`` bf16 in ``[64, 64]`` boxes (``cache``, its base: for ``KEYS_AHEAD``, and
-    for the loader's gathers in pages under a tile, where ``k_desc`` goes unused)."""
+    for the loader's gathers in pages under a tile, where ``k_desc`` goes unused). ``CLUSTER`` > 1: the grid runs in
+    clusters of that many programs, each one item, the splits of one group in rank order, which merge their partials
+    themselves (``_store_columns``), as ``decode_wgmma_narrow``'s do; with no merge kernel after it, the stream's next
+    kernel, if a programmatic dependent, may start now (it waits for this grid's results on the device)."""
+    if CLUSTER > 1:
+        _launch_dependents()
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KEYS, TILE], SWIZZLED)  # stage b, tile t: 4 b + t
@@ -106,20 +119,21 @@ def _decode_split_kernel_wgmma_ws(
     gl.warp_specialize([
         (_score, (visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out,
                   part_lse, qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, PAGE_SIZE,
-                  KEEP_PARTIALS, WAIT_PRIOR)),
-        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope,
-                  factors, sums, bars, PAGE_SIZE, KEEP_PARTIALS, WAIT_PRIOR)),
+                  KEEP_PARTIALS, WAIT_PRIOR, CLUSTER)),
+        (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
+                  num_heads, k_lat, k_rope, factors, sums, bars, PAGE_SIZE, KEEP_PARTIALS, WAIT_PRIOR, CLUSTER)),
         (_load, (cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat,
-                 q_rope, k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR)),
+                 q_rope, k_lat, k_rope, bars, PAGE_SIZE, WAIT_PRIOR, CLUSTER)),
     ], [4, LOADER_WARPS], [240, 24])
 
 
 @gluon.jit
 def _load(cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, item_counts, num_heads, q_lat, q_rope,
-          k_lat, k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+          k_lat, k_rope, bars, PAGE_SIZE: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The loader: each item's query block, then its key tiles, the program's tile g into stage g % 2: by TMA in
     pages of whole tiles, else gathered key by key (cp.async, each thread arriving on the tile's barrier once its
-    copies land)."""
+    copies land). Under ``CLUSTER`` it arrives at the cluster's barrier when done (the merge waits for every
+    thread that has not exited)."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
     g = 0
@@ -155,12 +169,14 @@ def _load(cache, q_desc, k_desc, block_table, stride_bt, work, items_stride, ite
                         _tma_load(k_desc, [row, TILE * t + 64], bar, k_lat.index(4 * b + t).slice(64, 64, 1))
                     _tma_load(k_desc, [row, NOPE], bar, k_rope.index(b))
                 g += 1
+    if CLUSTER > 1:
+        _cluster_arrive()
 
 
 @gluon.jit
 def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
            qk_scale, num_heads, q_lat, q_rope, k_lat, k_rope, factors, sums, bars, PAGE_SIZE: gl.constexpr,
-           KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+           KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The scoring warpgroup: each tile's scores and softmax, P over the tile's rope, then output columns 256-511."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
@@ -224,18 +240,19 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
             mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
             _send(sums, l_i, bars.index(LREADY), bars.index(LFREE), nq & 1)  # for the value warpgroup's normalization
             nq += 1
-        _store_columns(1, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
-                       part_out, KEEP_PARTIALS)
         seen = l_i > 0.0
         rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_S)
         _store_lse(gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf")), rows,
                    rows < q_len * num_heads, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
-                   KEEP_PARTIALS)
+                   KEEP_PARTIALS)  # before the columns: under CLUSTER the other splits read it after the barrier
+        _store_columns(1, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
+                       lse, stride_lt, part_out, part_lse, KEEP_PARTIALS, CLUSTER)
 
 
 @gluon.jit
-def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out, num_heads, k_lat, k_rope, factors,
-           sums, bars, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr, WAIT_PRIOR: gl.constexpr):
+def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, num_heads,
+           k_lat, k_rope, factors, sums, bars, PAGE_SIZE: gl.constexpr, KEEP_PARTIALS: gl.constexpr,
+           WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The value warpgroup: output columns 0-255 of every tile, from the P and factor the scoring warpgroup left."""
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
@@ -264,7 +281,7 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, part_out,
             l_i = _receive(sums, ROW_S, bars.index(LREADY), bars.index(LFREE), nq & 1)
             nq += 1
         _store_columns(0, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot, stride_oh,
-                       part_out, KEEP_PARTIALS)
+                       lse, stride_lt, part_out, part_lse, KEEP_PARTIALS, CLUSTER)
 
 
 @gluon.jit
@@ -308,14 +325,18 @@ def _zero_past(k_lat, b, start, kv_end):
 
 @gluon.jit
 def _store_columns(half: gl.constexpr, l_i, acc0, acc1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot,
-                   stride_oh, part_out, KEEP_PARTIALS: gl.constexpr):
+                   stride_oh, lse, stride_lt, part_out, part_lse, KEEP_PARTIALS: gl.constexpr, CLUSTER: gl.constexpr):
     """Output columns ``[256 half, 256 half + 256)`` over the row sums ``l_i``: final bf16 rows where the item covers
-    its rows' whole range (``slot_out < 0``), else a float32 partial for ``_merge_splits_kernel``."""
+    its rows' whole range (``slot_out < 0``), else a float32 partial for ``_merge_splits_kernel``; under ``CLUSTER``,
+    merged with the cluster's other splits (``_merge_in_cluster``)."""
     seen = l_i > 0.0
     inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), ROW_O)[:, None]
     rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_O)
     cols = 2 * half * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]
-    if slot_out < 0:
+    if CLUSTER > 1:
+        _merge_in_cluster(half, acc0 * inv_l, acc1 * inv_l, row_block, slot_out, q_first, q_len, num_heads, out,
+                          stride_ot, stride_oh, lse, stride_lt, part_out, part_lse, KEEP_PARTIALS, CLUSTER)
+    elif slot_out < 0:
         o0 = (acc0 * inv_l).to(gl.bfloat16)
         o1 = (acc1 * inv_l).to(gl.bfloat16)
         out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[:, None] + cols
@@ -328,3 +349,37 @@ def _store_columns(half: gl.constexpr, l_i, acc0, acc1, row_block, slot_out, q_f
         part_at = part_out + (part_rows * NOPE)[:, None] + cols
         gl.store(part_at, acc0 * inv_l, eviction_policy=policy)
         gl.store(part_at + TILE, acc1 * inv_l, eviction_policy=policy)
+
+
+@gluon.jit
+def _merge_in_cluster(half: gl.constexpr, o0, o1, row_block, slot_out, q_first, q_len, num_heads, out, stride_ot,
+                      stride_oh, lse, stride_lt, part_out, part_lse, KEEP_PARTIALS: gl.constexpr,
+                      CLUSTER: gl.constexpr):
+    """A warpgroup's normalized output tiles ``2 half`` and ``2 half + 1`` (``o0``, ``o1``) where the group's splits
+    are this cluster's programs (rank = split, every split's LSE stored in its slot before its scoring warpgroup
+    arrives): the program of rank ``t % CLUSTER`` merges tile ``t`` (``decode_wgmma_narrow._merge_in_cluster``'s
+    division). The tiles others merge go to this split's slot, the cluster's barrier orders them before the reads,
+    then each kept tile is merged with the others' (``decode_wgmma_narrow._merge_tile``); rank 0's scoring warpgroup
+    stores the merged LSE."""
+    rank = gl.program_id(0) % CLUSTER
+    local = gl.arange(0, ROWS, layout=ROW_O)
+    cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]
+    slot_at = (local * NOPE)[:, None] + cols
+    policy: gl.constexpr = "evict_last" if KEEP_PARTIALS else ""
+    own_at = part_out + slot_out.to(gl.int64) * (ROWS * NOPE) + slot_at
+    _store_for_others(o0, own_at, 2 * half, rank, CLUSTER, policy)
+    _store_for_others(o1, own_at, 2 * half + 1, rank, CLUSTER, policy)
+    _cluster_arrive()
+    _cluster_wait()
+    first_slot = (slot_out - rank).to(gl.int64)
+    merged, w0, w1, w2, w3 = _cluster_weights(part_lse, first_slot, local, 1.0, ROWS, KEEP_PARTIALS, CLUSTER)
+    w0, w1, w2, w3 = w0[:, None], w1[:, None], w2[:, None], w3[:, None]
+    rows = row_block * ROWS + local
+    ok = rows < q_len * num_heads
+    out_at = _row_at(out, rows, q_first, num_heads, stride_ot, stride_oh)[:, None] + cols
+    _merge_tile(o0, 2 * half, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok[:, None], rank, ROWS,
+                KEEP_PARTIALS, CLUSTER)
+    _merge_tile(o1, 2 * half + 1, w0, w1, w2, w3, part_out, first_slot, slot_at, out_at, ok[:, None], rank, ROWS,
+                KEEP_PARTIALS, CLUSTER)
+    if half == 1 and rank == 0:
+        gl.store(_row_at(lse, rows, q_first, num_heads, stride_lt, 1), merged * LN2, mask=ok)
