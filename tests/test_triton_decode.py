@@ -219,6 +219,24 @@ def test_straddled_batches_are_cut_into_clusters_only_within_the_measured_bounds
         assert max(end - start for _, _, start, end, _ in cut.items) == share
 
 
+@pytest.mark.parametrize("heads, batch, ctx, q_len, sizes", [
+    (64, 36, 4096, 1, [3, 2]),                    # 108 or 72 programs
+    (64, 24, 4096, 1, [4, 3]),                    # 96 or 72
+    (64, 36, 8192, 1, [3]),                       # 64 rows take splits of 3072 keys (not k = 2's 4096)
+    (64, 12, 8192, 1, []),                        # at most 48 programs
+    (16, 36, 4096, 4, [3, 2]),                    # 16 heads x 4 tokens: 64 rows a group too
+    (64, 32, 6144, 1, []),                        # the balanced cut already runs one item a program
+    (128, 40, 4096, 1, []),                       # two row blocks a request
+])
+def test_64_row_batches_are_cut_into_clusters_within_their_own_bounds(heads, batch, ctx, q_len, sizes):
+    """decode_wgmma_ws's tile: the same rule with the 64-row bound on a split's keys (CLUSTER_CUT_MAX_KEYS)."""
+    q_lens, kv_lens = [q_len] * batch, [ctx] * batch
+    schedule = in_slot_order(build_schedule(q_lens, kv_lens, heads, 64, 64, 132, 128))
+    cuts = list(decode._cluster_cuts(schedule, q_lens, kv_lens, heads, WGMMA_TILE, "bf16", 132))
+    assert [cut.max_splits for cut in cuts] == sizes
+    assert all(decode._cluster_size(cut, WGMMA_TILE, "bf16") == cut.max_splits for cut in cuts)
+
+
 @pytest.mark.parametrize("layout, batch, ctx, q_len, sizes", [
     ("fp8_ds_mla", 28, 2048, 1, [4]),             # 112 programs (84 in threes: too few for decode_rs_fp8)
     ("fp8_ds_mla_pow2", 52, 512, 1, [2]),         # short requests left whole on 52 programs
@@ -926,18 +944,20 @@ STRADDLED = ((1,) * 24, (2048,) * 24)  # the balanced cut runs two items on some
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout, mix, size", [
-    ("bf16", STRADDLED, 4), ("bf16", ((2,) * 20, (2048,) * 20), 4), ("bf16", ((1,) * 52, (512,) * 52), 2),
-    ("fp8_ds_mla", ((1,) * 28, (2048,) * 28), 4), ("fp8_e4m3", ((1,) * 52, (512,) * 52), 2),
-], ids=["16-rows", "mtp-32-rows", "whole-requests-triton-default", "fp8-ds-mla-rs", "fp8-e4m3-whole-requests-rs"])
-def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(layout, mix, size):
-    """The default plan cuts into clusters: a batch whose balanced cut straddles requests, in 16 and 32 rows, and
-    52 short requests that the balanced cut leaves whole on 52 programs of the Triton kernel (the plan takes the
-    narrow kernel's tile for the cut); fp8_ds_mla and fp8_e4m3 through decode_rs_fp8."""
+@pytest.mark.parametrize("layout, mix, heads, size", [
+    ("bf16", STRADDLED, 16, 4), ("bf16", ((2,) * 20, (2048,) * 20), 16, 4), ("bf16", ((1,) * 52, (512,) * 52), 16, 2),
+    ("fp8_ds_mla", ((1,) * 28, (2048,) * 28), 16, 4), ("fp8_e4m3", ((1,) * 52, (512,) * 52), 16, 2),
+    ("bf16", ((1,) * 36, (1024,) * 36), 64, 3),
+], ids=["16-rows", "mtp-32-rows", "whole-requests-triton-default", "fp8-ds-mla-rs", "fp8-e4m3-whole-requests-rs",
+        "64-rows-wgmma-ws"])
+def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(layout, mix, heads, size):
+    """The default plan cuts into clusters: a batch whose balanced cut straddles requests, in 16, 32 and 64 rows
+    (decode_wgmma_ws), and 52 short requests that the balanced cut leaves whole on 52 programs of the Triton kernel
+    (the plan takes the narrow kernel's tile for the cut); fp8_ds_mla and fp8_e4m3 through decode_rs_fp8."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    problem = build_problem(workload(layout, 64, mix, heads=16, seed=5), device)
+    problem = build_problem(workload(layout, 64, mix, heads=heads, seed=5), device)
     plan = TritonDecode().checked_plan(problem)
     assert plan.cluster == size and plan.schedule.max_splits == size and plan.config.gluon
     verdict = judge(TritonDecode(), problem)

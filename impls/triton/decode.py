@@ -32,7 +32,7 @@ merge their partials themselves after a cluster barrier; no merge kernel runs (`
 H100, 16 heads b64: bf16 111.8 -> 109.8 us, fp8_ds_mla 72.3 -> 71.9; 64 heads b64 130.2 -> 123.0, 128 heads b32
 90.9 -> 88.9, with the programs in slot order: ``in_slot_order``). Where the balanced cut straddles groups or leaves
 short requests whole, a cut into such clusters replaces it within measured bounds (``_cluster_cuts``; fp8_ds_mla
-b28 ctx2048 25.8 -> 23.0 us).
+b28 ctx2048 25.8 -> 23.0 us, 64 heads b44 ctx4096 104.1 -> 90.3).
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported
 (``mla_bench.device.prepare`` does it for the CLI and the pytest plugin).
@@ -182,7 +182,7 @@ class DecodeConfig:
     ``cluster_merge`` (Hopper): where every group has 2 to 4 splits, one program each (``_cluster_size``),
     decode_wgmma_narrow, decode_rs_fp8 and decode_wgmma_ws run in clusters of a group's splits, which merge their
     partials themselves, and no merge kernel runs; where the balanced cut straddles groups or leaves short requests
-    whole on too few programs, such a cut replaces it within measured bounds (``_cluster_cuts``; 16 and 32 rows)."""
+    whole on too few programs, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -275,8 +275,13 @@ CLUSTER_SIZES = (2, 3, 4)
 # 1536 keys +12.4% (b20 ctx6144; 80 of 256 keys -6.0%, b20 ctx1024). Not nvfp4 (decoding bounds it harder: b24
 # ctx4096 +14.6%, ctx1024-2048 -0.9 to +0.7%), nor requests in several 16-row blocks, which the balanced cut runs side
 # by side over the same keys (16 heads x 2 tokens ctx2048 b28 +4.6%, b20 +30.5%).
+# decode_wgmma_ws (64 rows of bf16, whose merge kernel costs 6-12 us; rule on against off, NOTES.md session 51): 64
+# heads ctx4096 b18 54.7 -> 46.0 (-15.9%), b20 -15.1%, b28 -13.4%, b30 (lengths within +-5%) -13.1%, b36 -9.9%, b40
+# -11.7%, b44 -13.2%; ctx8192 b36 -6.7%; ctx2048 b60 -17.5%; ctx1024 b52 -21.6%; 16 heads x 4 tokens b36 -10.9%.
+# The forced cuts before it: 48 programs +17.3% (b24 in pairs), 72 programs of 4096 keys +0.3% (b36 ctx8192 in pairs),
+# so the bounds are bf16's programs and 32 rows' keys.
 CLUSTER_CUT_MIN_PROGRAMS_PER_SM = {"bf16": 0.54, "fp8_ds_mla": 0.66, "fp8_ds_mla_pow2": 0.66, "fp8_e4m3": 0.66}
-CLUSTER_CUT_MAX_KEYS = {16: 1536, 32: 3072}  # by rows a group
+CLUSTER_CUT_MAX_KEYS = {16: 1536, 32: 3072, 64: 3072}  # by rows a group
 CLUSTER_CUT_MAX_IMBALANCE = 1.1
 
 

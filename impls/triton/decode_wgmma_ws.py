@@ -35,7 +35,9 @@ and merge their partials themselves, as ``decode_wgmma_narrow``'s do; the merge 
 5.4-12.2 us (session 51, H100: 128 heads b32 ctx4096 6.6 us of 90.9). Its programs then release the stream's next
 kernel at their start. H100, the merge kernel -> clusters, us, best of five (NOTES.md, session 51): 128 heads b32
 ctx4096 90.9 -> 88.9, b33 92.6 -> 90.0 (-2.9%), page 1 b32 92.1 -> 88.9, 2 tokens b16 86.9 -> 84.8; 64 heads b64
-130.2 -> 123.0 (-5.6%), b66 ctx2048 81.2 -> 73.3 (-9.7%); 16 heads x 4 tokens b64 130.3 -> 122.7.
+130.2 -> 123.0 (-5.6%), b66 ctx2048 81.2 -> 73.3 (-9.7%); 16 heads x 4 tokens b64 130.3 -> 122.7. Batches whose
+balanced cut straddles requests are cut into such clusters (``decode._cluster_cuts``): 64 heads b18-b60 ctx1024-8192
+-6.7 to -21.6%, 16 heads x 4 tokens b36 -10.9%.
 
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the query and the cache as
 ``[rows, 576]`` bf16 TMA descriptors (``[64, 64]`` boxes) in place of their pointers and strides. Launch with
