@@ -57,7 +57,7 @@ from impls.triton.decode_kernel import ITEM_FIELDS, LN2, NOPE, ROPE, TILE
 from impls.triton.decode_wgmma import (KEYS, ROWS, STAGES, SWIZZLED, WIDTH, _copy_key_tile, _cta_barrier,
                                        _item_fields, _key_rows, _launch_dependents, _prefetch_first_keys,
                                        _program_items, _row_at, _row_limits, _step_page)
-from impls.triton.decode_wgmma_narrow import (_cluster_arrive, _cluster_wait, _cluster_weights, _merge_tile,
+from impls.triton.decode_wgmma_narrow import (_cluster_arrive, _cluster_barrier, _cluster_weights, _merge_tile,
                                               _store_for_others, _store_lse)
 
 # Triton 3.6 (the GPU machine) names the TMA copy into shared memory as newer releases (CI) no longer do.
@@ -371,8 +371,7 @@ def _merge_in_cluster(half: gl.constexpr, o0, o1, row_block, slot_out, q_first, 
     own_at = part_out + slot_out.to(gl.int64) * (ROWS * NOPE) + slot_at
     _store_for_others(o0, own_at, 2 * half, rank, CLUSTER, policy)
     _store_for_others(o1, own_at, 2 * half + 1, rank, CLUSTER, policy)
-    _cluster_arrive()
-    _cluster_wait()
+    _cluster_barrier()
     first_slot = (slot_out - rank).to(gl.int64)
     merged, w0, w1, w2, w3 = _cluster_weights(part_lse, first_slot, local, 1.0, ROWS, KEEP_PARTIALS, CLUSTER)
     w0, w1, w2, w3 = w0[:, None], w1[:, None], w2[:, None], w3[:, None]
