@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from impls.triton import common, decode
-from magnify import magnified
+from magnify import latent_columns_magnified, magnified
 from impls.triton.decode import ITEM_COLUMNS, DecodeConfig, TritonDecode, mla_decode, plan_decode
 from impls.triton.decode_kernel import _pages_ahead
 from impls.triton.decode_mma_fp8 import _decode_split_kernel_mma_fp8
@@ -143,7 +143,8 @@ WS_TILE = {"num_warps": decode.WS_CONFIG.num_warps}  # over the narrow tile: dec
     (32, 4096, WS_TILE, "fp8_e4m3", 4),
     (64, 4096, WS_TILE, "nvfp4", 2),
     (64, 4096, {**WS_TILE, "tma_loader": False}, "fp8_ds_mla", 1),  # decode_ws, no cluster merge
-    (64, 4096, WS_TILE, "mxfp4_nsa", 1),          # decode_ws's layout that decode_rs_fp8 does not read
+    (64, 4096, WS_TILE, "mxfp4_nsa", 2),
+    (64, 4096, WS_TILE, "fp4_mx16", 1),           # decode_ws's layout that decode_rs_fp8 does not read
 ])
 def test_splits_merge_in_clusters_only_where_every_group_fills_one(batch, ctx, config, layout, size):
     narrow = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
@@ -409,9 +410,9 @@ def test_short_batches_take_64_key_splits_where_those_fill_at_most_half_the_prog
         assert decode.default_config(16, 2, "fp8_ds_mla", 64, per_slot, hopper=hopper).min_split == 64  # 32 rows
         assert decode.default_config(16, 2, "bf16", 64, per_slot, hopper=hopper).min_split == 128
         assert decode.default_config(128, 1, "bf16", 64, 1.0, hopper=hopper).min_split == 128
-    fp4 = decode.default_config(16, 1, "nvfp4", 64, 2 * per_slot, hopper=True)
+    fp4 = decode.default_config(16, 1, "nvfp4", 16, 2 * per_slot, hopper=True)  # the Triton kernel (not decode_rs_fp8)
     assert fp4.programs_per_sm == 2 and fp4.min_split == 64
-    assert decode.default_config(16, 1, "nvfp4", 64, 2 * per_slot + 1, hopper=True).min_split == 128
+    assert decode.default_config(16, 1, "nvfp4", 16, 2 * per_slot + 1, hopper=True).min_split == 128
     # One request of 4096 keys on a GPU of 132 multiprocessors (31 keys each): 64 programs of 64 keys, not 32 of 128.
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     problem = build_problem(workload("bf16", 64, ((1,), (4096,)), heads=16))
@@ -446,12 +447,11 @@ def test_16_and_32_row_fp8_ds_mla_blocks_take_the_gluon_kernels_on_hopper_only()
     assert not decode.default_config(16, 2, "fp8_e4m3", 16, hopper=True).gluon
 
 
-def test_32_rows_a_request_of_fp8_and_nvfp4_take_two_16_row_blocks_side_by_side():
-    """32 query rows a request (16 heads x 2 tokens, 32 heads, 8 heads x 4 tokens) of fp8_ds_mla or fp8_e4m3 on
-    Hopper, in pages of whole 64-key steps: decode_ws's 16-row tile, which takes decode_rs_fp8 where the cache takes
-    TMA, each request's two row blocks side by side over its keys; nvfp4 likewise where decode_ws runs its 16 rows;
-    rows that would leave a block part empty (20 heads), pages of other sizes, the other layouts and other GPUs keep
-    their 32-row kernels."""
+def test_32_rows_a_request_of_fp8_and_fp4_take_two_16_row_blocks_side_by_side():
+    """32 query rows a request (16 heads x 2 tokens, 32 heads, 8 heads x 4 tokens) of fp8_ds_mla, fp8_e4m3, nvfp4 or
+    mxfp4_nsa on Hopper, in pages of whole 64-key steps: decode_ws's 16-row tile, which takes decode_rs_fp8 where the
+    cache takes TMA, each request's two row blocks side by side over its keys; rows that would leave a block part
+    empty (20 heads), pages of other sizes, fp4_mx16 and bf16 and other GPUs keep their 32-row kernels."""
     for heads, q_len, layout, page_size in ((16, 2, "fp8_ds_mla", 64), (32, 1, "fp8_ds_mla_pow2", 128),
                                             (16, 2, "fp8_e4m3", 64), (8, 4, "fp8_e4m3", 128)):
         assert decode.default_config(heads, q_len, layout, page_size, 1e6, hopper=True) == decode.WS_CONFIG
@@ -463,14 +463,14 @@ def test_32_rows_a_request_of_fp8_and_nvfp4_take_two_16_row_blocks_side_by_side(
         assert sorted(item[:4] for item in schedule.items) == [(0, 0, 0, 130), (0, 1, 0, 130), (1, 0, 0, 64),
                                                                (1, 1, 0, 64)]  # each request's two blocks, same keys
     for heads, q_len, layout, page_size in ((20, 1, "fp8_ds_mla", 64), (16, 2, "fp8_e4m3", 16),
-                                            (16, 2, "fp8_ds_mla", 48), (16, 2, "mxfp4_nsa", 64),
-                                            (16, 2, "fp4_mx16", 64), (16, 2, "bf16", 64)):
+                                            (16, 2, "fp8_ds_mla", 48), (16, 2, "fp4_mx16", 64), (16, 2, "bf16", 64)):
         assert decode.default_config(heads, q_len, layout, page_size, 1e6, hopper=True).block_m == 32
-    # nvfp4 where decode_ws runs its 16 rows (WS_MIN_KEYS_PER_SM), as two blocks side by side; below, 32 rows.
-    many = decode.WS_MIN_KEYS_PER_SM["nvfp4"]
-    assert decode.default_config(16, 2, "nvfp4", 64, many, hopper=True) == decode.WS_CONFIG
-    assert decode.default_config(16, 2, "nvfp4", 64, many - 1, hopper=True).block_m == 32
-    assert decode.default_config(16, 2, "nvfp4", 16, many, hopper=True).block_m == 32
+    # nvfp4 and mxfp4_nsa in whole 64-key pages (decode_rs_fp8) as two blocks side by side at any size; in smaller
+    # pages (decode_ws), 32 rows at any size.
+    for layout in ("nvfp4", "mxfp4_nsa"):
+        assert decode.default_config(16, 2, layout, 64, 100.0, hopper=True) == decode.WS_CONFIG
+        assert decode.default_config(16, 2, layout, 128, 1e6, hopper=True) == decode.WS_CONFIG
+        assert decode.default_config(16, 2, layout, 16, 1e6, hopper=True).block_m == 32
 
 
 def test_64_row_quantized_blocks_take_the_gluon_kernel_on_hopper_only():
@@ -490,8 +490,11 @@ def test_64_row_quantized_blocks_take_the_gluon_kernel_on_hopper_only():
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16"])
 def test_16_row_fp8_e4m3_and_fp4_blocks_take_the_warp_specialized_kernel_on_hopper_only(layout):
-    many = decode.WS_MIN_KEYS_PER_SM[layout]  # keys per multiprocessor
-    for heads, page_size in ((16, 64), (8, 1), (16, 48)):
+    """From WS_MIN_KEYS_PER_SM keys per multiprocessor (the Triton kernel below), but at any size where the tile runs
+    decode_rs_fp8 (its layouts in whole 64-key pages)."""
+    for heads, page_size in ((16, 64), (8, 1), (16, 48), (16, 128)):
+        rs = layout in decode.RS_LAYOUTS and page_size % 64 == 0
+        many = 0 if rs else decode.WS_MIN_KEYS_PER_SM[layout]  # keys per multiprocessor
         config = decode.default_config(heads, 1, layout, page_size, keys_per_sm=many, hopper=True)
         assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_ws
         if many > 0:  # below it, the Triton kernel
@@ -606,11 +609,12 @@ def test_the_register_operand_kernel_takes_pages_of_whole_steps_and_a_contiguous
     """decode_rs_fp8's TMA descriptors (codes, rope, scales) are made where it can run (16 rows of fp8_ds_mla,
     fp8_e4m3 or nvfp4 in the warp-specialized tile, pages of whole 64-key steps, a cache contiguous from a 16-byte
     boundary, ``tma_loader`` on), and nowhere else: there decode_ws decodes the tiles into shared memory. fp8_e4m3's
-    rope is e4m3 beside its codes and it has no scales; nvfp4's scales are a chunk's 16 e4m3 block scales a key."""
+    rope is e4m3 beside its codes and it has no scales; nvfp4's scales are a chunk's 16 e4m3 block scales a key,
+    mxfp4_nsa's the key's 16 ue8m0 block exponents (bytes, copied in the same box)."""
     ws = _ws()
     scales_box = {"fp8_ds_mla": ([64, 4], torch.float32), "fp8_ds_mla_pow2": ([64, 4], torch.float32),
-                  "nvfp4": ([64, 16], torch.float8_e4m3fn)}
-    for layout in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4"):
+                  "nvfp4": ([64, 16], torch.float8_e4m3fn), "mxfp4_nsa": ([64, 16], torch.float8_e4m3fn)}
+    for layout in ("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3", "nvfp4", "mxfp4_nsa"):
         for page_size, runs in [(64, True), (128, True), (16, False), (48, False), (1, False)]:
             problem = build_problem(workload(layout, page_size, VARLEN, heads=16))
             descriptors = decode._tma_descriptors(problem.q, problem.cache, ws)
@@ -627,9 +631,8 @@ def test_the_register_operand_kernel_takes_pages_of_whole_steps_and_a_contiguous
     problem = build_problem(workload("fp8_ds_mla", 64, VARLEN, heads=16))
     assert decode._tma_descriptors(problem.q, problem.cache, _ws(tma_loader=False)) is None
     assert decode._tma_descriptors(problem.q, problem.cache, _quantized_wgmma(32)) is None
-    for layout in ("mxfp4_nsa", "fp4_mx16"):
-        other = build_problem(workload(layout, 64, VARLEN, heads=16))
-        assert decode._tma_descriptors(other.q, other.cache, ws) is None
+    mx16 = build_problem(workload("fp4_mx16", 64, VARLEN, heads=16))  # 324-byte rows: not TMA rows
+    assert decode._tma_descriptors(mx16.q, mx16.cache, ws) is None
     data = problem.cache.data
     shifted = torch.empty(data.numel() + 1, dtype=data.dtype)[1:].view(data.shape)
     shifted.copy_(data)  # contiguous, one byte past a 16-byte boundary: TMA cannot address it
@@ -745,7 +748,7 @@ def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, lay
     assert verdict.status == "passed", verdict.violations or verdict.message
     if kernel is _fp8_mma:  # its tile still selects it
         assert _gluon_kernel(kernel(), layout) is _decode_split_kernel_mma_fp8
-    if kernel is _ws and heads == 16 and mix is SINGLE and decode.WS_MIN_KEYS_PER_SM[layout] == 0:
+    if kernel is _ws and heads == 16 and mix is SINGLE and decode._ws_min_keys(layout, page_size) == 0:
         chosen = TritonDecode().checked_plan(problem).config  # the default at every size, a few keys here
         assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_ws
 
@@ -758,6 +761,8 @@ RS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in 
     ("fp8_e4m3", 64, ((2, 1, 2), (300, 64, 0)), 16, None, None),
     ("nvfp4", 64, SINGLE, 16, None, None), ("nvfp4", 128, VARLEN, 20, 3, True),
     ("nvfp4", 64, ((2, 1, 2), (300, 64, 0)), 16, None, None),
+    ("mxfp4_nsa", 64, SINGLE, 16, None, None), ("mxfp4_nsa", 128, VARLEN, 20, 3, True),
+    ("mxfp4_nsa", 64, ((2, 1, 2), (300, 64, 0)), 16, None, None),
 ]
 
 
@@ -767,13 +772,15 @@ RS_CASES = [  # (layout, page size, mix, heads, forced splits, partials kept in 
                          ids=["ps64", "ps64-mtp-h4", "pow2-ps128-h20-split2", "ps64-varlen-split3",
                               "ps128-h8-split5", "ps64-long", "e4m3-ps64", "e4m3-ps128-h20-split3",
                               "e4m3-ps64-mtp-direct", "nvfp4-ps64", "nvfp4-ps128-h20-split3",
-                              "nvfp4-ps64-mtp-direct"])
+                              "nvfp4-ps64-mtp-direct", "mxfp4-ps64", "mxfp4-ps128-h20-split3",
+                              "mxfp4-ps64-mtp-direct"])
 def test_the_16_row_quantized_kernels_in_pages_of_whole_steps_pass_the_judge_on_hopper(layout, page_size, mix, heads,
                                                                                        splits, keep, tma_loader):
-    """16 rows of fp8_ds_mla, fp8_e4m3 or nvfp4 in pages of whole steps run decode_rs_fp8 (keys decoded into wgmma's
-    register operand), and decode_ws where ``tma_loader`` is off: the last step of an item past its end (the page's
-    unused slots hold NaN, in the codes, the rope and the scales), empty and one-key requests, MTP rows, padded heads,
-    splits, an item of 65 steps, and the layer scales of fp8_e4m3 and nvfp4 on outputs stored directly and merged."""
+    """16 rows of fp8_ds_mla, fp8_e4m3, nvfp4 or mxfp4_nsa in pages of whole steps run decode_rs_fp8 (keys decoded into
+    wgmma's register operand), and decode_ws where ``tma_loader`` is off: the last step of an item past its end (the
+    page's unused slots hold NaN, in the codes, the rope and the scales), empty and one-key requests, MTP rows, padded
+    heads, splits, an item of 65 steps, and the layer scales of fp8_e4m3 and nvfp4 on outputs stored directly and
+    merged."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
@@ -781,6 +788,36 @@ def test_the_16_row_quantized_kernels_in_pages_of_whole_steps_pass_the_judge_on_
     impl = Configured(_ws(num_splits=splits, keep_partials=keep, tma_loader=tma_loader))
     assert (impl.checked_plan(problem).descriptors is not None) == tma_loader
     verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+def test_mxfp4_blocks_20_binades_apart_within_a_key_decode_exactly_through_decode_rs_fp8():
+    """decode_rs_fp8 takes mxfp4_nsa's block exponents as one scale a key (its largest) and float16 factors below it,
+    exact down to 2^-23: with the cache's 32-column blocks alternately 2^10 and 2^-10 times larger (the query's
+    columns divided alike: the same scores; the random blocks' own exponents spread by a few more binades), every
+    output block divided back must match the unmagnified decode's, which a factor taken from the wrong block, or one
+    flushed to zero, would break by 2^20 in that block only (invisible to the judge's norms, dominated by the large
+    blocks)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    factors = 2.0 ** (10 - 20 * (torch.arange(NOPE_DIM) // 32 % 2))
+    base = build_problem(workload("mxfp4_nsa", 64, VARLEN, heads=16, seed=3), device)
+    spread = latent_columns_magnified(build_problem(workload("mxfp4_nsa", 64, VARLEN, heads=16, seed=3), device),
+                                      factors)
+    impl = Configured(_ws(num_splits=2))
+    plan = impl.checked_plan(spread)
+    assert plan.descriptors is not None
+    out, lse = impl.run(plan)
+    want, want_lse = impl.run(impl.checked_plan(base))
+    blocks = (out.float() / factors.to(device)).reshape(*out.shape[:2], -1, 32)
+    wanted = want.float().reshape(*want.shape[:2], -1, 32)
+    error = (torch.linalg.vector_norm(blocks - wanted, dim=(0, 1, 3))
+             / torch.linalg.vector_norm(wanted, dim=(0, 1, 3)))
+    assert error.max() < 1e-2, error
+    assert torch.allclose(lse, want_lse, atol=1e-3, rtol=0, equal_nan=True)
+    verdict = judge(impl, spread)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
@@ -863,6 +900,7 @@ RS_CLUSTER_CASES = [  # (layout, page size, mix, heads, forced splits, expected 
     ("fp8_ds_mla_pow2", 128, ((1, 1), (700, 900)), 16, 3, 3),
     ("fp8_e4m3", 64, ((2, 2), (500, 1000)), 16, 4, 4),    # two row blocks a request (MTP)
     ("nvfp4", 64, ((1, 1), (4100, 130)), 20, 2, 2),       # padded heads, splits of unequal length
+    ("mxfp4_nsa", 128, ((2, 1), (700, 1000)), 16, 3, 3),  # MTP and one token
     ("fp8_ds_mla", 16, ((1, 1), (300, 520)), 16, 2, 1),   # pages of 16 keys: decode_ws, the merge kernel
 ]
 
@@ -870,7 +908,7 @@ RS_CLUSTER_CASES = [  # (layout, page size, mix, heads, forced splits, expected 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout, page_size, mix, heads, splits, cluster", RS_CLUSTER_CASES,
                          ids=["ds-mla-pairs", "pow2-threes-ps128", "e4m3-mtp-fours", "nvfp4-h20-pairs",
-                              "ds-mla-ps16-merge-kernel"])
+                              "mxfp4-ps128-threes", "ds-mla-ps16-merge-kernel"])
 def test_decode_rs_fp8_merges_a_groups_splits_inside_its_cluster_on_hopper(layout, page_size, mix, heads, splits,
                                                                           cluster):
     """decode_rs_fp8 (its layouts in pages of whole 64-key steps) merges a group's splits inside their cluster, for
@@ -1199,11 +1237,11 @@ def test_a_planted_bug_through_the_wgmma_kernels_fails_the_judge(tma_loader):
                                                        (_quantized_wgmma(64), "mxfp4_nsa", 64),
                                                        (_fp8_mma(), "fp8_ds_mla", 64), (_ws(), "fp8_ds_mla", 1),
                                                        (_ws(), "fp8_ds_mla", 64), (_ws(), "fp8_e4m3", 64),
-                                                       (_ws(), "nvfp4", 64), (_narrow(16), "bf16", 1),
-                                                       (_narrow(32), "bf16", 64)],
+                                                       (_ws(), "nvfp4", 64), (_ws(), "mxfp4_nsa", 64),
+                                                       (_narrow(16), "bf16", 1), (_narrow(32), "bf16", 64)],
                          ids=["fp8-wgmma32", "fp8-wgmma64", "e4m3-wgmma64", "nvfp4-wgmma64-ps1", "mxfp4-wgmma64",
-                              "fp8-mma16", "fp8-ws16-ps1", "fp8-rs16", "e4m3-rs16", "nvfp4-rs16", "narrow16-ps1",
-                              "narrow32"])
+                              "fp8-mma16", "fp8-ws16-ps1", "fp8-rs16", "e4m3-rs16", "nvfp4-rs16", "mxfp4-rs16",
+                              "narrow16-ps1", "narrow32"])
 def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, layout, page_size):
     device = torch.device("cuda")
     if not common.has_wgmma(device):

@@ -77,7 +77,7 @@ KERNEL_CASES = [  # (config, layout, page size, heads, forced splits): each spli
     (DecodeConfig(block_m=16, block_n=64, num_stages=3, early_merge=True), "bf16", 64, 16, 2),  # the Triton kernel
     (_ws(), "fp8_ds_mla", 64, 16, 3),                # decode_rs_fp8 (TMA loader)
     (_ws(), "nvfp4", 64, 16, None),                  # decode_rs_fp8, stored directly
-    (_ws(), "mxfp4_nsa", 64, 16, 2),                 # decode_ws
+    (_ws(), "fp4_mx16", 64, 16, 2),                  # decode_ws
     (_narrow(16), "bf16", 1, 16, 2),                 # decode_wgmma_narrow
     (_quantized_wgmma(64), "fp8_e4m3", 64, 64, 2),   # decode_wgmma_quantized
     (_fp8_mma(), "fp8_ds_mla", 64, 16, 2),           # decode_mma_fp8
@@ -95,7 +95,7 @@ def _needs_hopper() -> torch.device:
 
 
 @pytest.mark.parametrize("config, layout, page_size, heads, splits", KERNEL_CASES,
-                         ids=["triton", "rs-fp8", "rs-nvfp4", "ws-mxfp4", "narrow-ps1", "quantized64", "mma-fp8",
+                         ids=["triton", "rs-fp8", "rs-nvfp4", "ws-mx16", "narrow-ps1", "quantized64", "mma-fp8",
                               "wgmma-fp8", "wgmma-ws", "wgmma"])
 def test_every_split_kernel_waits_for_the_queries_of_the_kernel_before_it(config, layout, page_size, heads, splits):
     device = _needs_hopper()

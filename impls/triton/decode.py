@@ -11,12 +11,12 @@ copies by TMA, or gathers pages under a tile key by key, one warpgroup scores an
 ``decode_wgmma`` where ``tma_loader`` is off or the query or cache are not TMA rows: the score product once across both
 warpgroups, where Triton's layout rule computes it in each), 64 of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa
 (``decode_wgmma_quantized``: sparse_wgmma's step over the paged cache), 16 and 32 (``decode_wgmma_narrow``: keys on
-wgmma's M side, tiles copied straight into its operands), 16 rows of fp8_ds_mla, fp8_e4m3 and nvfp4 in pages of whole
-64-key steps (``decode_rs_fp8``: warp-specialized, copied by TMA, the codes decoded into wgmma's register operands), 16
-rows of the quantized layouts elsewhere (``decode_ws``: warp-specialized, eight warps decoding beside a warpgroup of
-products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything else are shared.
-``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no default since decode_ws
-beat it at every size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its tile.
+wgmma's M side, tiles copied straight into its operands), 16 rows of fp8_ds_mla, fp8_e4m3, nvfp4 and mxfp4_nsa in pages
+of whole 64-key steps (``decode_rs_fp8``: warp-specialized, copied by TMA, the codes decoded into wgmma's register
+operands), 16 rows of the quantized layouts elsewhere (``decode_ws``: warp-specialized, eight warps decoding beside a
+warpgroup of products) and 32 of fp8_ds_mla (``decode_wgmma_fp8``: keys on wgmma's M side); the merge and everything
+else are shared. ``decode_mma_fp8`` (16 rows of fp8_ds_mla, codes decoded straight into mma.sync operands) is no default
+since decode_ws beat it at every size (NOTES.md session 21), and runs when a ``DecodeConfig`` asks for its tile.
 
 On Hopper the split kernel is a programmatic dependent launch of the stream's previous kernel
 (``DecodeConfig.overlap_launch``): its programs start, and read the plan's work rows, while that kernel finishes, then
@@ -116,6 +116,12 @@ WIDE_ROWS_MIN_GBPS_PER_SM = {"fp8_ds_mla": 30.0, "fp8_ds_mla_pow2": 30.0, "nvfp4
 # fp4_mx16 (its rope FP4 too): faster at every size measured, from 116.0 -> 91.6 at b64 to 22.8 -> 19.6 at b1 ctx8192.
 # fp8_e4m3, against the Triton kernel, since session 21: at 124 (b4) 16.7 -> 15.3, at 62 (b2 ctx8192, b1 ctx8192)
 # 18.4 -> 16.9 and 14.6 -> 13.3, at 31 and 7.8 (b1 ctx4096, ctx1024) 13.3 -> 12.0 and 12.0 -> 10.7.
+# In pages of whole 64-key steps the layouts of decode_rs_fp8 take it from any size instead (_ws_min_keys): H100, 16
+# heads, the Triton kernel -> decode_rs_fp8 (NOTES.md, session 52): nvfp4 b1 ctx1024 8.36 -> 7.17, ctx4096 13.20 ->
+# 10.61, ctx8192 14.99 -> 12.48, b2 ctx4096 15.92 -> 11.41; mxfp4_nsa b1 ctx1024 8.32 -> 7.43, ctx4096 12.92 -> 10.86,
+# ctx8192 14.84 -> 12.71, b2 ctx4096 16.03 -> 11.71, b6 23.37 -> 17.30; in 32 rows against the 32-row Triton kernel,
+# 16 heads x 2 tokens b2 ctx1024 16.86 -> 9.23, b8 ctx4096 30.98 -> 22.08, b32 74.40 -> 62.15, 32 heads b32 74.57 ->
+# 62.20.
 WS_MIN_KEYS_PER_SM = {"fp8_ds_mla": 0, "fp8_ds_mla_pow2": 0, "fp8_e4m3": 0, "nvfp4": 96, "mxfp4_nsa": 192,
                       "fp4_mx16": 0}
 QUERY_DTYPES = (torch.bfloat16,)
@@ -130,7 +136,8 @@ MERGE_VALUES = 2048
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
-RS_LAYOUTS = FP8_DS_MLA + ("fp8_e4m3", "nvfp4")  # decode_rs_fp8's, in pages of whole steps (_tma_descriptors)
+# decode_rs_fp8's, in pages of whole steps (_tma_descriptors)
+RS_LAYOUTS = FP8_DS_MLA + ("fp8_e4m3", "nvfp4", "mxfp4_nsa")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's 64-row
 # bf16 kernel, decode_wgmma_quantized's 64-row one (fp8 and two FP4 layouts), decode_wgmma_narrow's 16- and 32-row bf16
 # one, decode_wgmma_fp8's 16- and 32-row fp8_ds_mla one, decode_mma_fp8's 16-row fp8_ds_mla one and decode_ws's (12
@@ -304,18 +311,20 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     once, its float16 path spills registers). 32 rows of fp8_ds_mla or fp8_e4m3 on Hopper in pages of whole 64-key
     steps, as two full 16-row blocks (16 heads x 2 tokens, 32 heads): decode_ws's tile, so decode_rs_fp8 where the
     cache takes TMA, the two blocks of a request side by side over its keys (H100 b32 against the 32-row kernels:
-    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 where decode_ws runs its 16
-    rows (``WS_MIN_KEYS_PER_SM``; through decode_ws, b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2, and
-    decode_rs_fp8 since session 41; not mxfp4_nsa, fp4_mx16 or bf16, each 2-6% slower that way); other 32 rows of
+    fp8_ds_mla 65.7 -> 60.0 us, fp8_e4m3 77.0 -> 51.9, NOTES.md session 40), and so of nvfp4 and mxfp4_nsa at any size
+    (``_ws_min_keys``; nvfp4 through decode_ws, b8 33.2 -> 27.2, b32 74.7 -> 72.0, b64 134.3 -> 130.2, and
+    decode_rs_fp8 since session 41; mxfp4_nsa since session 52, b32 74.4 -> 62.2; not fp4_mx16 or bf16, each 2-6%
+    slower that way); other 32 rows of
     fp8_ds_mla on Hopper: the Gluon kernel with keys on wgmma's M side (``decode_wgmma_fp8``; H200, 16 heads x 2 tokens
     b32: 135.7 -> 80.4 us, NOTES.md session 13); 16 rows of fp8_ds_mla on Hopper: the warp-specialized Gluon kernel
     (``decode_ws``; H200, 16 heads against ``decode_mma_fp8``, b64 112.5 -> 88.4 us, b128 209.1 -> 153.7, NOTES.md
     sessions 16 and 19, and faster at every batch since session 21); 16 rows of nvfp4 on Hopper from
-    ``WS_MIN_KEYS_PER_SM`` keys per multiprocessor: the same warp-specialized kernel (H200, 16 heads b64: 91.9 -> 78.5
-    us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19; decode_rs_fp8 where the cache takes TMA, H100 b64 75.3 ->
-    63.4, NOTES.md session 41), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6), of fp4_mx16 (b64 116.0 -> 91.6,
-    b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on Hopper in
-    32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
+    ``_ws_min_keys`` keys per multiprocessor (none in whole 64-key pages): the same warp-specialized kernel (H200, 16
+    heads b64: 91.9 -> 78.5 us, b128 170.8 -> 138.5, NOTES.md sessions 18 and 19; decode_rs_fp8 where the cache takes
+    TMA, H100 b64 75.3 -> 63.4, NOTES.md session 41), of mxfp4_nsa (b64 98.8 -> 83.8, b128 183.1 -> 148.6;
+    decode_rs_fp8 where the cache takes TMA, H100 b64 79.7 -> 64.2, NOTES.md session 52), of fp4_mx16 (b64 116.0 ->
+    91.6, b128 218.4 -> 162.0) and of fp8_e4m3 (b64 98.8 -> 76.0, b128 182.4 -> 131.5, NOTES.md session 19). bf16 on
+    Hopper in 32 rows, and in 16 rows in pages smaller than a 64-key step: the Gluon kernel with keys on wgmma's M side
     (``decode_wgmma_narrow``; H200, 16 heads x 2 tokens b32 67.1 -> 50.2 us, 16 heads page 1 b128 158.1 -> 149.2,
     NOTES.md session 15), and so in whole pages from ``NARROW_MIN_KEYS_PER_SM``. Other 16 or 32 rows: memory-bound, the
     mma.sync path of the Triton kernel. 16 rows of bf16 or fp8_e4m3 (off Hopper, or few keys) in whole 64-key pages, and
@@ -337,6 +346,12 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     return config
 
 
+def _ws_min_keys(layout: str, page_size: int) -> float:
+    """Keys per multiprocessor from which decode_ws's tile pays for ``layout`` in pages of ``page_size``: any number
+    where it runs decode_rs_fp8 (its layouts in pages of whole 64-key steps), else ``WS_MIN_KEYS_PER_SM``."""
+    return 0 if layout in RS_LAYOUTS and page_size % decode_wgmma_ws.KEYS.value == 0 else WS_MIN_KEYS_PER_SM[layout]
+
+
 def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, keys_per_sm: float, hopper: bool,
                  gbps_per_sm: float) -> DecodeConfig:
     """``default_config``'s choice of kernel and tile, before its split size."""
@@ -351,12 +366,12 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
-    two_blocks = layout in RS_LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]
+    two_blocks = layout in RS_LAYOUTS and keys_per_sm >= _ws_min_keys(layout, page_size)
     if block_m == 32 and hopper and two_blocks and page_size % 64 == 0 and rows % 16 == 0:
         return WS_CONFIG  # two full 16-row blocks a request, side by side (decode_rs_fp8 where TMA can copy)
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
-    if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= WS_MIN_KEYS_PER_SM[layout]:
+    if block_m == 16 and hopper and layout in decode_ws.LAYOUTS and keys_per_sm >= _ws_min_keys(layout, page_size):
         return WS_CONFIG
     if hopper and layout == "bf16" and (block_m == 32 or page_size % 64 or keys_per_sm >= NARROW_MIN_KEYS_PER_SM):
         return DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=1, early_merge=True, gluon=True)
@@ -909,7 +924,7 @@ def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -
         return codes, TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn), [tile, ROPE.value],
                                                    decode_rs_fp8.ROPE_E4M3_SMEM.value), None
     rope = TensorDescriptor.from_tensor(slots.view(torch.bfloat16), [tile, ROPE.value], SWIZZLED.value)
-    if cache.layout.name == "nvfp4":
+    if cache.layout.name in ("nvfp4", "mxfp4_nsa"):  # a chunk's 16 e4m3 block scales; all 16 ue8m0 exponents
         return codes, rope, TensorDescriptor.from_tensor(slots.view(torch.float8_e4m3fn),
                                                          [tile, decode_rs_fp8.BLOCKS.value],
                                                          decode_rs_fp8.BLOCKS_SMEM.value)

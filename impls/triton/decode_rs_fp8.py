@@ -1,5 +1,5 @@
-"""The 16-row ``fp8_ds_mla``, ``fp8_e4m3`` and ``nvfp4`` decode split step in Gluon, warp-specialized, the codes
-decoded into wgmma's register operand: no decoded copy of a tile in shared memory.
+"""The 16-row ``fp8_ds_mla``, ``fp8_e4m3``, ``nvfp4`` and ``mxfp4_nsa`` decode split step in Gluon, warp-specialized,
+the codes decoded into wgmma's register operand: no decoded copy of a tile in shared memory.
 
 ``decode_ws`` decodes each 64-key step into float16 tiles in shared memory and multiplies from there; with 16 query
 rows on wgmma's N side every m64n16k16 product reads its 2 KB key operand from shared memory, and a step moves ~337
@@ -63,13 +63,24 @@ without the value warpgroup's, b64 ran 14% faster, without the scorers' 11%, wit
 one multiply fewer per register took 7%. Against decode_ws (H100, 16 heads, page 64, us; NOTES.md, session 41):
 b8 21.6 -> 18.7, b32 44.3 -> 37.4, b64 75.3 -> 63.4, b128 134.4 -> 116.0, b64 ctx16384 252.7 -> 221.0.
 
+mxfp4_nsa (session 52) runs nvfp4's step on its 400-byte rows (the same two chunks of codes, bf16 rope), with its 16
+ue8m0 block exponents a key copied in one ``[64, 16]`` box. A float16 factor cannot hold ``2^(e - 127)``, so the
+loader, once a step is in (one step behind its copies), makes of them each key's scale ``2^(kmax - 127)`` (``kmax``
+its largest exponent) and each block's float16 factor ``2^(e - kmax)`` times 64 (``_make_factors``; exact for blocks
+down to 2^-23 below the key's largest, as ``decode_ws``'s tiles), which both scoring warpgroups and the value
+warpgroup read where nvfp4 reads its e4m3 block scales; the first scorer multiplies each key's score by its scale
+and folds the scales into P as fp8_ds_mla's tile scales (one P). Against decode_ws (H100, 16 heads, page 64, us;
+NOTES.md, session 52): b8 20.9 -> 17.6, b32 46.3 -> 36.9, b64 79.7 -> 64.2, b128 144.8 -> 118.2, b64 ctx16384 274.9
+-> 227.9.
+
 Same work items, partials and merge as ``decode_kernel._decode_split_kernel``, with the cache as TMA descriptors
 (``decode._tma_descriptors``): codes ``[slots, 656]`` e4m3 in ``[64, 128]`` boxes, rope ``[slots, 328]`` bf16 in
 ``[64, 64]`` boxes, scales ``[slots, 164]`` float32 in ``[64, 4]`` boxes; fp8_e4m3's codes and rope both from
 ``[slots, 576]`` e4m3, in ``[64, 128]`` and ``[64, 64]`` boxes, and no scales; nvfp4's codes ``[slots, 416]`` e4m3
 (as bytes) in ``[64, 128]`` boxes, its block scales from the same view in ``[64, 16]`` boxes, its rope ``[slots,
 208]`` bf16 in ``[64, 64]`` boxes. Launch with ``LAUNCH_OPTIONS``; ``LAYOUT`` is fp8_ds_mla (fp8_ds_mla_pow2 runs
-as it), fp8_e4m3 or nvfp4.
+as it), fp8_e4m3, nvfp4 or mxfp4_nsa (its codes and exponents from ``[slots, 400]`` e4m3 bytes in ``[64, 128]`` and
+``[64, 16]`` boxes, its rope ``[slots, 200]`` bf16 in ``[64, 64]`` boxes).
 """
 
 from __future__ import annotations
@@ -87,20 +98,25 @@ from impls.triton.decode_wgmma_fp8 import KEYS, WORDS_SMEM, _seen_as, _softmax_t
 from impls.triton.decode_wgmma_narrow import (COPY_LAYOUT, _cluster_arrive, _cluster_barrier, _merge_stored_splits,
                                               _store_lse, _transposed_state)
 from impls.triton.decode_wgmma_ws import FLAT, _item_tiles, _receive, _send, _tma_load
-from impls.triton.decode_ws import NVFP4_ROPE_AT, NVFP4_ROW_BYTES, NVFP4_SCALES_AT, e2m1_word_ptx
+from impls.triton.decode_ws import (MXFP4_ROPE_AT, MXFP4_ROW_BYTES, MXFP4_SCALES_AT, NVFP4_ROPE_AT, NVFP4_ROW_BYTES,
+                                   NVFP4_SCALES_AT, _factor_bits, _ue8m0_scale, e2m1_word_ptx)
 from impls.triton.sparse_wgmma import ROPE_AT, SCALES_AT, _operand_order, _stage_query
 
 ROWS = gl.constexpr(16)
 STEP_BYTES = gl.constexpr(KEYS * (NOPE + 2 * ROPE + 16))  # codes, bf16 rope, four float32 scales
 STEP_BYTES_E4M3 = gl.constexpr(KEYS * (NOPE + ROPE))  # fp8_e4m3: codes and rope, all e4m3
 STEP_BYTES_NVFP4 = gl.constexpr(KEYS * NVFP4_ROW_BYTES)  # packed e2m1 codes, e4m3 block scales, bf16 rope
+STEP_BYTES_MXFP4 = gl.constexpr(KEYS * MXFP4_ROW_BYTES)  # packed e2m1 codes, ue8m0 block exponents, bf16 rope
 BLOCKS = gl.constexpr(NOPE // 32)  # nvfp4's block scales of one 128-byte chunk of codes (256 columns)
+MX_BLOCKS = gl.constexpr(NOPE // 64)  # mxfp4_nsa's blocks (32 columns) of one chunk
 CODES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 ROPE_E4M3_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2))
 PAIRS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 SCALES_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 BLOCKS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+FACTORS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
 HALVES_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+PLAIN_3D = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 PROBS_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=2 * ROWS, element_bitwidth=16, rank=2))
 # S^T [64 keys, 16 rows] and each O^T half-tile [64 column pairs, 16 rows].
 ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -135,6 +151,18 @@ BLOCKS_SIXTEEN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 4, 0], [8, 0, 0], [0, 8, 0]],
     lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
     block_bases=[], shape=[64, 16, 16]))
+# mxfp4_nsa's factors of a chunk's eight 32-column blocks [64 keys, 8, 32 columns] taken 32 times: reshaped to
+# [64, 256], BLOCKS_SIXTEEN's layout (the same columns on the same registers and lanes).
+BLOCKS_THIRTYTWO = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 2, 0], [8, 0, 0], [0, 4, 0]],
+    lane_bases=[[0, 0, 16], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[[16, 0, 0], [32, 0, 0]],
+    block_bases=[], shape=[64, 8, 32]))
+# mxfp4_nsa, the loader: a step's ue8m0 exponents [64 keys, 2 chunks, 8 blocks], a chunk's eight a thread.
+EXPONENTS_LOAD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[16, 2, 1],
+                                               warps_per_cta=[4, 1, 1], order=[2, 1, 0]))
+# mxfp4_nsa, the first scorer: a step's key scales [64], whole in every warp (their maximum needs no exchange).
+KEY_SCALES_EVERY = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[32]], lane_bases=[[1], [2], [4], [8], [16]], warp_bases=[[0], [0]], block_bases=[], shape=[64]))
 # A chunk's block scales for the value operand, as 32-bit words of four ([64 keys, 4 words]), each word taken for the
 # 16 quads of columns its blocks cover ([64, 4, 4, 4]: key, word, block in the word, quad in the block): permuted
 # and reshaped to [64 quads, 64 keys] it is OPERAND's layout.
@@ -174,6 +202,16 @@ BLOCK_SCALE_PAIR = gl.constexpr("""{
     mov.b32 {lo, hi}, t;
     cvt.rn.f16x2.e4m3x2 $0, lo;
 }""")
+# mxfp4_nsa, values: the float16 block factors of keys a and b, halves of their words $1 and $2 picked by the
+# selector $3, as a float16 pair.
+BLOCK_FACTOR_PAIR = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
+
+
+@triton.constexpr_function
+def packed_fp4(layout):
+    """Whether ``layout`` packs e2m1 codes in two 128-byte chunks a key (nvfp4, mxfp4_nsa): the same partitions,
+    scale handling apart."""
+    return layout in ("nvfp4", "mxfp4_nsa")
 
 
 @triton.constexpr_function
@@ -183,11 +221,11 @@ def stages(layout):
     KB (H100 16 heads, against two: b32 40.7 -> 39.3 us, b64 71.2 -> 68.1, b128 130.2 -> 124.4, b64 ctx16384 252.7
     -> 239.0; four: 40.4, 70.7, 127.6, 249.4; four again once its decoding got cheaper: +0.9 to +1.8%; NOTES.md,
     session 41)."""
-    return 3 if layout == "nvfp4" else 2
+    return 3 if packed_fp4(layout) else 2
 
 
 # The barriers (one allocation, by index; room for the most stages of any layout):
-MOST_STAGES = gl.constexpr(max(stages(layout) for layout in ("fp8_ds_mla", "fp8_e4m3", "nvfp4")))
+MOST_STAGES = gl.constexpr(max(stages(layout) for layout in ("fp8_ds_mla", "fp8_e4m3", "nvfp4", "mxfp4_nsa")))
 KREADY = gl.constexpr(0)                    # + stage: the step is in (TMA)
 KFREE = gl.constexpr(KREADY + MOST_STAGES)  # + stage: the three multiplying warpgroups have it in registers
 PREADY = gl.constexpr(KFREE + MOST_STAGES)  # + buffer (2): P and its rescale factor are in
@@ -196,7 +234,8 @@ LREADY = gl.constexpr(PFREE + 2)            # the item's output factor is in (fo
 LFREE = gl.constexpr(LREADY + 1)            # the value warpgroup has read it
 HREADY = gl.constexpr(LFREE + 1)            # + buffer (2): the second scoring warpgroup's half of the scores is in
 HFREE = gl.constexpr(HREADY + 2)            # + buffer: the first has read it
-BARRIERS = gl.constexpr(HFREE + 2)
+FREADY = gl.constexpr(HFREE + 2)            # + stage: mxfp4_nsa's factors of the step are in (the loader)
+BARRIERS = gl.constexpr(FREADY + MOST_STAGES)
 # 16 warps: 152 registers for the first scoring warpgroup, 224 for the values, 112 for the second, 24 for the loader.
 # With 96 the second cannot keep its products' operands in flight and ptxas serializes every wgmma of the kernel
 # (C7512; ``impls.triton.compile_check`` fails on it); the values then need 224 (216: serialized again), and the
@@ -212,10 +251,11 @@ def _decode_split_kernel_rs_fp8(
     LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr,
 ):
     """A persistent program over its work items (``_decode_split_kernel``'s contract) of 16 query rows of a
-    ``LAYOUT`` cache (fp8_ds_mla, fp8_e4m3 or nvfp4). ``EARLY_MERGE``: let the merge kernel, a programmatic
-    dependent launch, start now. ``WAIT_PRIOR``: launched as a programmatic dependent of the stream's previous
-    kernel, each partition reads only the plan's work rows before that kernel's results are complete and visible
-    (``decode_wgmma._program_items``). fp8_e4m3 and nvfp4 have no tile scales (one P for every tile); fp8_e4m3's layer
+    ``LAYOUT`` cache (fp8_ds_mla, fp8_e4m3, nvfp4 or mxfp4_nsa). ``EARLY_MERGE``: let the merge kernel, a
+    programmatic dependent launch, start now. ``WAIT_PRIOR``: launched as a programmatic dependent of the stream's
+    previous kernel, each partition reads only the plan's work rows before that kernel's results are complete and
+    visible (``decode_wgmma._program_items``). fp8_e4m3, nvfp4 and mxfp4_nsa have no tile scales (one P for every
+    tile; mxfp4_nsa's key scales in it); fp8_e4m3's layer
     scale is in ``qk_scale``, nvfp4's (latent keys only) in ``nope_scale``, and both, for outputs stored here rather
     than merged, in ``out_scale``. ``CLUSTER`` > 1: the grid runs in clusters of that many programs, each one item,
     the splits of one group in rank order: every partition arrives at the cluster barrier once its part of the item
@@ -226,12 +266,20 @@ def _decode_split_kernel_rs_fp8(
         _launch_dependents()
     q_nope = gl.allocate_shared_memory(gl.float16, [4, ROWS, TILE], SWIZZLED)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, ROWS, ROPE], SWIZZLED)  # indexed by a run-time 0 (_score)
-    if LAYOUT == "nvfp4":  # stage b, chunk h of 256 columns: 2b + h; each chunk's block scales likewise
+    if packed_fp4(LAYOUT):  # stage b, chunk h of 256 columns: 2b + h; each chunk's block scales likewise
         codes = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, KEYS, TILE], CODES_SMEM)
-        scales = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, KEYS, BLOCKS], BLOCKS_SMEM)
+        if LAYOUT == "nvfp4":
+            scales = gl.allocate_shared_memory(gl.float8e4nv, [2 * STAGES, KEYS, BLOCKS], BLOCKS_SMEM)
+        else:  # the loader's float16 factors from the copied exponents, and each key's scale (_make_factors)
+            scales = gl.allocate_shared_memory(gl.float16, [2 * STAGES, KEYS, MX_BLOCKS], FACTORS_SMEM)
+            exponents = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, KEYS, 2 * MX_BLOCKS], BLOCKS_SMEM)
+            key_scales = gl.allocate_shared_memory(gl.float32, [STAGES, KEYS], FLAT)
     else:  # stage b, tile t: 4b + t
         codes = gl.allocate_shared_memory(gl.float8e4nv, [4 * STAGES, KEYS, TILE], CODES_SMEM)
         scales = gl.allocate_shared_memory(gl.float32, [STAGES, KEYS, 4], SCALES_SMEM)
+    if LAYOUT != "mxfp4_nsa":  # no exponents or key scales: placeholders, never read
+        exponents = scales
+        key_scales = scales
     if LAYOUT == "fp8_e4m3":
         rope = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, KEYS, ROPE], ROPE_E4M3_SMEM)
     else:
@@ -254,23 +302,24 @@ def _decode_split_kernel_rs_fp8(
     hopper.fence_async_shared()
     gl.warp_specialize([
         (_score, (q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse,
-                  qk_scale, num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out,
-                  halves, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR, CLUSTER)),
+                  qk_scale, num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, key_scales, probs, factors,
+                  to_out, halves, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR, CLUSTER)),
         (_value, (work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stride_lt, part_out, part_lse,
                   out_scale, num_heads, codes, scales, probs, factors, to_out, bars, KEEP_PARTIALS, LAYOUT, WAIT_PRIOR,
                   CLUSTER)),
         (_score_half, (q, stride_qt, stride_qh, work, items_stride, item_counts, num_heads, q_nope, codes, scales,
                        halves, bars, LAYOUT, WAIT_PRIOR, CLUSTER)),
         (_load, (codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes,
-                 rope, scales, bars, PAGE_SIZE, LAYOUT, WAIT_PRIOR, CLUSTER)),
+                 rope, scales, exponents, key_scales, bars, PAGE_SIZE, LAYOUT, WAIT_PRIOR, CLUSTER)),
     ], [4, 4, 4], [224, 112, 24])
 
 
 @gluon.jit
 def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, items_stride, item_counts, codes, rope,
-          scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
-          CLUSTER: gl.constexpr):
-    """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it."""
+          scales, exponents, key_scales, bars, PAGE_SIZE: gl.constexpr, LAYOUT: gl.constexpr,
+          WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
+    """The loader: the program's step g into stage g % STAGES once the three multiplying warpgroups have freed it;
+    mxfp4_nsa: then step g - 1's factors (``_make_factors``), one step behind so that the copies stay in flight."""
     STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     g = 0
@@ -289,6 +338,14 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
                     _tma_load(codes_desc, [row, TILE * h], bar, codes.index(2 * b + h))
                     _tma_load(scales_desc, [row, NVFP4_SCALES_AT + BLOCKS * h], bar, scales.index(2 * b + h))
                 _tma_load(rope_desc, [row, NVFP4_ROPE_AT // 2], bar, rope.index(b))
+            elif LAYOUT == "mxfp4_nsa":
+                mbarrier.expect(bar, STEP_BYTES_MXFP4)
+                for h in gl.static_range(2):
+                    _tma_load(codes_desc, [row, TILE * h], bar, codes.index(2 * b + h))
+                _tma_load(scales_desc, [row, MXFP4_SCALES_AT], bar, exponents.index(b))
+                _tma_load(rope_desc, [row, MXFP4_ROPE_AT // 2], bar, rope.index(b))
+                if g > 0:
+                    _make_factors(exponents, scales, key_scales, bars, g - 1, STAGES)
             else:
                 mbarrier.expect(bar, STEP_BYTES_E4M3 if LAYOUT == "fp8_e4m3" else STEP_BYTES)
                 for t in gl.static_range(4):
@@ -299,14 +356,45 @@ def _load(codes_desc, rope_desc, scales_desc, block_table, stride_bt, work, item
                     _tma_load(rope_desc, [row, ROPE_AT // 2], bar, rope.index(b))
                     _tma_load(scales_desc, [row, SCALES_AT // 4], bar, scales.index(b))
             g += 1
+    if LAYOUT == "mxfp4_nsa" and g > 0:
+        _make_factors(exponents, scales, key_scales, bars, g - 1, STAGES)
     if CLUSTER > 1:
         _cluster_arrive()
 
 
 @gluon.jit
+def _make_factors(exponents, factors, key_scales, bars, k, STAGES: gl.constexpr):
+    """mxfp4_nsa, the loader, once step ``k`` is in: each key's scale ``2^(kmax - 127)`` (``kmax`` its largest ue8m0
+    block exponent; for the first scorer's softmax, as fp8_ds_mla's tile scales) and each block's float16 factor
+    ``2^(e - kmax + 6)`` (``decode_ws._factor_bits``; the e2m1 -> e4m3 bit move divides by 64), which both scoring
+    warpgroups and the value warpgroup take as nvfp4's block scales, made once here rather than in each. Exact for
+    blocks down to 2^-23 below the key's largest (``decode_ws._ue8m0_split``)."""
+    b = k % STAGES
+    mbarrier.wait(bars.index(KREADY + b), (k // STAGES) & 1)
+    step = _seen_as(exponents.index(b), gl.uint8, [KEYS, 2, MX_BLOCKS], PLAIN_3D)
+    e = step.load(EXPONENTS_LOAD).to(gl.int32)
+    kmax = gl.max(gl.max(e, 2), 1)
+    bits = _factor_bits(e, kmax[:, None, None])
+    chunks = _seen_as(factors, gl.int16, [STAGES, 2, KEYS, MX_BLOCKS], PLAIN_3D).index(b)
+    chunks.store(bits.to(gl.int16).permute((1, 0, 2)))
+    key_scales.index(b).store(_ue8m0_scale(kmax))
+    _cta_barrier()  # every warp's factors are stored
+    mbarrier.arrive(bars.index(FREADY + b), count=1)
+
+
+@gluon.jit
+def _wait_step(bars, b, phase, LAYOUT: gl.constexpr):
+    """A multiplying warpgroup's wait for stage ``b``'s step (and mxfp4_nsa's factors of it) in ``phase``."""
+    mbarrier.wait(bars.index(KREADY + b), phase)
+    if LAYOUT == "mxfp4_nsa":
+        mbarrier.wait(bars.index(FREADY + b), phase)
+
+
+@gluon.jit
 def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, lse, stride_lt, part_lse, qk_scale,
-           num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, probs, factors, to_out, halves, bars,
-           KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
+           num_heads, nope_scale, q_nope, q_rope, codes, rope, scales, key_scales, probs, factors, to_out, halves,
+           bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr, WAIT_PRIOR: gl.constexpr,
+           CLUSTER: gl.constexpr):
     """The first scoring warpgroup: each item's query (rope and tiles 0, 1), each step's scores of those, plus the
     second warpgroup's half, the softmax and P per tile scale for the value warpgroup; at the item's end its lse,
     and the output factor for the value warpgroup."""
@@ -328,12 +416,12 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             b = g % STAGES
             pb = g % 2
             start = kv_start + j * KEYS
-            mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
+            _wait_step(bars, b, (g // STAGES) & 1, LAYOUT)
             # The stage's part in registers and freed before anything is made of it (H100 16 heads b64 76.1 -> 75.3
             # us with _score_half and _value alike; NOTES.md, session 37).
             rope_raw = rope.index(b).load(ROPE_LOAD)
             part = _load_part(codes, scales, b, 0, LAYOUT)
-            scales_every, scales_keys = _load_scales(scales.index(b), LAYOUT)
+            scales_every, scales_keys = _load_scales(scales, key_scales, b, LAYOUT)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
             if LAYOUT == "fp8_e4m3":  # e4m3 -> bfloat16 is exact
@@ -343,10 +431,16 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
                                           is_async=True)
             s_rope, r = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[s_rope, r])  # LAUNCH_OPTIONS' comment
             p0, p1, k0, k1 = _issue_part_scores(part, 0, start, q_nope, zero, LAYOUT)
-            x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end, LAYOUT)  # while they run
+            if LAYOUT == "mxfp4_nsa":  # while they run
+                x0, x1, x2, x3, step_max = _key_scales(scales_every, scales_keys, start, kv_end)
+            else:
+                x0, x1, x2, x3, step_max = _step_scales(scales_every, scales_keys, start, kv_end, LAYOUT)
             p0, p1, k0, k1 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p0, p1, k0, k1])
-            nope = p0 * x0[:, None] + p1 * x1[:, None]
-            nope += _receive(halves.index(pb), ACC, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
+            half = _receive(halves.index(pb), ACC, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
+            if LAYOUT == "mxfp4_nsa":  # one scale a key (x0) for all four tiles
+                nope = (p0 + p1 + half) * x0[:, None]
+            else:
+                nope = p0 * x0[:, None] + p1 * x1[:, None] + half
             s = (s_rope + nope * q_down[None, :]) * qk_scale
             s = gl.where((start + key_ids)[:, None] < limit[None, :], s, float("-inf"))
             mbarrier.wait(bars.index(PFREE + pb), ((g // 2) & 1) ^ 1)
@@ -384,15 +478,18 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
             b = g % STAGES
             pb = g % 2
             start = kv_start + j * KEYS
-            mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
+            _wait_step(bars, b, (g // STAGES) & 1, LAYOUT)
             part = _load_part(codes, scales, b, 1, LAYOUT)
-            scales_every, scales_keys = _load_scales(scales.index(b), LAYOUT)
+            scales_every, scales_keys = _load_scales(scales, None, b, LAYOUT)
             _cta_barrier()  # every warp has the stage in registers
             mbarrier.arrive(bars.index(KFREE + b), count=1)
             p2, p3, k2, k3 = _issue_part_scores(part, 2, start, q_nope, zero, LAYOUT)
             _, _, x2, x3, _ = _step_scales(scales_every, scales_keys, start, kv_end, LAYOUT)  # while the products run
             p2, p3, k2, k3 = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[p2, p3, k2, k3])
-            half = p2 * x2[:, None] + p3 * x3[:, None]
+            if LAYOUT == "mxfp4_nsa":  # the first scorer applies the key scales to the sum
+                half = p2 + p3
+            else:
+                half = p2 * x2[:, None] + p3 * x3[:, None]
             _send(halves.index(pb), half, bars.index(HREADY + pb), bars.index(HFREE + pb), (g // 2) & 1)
             g += 1
     if CLUSTER > 1:
@@ -403,8 +500,8 @@ def _score_half(q, stride_qt, stride_qh, work, items_stride, item_counts, num_he
 def _load_part(codes, scales, b, half: gl.constexpr, LAYOUT: gl.constexpr):
     """A scoring warpgroup's ``half`` (tiles ``2 half`` and ``2 half + 1``) of stage ``b``, loaded for
     ``_issue_part_scores``: nvfp4's chunk (``_load_chunk``), else the two e4m3 code tiles (``CODES_LOAD``)."""
-    if LAYOUT == "nvfp4":
-        return _load_chunk(codes.index(2 * b + half), scales.index(2 * b + half))
+    if packed_fp4(LAYOUT):
+        return _load_chunk(codes.index(2 * b + half), scales.index(2 * b + half), LAYOUT)
     else:
         return codes.index(4 * b + 2 * half).load(CODES_LOAD), codes.index(4 * b + 2 * half + 1).load(CODES_LOAD)
 
@@ -413,8 +510,8 @@ def _load_part(codes, scales, b, half: gl.constexpr, LAYOUT: gl.constexpr):
 def _issue_part_scores(part, t: gl.constexpr, start, q_nope, acc, LAYOUT: gl.constexpr):
     """The score products of tiles ``t`` and ``t + 1`` from their loaded ``part`` (``_load_part``), issued; returns
     both products, then both operands (``_issue_tile_scores``)."""
-    if LAYOUT == "nvfp4":
-        first, second = _chunk_operands(part[0], part[1])
+    if packed_fp4(LAYOUT):
+        first, second = _chunk_operands(part[0], part[1], LAYOUT)
         p0, k0 = _issue_tile_scores(first, t, start, q_nope, acc)
         p1, k1 = _issue_tile_scores(second, t + 1, start, q_nope, acc)
     else:
@@ -445,7 +542,7 @@ def _stage_item_query(q, stride_qt, stride_qh, row_block, q_first, q_len, num_he
     q_base = _row_at(q, rows_q, q_first, num_heads, stride_qt, stride_qh)
     q_down = _stage_query(q_base, rows_q < q_len * num_heads,
                           (q_nope.index(0), q_nope.index(1), q_nope.index(2), q_nope.index(3)), q_rope, COPY_LAYOUT,
-                          OPERAND_ORDER=True, FIRST=FIRST, LAST=LAST, WORD_ORDER=LAYOUT == "nvfp4")
+                          OPERAND_ORDER=True, FIRST=FIRST, LAST=LAST, WORD_ORDER=packed_fp4(LAYOUT))
     hopper.fence_async_shared()
     _cta_barrier()
     return gl.convert_layout(q_down, ACC_ROWS)
@@ -459,21 +556,27 @@ def _code_operand(tile_codes):
 
 
 @gluon.jit
-def _load_chunk(chunk, blocks):
-    """An nvfp4 chunk's packed codes (``[64 keys, 32 words]``) and block scales (``[64 keys, 16]`` e4m3), loaded for
-    ``_chunk_operands``."""
+def _load_chunk(chunk, blocks, LAYOUT: gl.constexpr):
+    """A packed FP4 chunk's codes (``[64 keys, 32 words]``) and block scales (nvfp4: ``[64 keys, 16]`` e4m3;
+    mxfp4_nsa: ``[64 keys, 8]`` float16 factors, ``_make_factors``), loaded for ``_chunk_operands``."""
     words = _seen_as(chunk, gl.int32, [KEYS, TILE // 4], WORDS_SMEM).load(gl.SliceLayout(2, WORDS_EIGHT))
-    return words, blocks.load(gl.SliceLayout(2, BLOCKS_SIXTEEN))
+    if LAYOUT == "nvfp4":
+        return words, blocks.load(gl.SliceLayout(2, BLOCKS_SIXTEEN))
+    else:
+        return words, blocks.load(gl.SliceLayout(2, BLOCKS_THIRTYTWO))
 
 
 @gluon.jit
-def _chunk_operands(words, blocks):
-    """A loaded nvfp4 chunk (``_load_chunk``) as its two tiles' score operands (``_code_operand``): each e2m1 value
-    times its block's e4m3 scale, exact in float16 (``decode_ws._e2m1_words``), eight columns a word in the word's
-    order (``E2M1_COLUMNS``; the query is staged alike)."""
+def _chunk_operands(words, blocks, LAYOUT: gl.constexpr):
+    """A loaded packed FP4 chunk (``_load_chunk``) as its two tiles' score operands (``_code_operand``): each e2m1
+    value times its block's e4m3 scale (nvfp4) or factor (mxfp4_nsa), exact in float16 (``decode_ws._e2m1_words``),
+    eight columns a word in the word's order (``E2M1_COLUMNS``; the query is staged alike)."""
     words = words[:, :, None].broadcast_to([KEYS, TILE // 4, 8]).reshape([KEYS, 2 * TILE])
-    times64 = blocks.to(gl.float16) * 64.0  # the e2m1 -> e4m3 bit move divides by 64
-    times64 = times64[:, :, None].broadcast_to([KEYS, BLOCKS, 16]).reshape([KEYS, 2 * TILE])
+    if LAYOUT == "nvfp4":
+        times64 = blocks.to(gl.float16) * 64.0  # the e2m1 -> e4m3 bit move divides by 64
+        times64 = times64[:, :, None].broadcast_to([KEYS, BLOCKS, 16]).reshape([KEYS, 2 * TILE])
+    else:  # the factors carry the 64
+        times64 = blocks[:, :, None].broadcast_to([KEYS, MX_BLOCKS, 32]).reshape([KEYS, 2 * TILE])
     values = gl.inline_asm_elementwise(E2M1_COLUMNS, "=r," * 4 + "r," * 8 + "r,r,r,r", [words, times64],
                                        dtype=gl.float16, is_pure=True, pack=8)
     first, second = gl.split(values.reshape([KEYS, 2, TILE]).permute((0, 2, 1)))
@@ -481,19 +584,33 @@ def _chunk_operands(words, blocks):
 
 
 @gluon.jit
-def _load_scales(tile, LAYOUT: gl.constexpr):
-    """A step's ``[64 keys, 4]`` tile scales from its stage, in the two layouts ``_step_scales`` takes (fp8_e4m3,
-    nvfp4: none, ones)."""
-    if LAYOUT != "fp8_ds_mla":
-        return gl.full([KEYS, 4], 1.0, gl.float32, SCALES_EVERY), gl.full([KEYS, 4], 1.0, gl.float32, SCALES_KEYS)
+def _load_scales(scales, key_scales, b, LAYOUT: gl.constexpr):
+    """Stage ``b``'s scales in the two layouts ``_step_scales`` takes: fp8_ds_mla's ``[64 keys, 4]`` tile scales;
+    mxfp4_nsa's ``[64]`` key scales where ``key_scales`` is given (the first scorer's; ``_make_factors``); else
+    none, ones."""
+    if LAYOUT == "fp8_ds_mla":
+        return scales.index(b).load(SCALES_EVERY), scales.index(b).load(SCALES_KEYS)
+    elif LAYOUT == "mxfp4_nsa" and key_scales is not None:
+        return key_scales.index(b).load(KEY_SCALES_EVERY), key_scales.index(b).load(ACC_KEYS)
     else:
-        return tile.load(SCALES_EVERY), tile.load(SCALES_KEYS)
+        return gl.full([KEYS, 4], 1.0, gl.float32, SCALES_EVERY), gl.full([KEYS, 4], 1.0, gl.float32, SCALES_KEYS)
+
+
+@gluon.jit
+def _key_scales(every, x, start, kv_end):
+    """mxfp4_nsa's key scales of a step (``_load_scales``) along ACC's keys, as ``_step_scales``' first of four
+    (the others ones), and their maximum; zero for keys at or past ``kv_end`` (their slots may hold anything)."""
+    seen = (start + gl.arange(0, KEYS, layout=KEY_SCALES_EVERY)) < kv_end
+    x = gl.where(start + gl.arange(0, KEYS, layout=ACC_KEYS) < kv_end, x, 0.0)
+    one = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
+    return x, one, one, one, gl.max(gl.where(seen, every, 0.0), 0)
 
 
 @gluon.jit
 def _step_scales(every, x, start, kv_end, LAYOUT: gl.constexpr):
     """A step's four per-key tile scales (``_load_scales``) along ACC's keys and their maximum, zero for keys at or
-    past ``kv_end`` (their slots may hold anything); fp8_e4m3, nvfp4: ones (masked keys get -inf scores)."""
+    past ``kv_end`` (their slots may hold anything); fp8_e4m3, nvfp4, mxfp4_nsa: ones (masked keys get -inf scores;
+    the first scorer takes mxfp4_nsa's key scales from ``_key_scales``)."""
     if LAYOUT != "fp8_ds_mla":
         one = gl.full([KEYS], 1.0, gl.float32, ACC_KEYS)
         return one, one, one, one, gl.to_tensor(1.0)
@@ -512,8 +629,8 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stri
            num_heads, codes, scales, probs, factors, to_out, bars, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr,
            WAIT_PRIOR: gl.constexpr, CLUSTER: gl.constexpr):
     """The value warpgroup: every step's ``O^T += V^T P^T``, the even and odd output columns of each fp8 tile apart,
-    nvfp4's columns by their position in a quad of four (fp8_e4m3, nvfp4: outputs stored here, not merged, and
-    outputs merged in the cluster, times the layer's ``out_scale``)."""
+    the FP4 layouts' columns by their position in a quad of four (fp8_e4m3, nvfp4: outputs stored here, not merged,
+    and outputs merged in the cluster, times the layer's ``out_scale``)."""
     STAGES: gl.constexpr = stages(LAYOUT)
     table, items = _program_items(work, items_stride, item_counts, WAIT_PRIOR)
     nq = 0
@@ -535,12 +652,12 @@ def _value(work, items_stride, item_counts, out, stride_ot, stride_oh, lse, stri
             start = kv_start + j * KEYS
             # The step's operands before its P: their conversions run under the scorer's softmax and the stage is
             # freed a softmax sooner (H100 16 heads b32 46.6 -> 45.4 us, b64 79.1 -> 78.0; NOTES.md, session 36).
-            mbarrier.wait(bars.index(KREADY + b), (g // STAGES) & 1)
-            if LAYOUT == "nvfp4":  # e, o 0-1: chunk 0's columns 4p, 4p + 1, 4p + 2, 4p + 3; e, o 2-3: chunk 1's
+            _wait_step(bars, b, (g // STAGES) & 1, LAYOUT)
+            if packed_fp4(LAYOUT):  # e, o 0-1: chunk 0's columns 4p, 4p + 1, 4p + 2, 4p + 3; e, o 2-3: chunk 1's
                 w0 = _value_pairs(codes.index(2 * b), start, kv_end)
                 w1 = _value_pairs(codes.index(2 * b + 1), start, kv_end)
-                f0 = _quad_scales(scales.index(2 * b), start, kv_end)
-                f1 = _quad_scales(scales.index(2 * b + 1), start, kv_end)
+                f0 = _quad_scales(scales.index(2 * b), start, kv_end, LAYOUT)
+                f1 = _quad_scales(scales.index(2 * b + 1), start, kv_end, LAYOUT)
                 _cta_barrier()  # every warp has the stage in registers
                 mbarrier.arrive(bars.index(KFREE + b), count=1)
                 ve0, vo0, ve1, vo1 = gl.inline_asm_elementwise(E2M1_QUADS, "=r,=r,=r,=r,r,r", [w0, f0],
@@ -602,7 +719,7 @@ def _store_item(e0, o0, e1, o1, e2, o2, e3, o3, factor, out, stride_ot, stride_o
                 q_first, q_len, num_heads, KEEP_PARTIALS: gl.constexpr, LAYOUT: gl.constexpr):
     """The item's output columns (``_store_columns``): final rows, or a partial in its slot for the merge kernel or
     for the cluster's merge."""
-    if LAYOUT == "nvfp4":
+    if packed_fp4(LAYOUT):
         _store_columns(_quads_as_rows(e0, o0, e1, o1, factor), 0, out, stride_ot, stride_oh, part_out, row_block,
                        slot_out, q_first, q_len, num_heads, KEEP_PARTIALS)
         _store_columns(_quads_as_rows(e2, o2, e3, o3, factor), 2 * TILE, out, stride_ot, stride_oh, part_out,
@@ -631,21 +748,28 @@ def _value_pairs(tile, start, kv_end):
 
 
 @gluon.jit
-def _quad_scales(blocks, start, kv_end):
-    """An nvfp4 chunk's block scales (``[64 keys, 16]`` e4m3) as float16 along ``_value_pairs``' words of the chunk,
-    ``[64 quads, 64 keys]``: each block's scale for its four quads, picked from the key's word of four (one 32-bit
-    load a key: each thread's blocks of a key lie in one word); keys at or past ``kv_end`` zeroed (their slots may
-    hold NaN)."""
+def _quad_scales(blocks, start, kv_end, LAYOUT: gl.constexpr):
+    """A packed FP4 chunk's block scales as float16 along ``_value_pairs``' words of the chunk, ``[64 quads, 64
+    keys]``, one 32-bit load a key (each thread's blocks of a key lie in one word): nvfp4's (``[64 keys, 16]`` e4m3),
+    each block's for its four quads, picked from the key's word of four, keys at or past ``kv_end`` zeroed (their
+    slots may hold NaN); mxfp4_nsa's float16 factors (``[64 keys, 8]``, always finite), each block's for its eight
+    quads, picked from the key's word of two."""
     words = _seen_as(blocks, gl.int32, [KEYS, BLOCKS // 4], SCALES_SMEM).load(KEY_WORDS)
-    if start + KEYS > kv_end:
+    if LAYOUT == "nvfp4" and start + KEYS > kv_end:
         keys = start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, KEY_WORDS))
         words = gl.where(keys[:, None] < kv_end, words, gl.zeros_like(words))
     words = words[:, :, None, None].broadcast_to([KEYS, 4, 4, 4]).permute((1, 2, 3, 0)).reshape([4 * BLOCKS, KEYS])
     words = gl.convert_layout(words, OPERAND, assert_trivial=True)
-    block = (gl.arange(0, 4 * BLOCKS, layout=gl.SliceLayout(1, OPERAND)) >> 2) & 3  # the block's byte in its word
-    picks = gl.zeros_like(words) + (block | ((block + 4) << 4))[:, None]  # bytes (a, b) of words (a, b)
-    return gl.inline_asm_elementwise(BLOCK_SCALE_PAIR, "=r,r,r,r,r", [words, picks], dtype=gl.float16, is_pure=True,
-                                     pack=2)
+    quad = gl.arange(0, 4 * BLOCKS, layout=gl.SliceLayout(1, OPERAND))
+    if LAYOUT == "nvfp4":
+        block = (quad >> 2) & 3  # the block's byte in its word
+        picks = gl.zeros_like(words) + (block | ((block + 4) << 4))[:, None]  # bytes (a, b) of words (a, b)
+        return gl.inline_asm_elementwise(BLOCK_SCALE_PAIR, "=r,r,r,r,r", [words, picks], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        picks = gl.zeros_like(words) + (0x5410 + ((quad >> 3) & 1) * 0x2222)[:, None]  # halves (a, b) of words (a, b)
+        return gl.inline_asm_elementwise(BLOCK_FACTOR_PAIR, "=r,r,r,r,r", [words, picks], dtype=gl.float16,
+                                         is_pure=True, pack=2)
 
 
 @gluon.jit

@@ -144,7 +144,8 @@ def _decode_fp4_tile(packed, blocks, kmax, keys, t: gl.constexpr, LAYOUT: gl.con
         pairs = blocks.slice(4 * t, 4, 1).load(gl.SliceLayout(2, FP4_WORDS))
         words = _e2m1_words(codes, pairs[:, :, None], _E2M1_WORDS_TIMES_SCALES, "r,r")
     else:
-        factor = _factor_bits(blocks.slice(4 * t, 4, 1).load(gl.SliceLayout(2, FP4_WORDS)).to(gl.int32), kmax)
+        exponents = blocks.slice(4 * t, 4, 1).load(gl.SliceLayout(2, FP4_WORDS)).to(gl.int32)
+        factor = _factor_bits(exponents, kmax[:, None])
         words = _e2m1_words(codes, (factor | (factor << 16))[:, :, None], _E2M1_WORDS_TIMES_FACTORS, "r,r,r,r")
     _as_words(keys[t]).store(words)
 

@@ -367,7 +367,7 @@ def _ue8m0_split(first, second):
     Blocks more than 2^-23 below the largest lose bits in float16: their values lie below 2^-22 of the tile's
     largest (a block's scale is set by its own largest value)."""
     kmax = gl.max(gl.maximum(first, second), 1)
-    return _ue8m0_scale(kmax), _factor_bits(first, kmax) | (_factor_bits(second, kmax) << 16)
+    return _ue8m0_scale(kmax), _factor_bits(first, kmax[:, None]) | (_factor_bits(second, kmax[:, None]) << 16)
 
 
 @gluon.jit
@@ -379,8 +379,9 @@ def _ue8m0_scale(exponent):
 
 @gluon.jit
 def _factor_bits(blocks, kmax):
-    """The float16 bits of ``2^(k - kmax + 6)`` per block (``[64, 4]``), as int32; at most 2^-25 flushes to 0."""
-    exponent = blocks - kmax[:, None] + 133  # a float32 exponent field
+    """The float16 bits of ``2^(k - kmax + 6)`` per block (``kmax`` broadcast to ``blocks``' shape), as int32; at
+    most 2^-25 flushes to 0."""
+    exponent = blocks - kmax + 133  # a float32 exponent field
     factor = gl.where(exponent > 0, exponent << 23, 0).to(gl.float32, bitcast=True).to(gl.float16)
     return factor.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
 
