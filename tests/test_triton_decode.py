@@ -474,18 +474,41 @@ def test_32_rows_a_request_of_fp8_and_fp4_take_two_16_row_blocks_side_by_side():
 
 
 def test_64_row_quantized_blocks_take_the_gluon_kernel_on_hopper_only():
-    """From each layout's QUANTIZED_ROWS_MIN_KEYS_PER_SM (mxfp4_nsa's above 0: the Triton kernel below it)."""
+    """From each layout's QUANTIZED_ROWS_MIN_KEYS_PER_SM (mxfp4_nsa's above 0: the Triton kernel below it), in pages
+    where decode_rs_fp8 does not run its 16-row blocks instead (16 keys)."""
     for heads, q_len, layout in ((128, 1, "fp8_ds_mla"), (64, 1, "fp8_ds_mla_pow2"), (16, 4, "fp8_ds_mla"),
                                  (128, 1, "fp8_e4m3"), (16, 3, "fp8_e4m3"), (128, 1, "nvfp4"), (64, 1, "mxfp4_nsa"),
                                  (16, 4, "nvfp4")):
         many = decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM[layout]
-        config = decode.default_config(heads, q_len, layout, 64, many, hopper=True)
+        config = decode.default_config(heads, q_len, layout, 16, many, hopper=True)
         assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_quantized
-        assert not decode.default_config(heads, q_len, layout, 64, many, hopper=False).gluon
+        assert not decode.default_config(heads, q_len, layout, 16, many, hopper=False).gluon
         if many > 0:
-            assert not decode.default_config(heads, q_len, layout, 64, many - 1, hopper=True).gluon
+            assert not decode.default_config(heads, q_len, layout, 16, many - 1, hopper=True).gluon
     assert decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM["mxfp4_nsa"] > 0
     assert "fp4_mx16" not in decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM
+
+
+def test_more_than_32_rows_of_the_register_operand_layouts_take_16_row_blocks_up_to_their_bound():
+    """More than 32 rows of decode_rs_fp8's layouts, in whole 64-key pages on Hopper, up to
+    RS_ROWS_MAX_BLOCK_KEYS_PER_SM 16-row blocks times keys per multiprocessor: decode_ws's 16-row tile (decode_rs_fp8),
+    each request's row blocks side by side over its keys; above the bound, in other pages and off Hopper the 64-row
+    kernels; fp4_mx16 and bf16 never."""
+    for heads, q_len, layout in ((64, 1, "fp8_ds_mla"), (128, 1, "fp8_ds_mla_pow2"), (16, 4, "fp8_e4m3"),
+                                 (40, 1, "nvfp4"), (128, 1, "mxfp4_nsa"), (16, 3, "mxfp4_nsa")):
+        blocks = math.ceil(heads * q_len / 16)
+        most = decode.RS_ROWS_MAX_BLOCK_KEYS_PER_SM[layout] / blocks  # keys per multiprocessor
+        for page_size in (64, 128):
+            config = decode.default_config(heads, q_len, layout, page_size, most, hopper=True)
+            assert config.block_m == 16 and _gluon_kernel(config, layout) is _decode_split_kernel_ws, layout
+            assert decode.default_config(heads, q_len, layout, page_size, most + 1, hopper=True).block_m == 64
+        assert decode.default_config(heads, q_len, layout, 16, most, hopper=True).block_m == 64
+        assert decode.default_config(heads, q_len, layout, 64, most, hopper=False).block_m == 64
+    assert decode.RS_ROWS_MAX_BLOCK_KEYS_PER_SM["nvfp4"] < decode.RS_ROWS_MAX_BLOCK_KEYS_PER_SM["fp8_ds_mla"]
+    for layout in ("fp4_mx16", "bf16"):
+        assert decode.default_config(64, 1, layout, 64, 1.0, hopper=True).block_m == 64
+    schedule = build_schedule([1], [130], 64, 16, 64, programs=8, min_split=64)
+    assert sorted(item[:4] for item in schedule.items) == [(0, block, 0, 130) for block in range(4)]
 
 
 @pytest.mark.parametrize("layout", ["fp8_e4m3", "nvfp4", "mxfp4_nsa", "fp4_mx16"])
@@ -711,10 +734,8 @@ def test_the_64_row_quantized_wgmma_kernel_passes_the_judge_on_hopper(layout, pa
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
     if splits is not None:
         config = _quantized_wgmma(64, num_splits=splits, keep_partials=keep)
-    elif decode.QUANTIZED_ROWS_MIN_KEYS_PER_SM[layout] == 0:
-        config = TritonDecode().checked_plan(problem).config  # the default: no early merge
-    else:  # the default from more keys per multiprocessor than these problems have
-        config = decode.QUANTIZED_ROWS_CONFIG
+    else:  # the default from more keys per multiprocessor than these problems have (QUANTIZED_ROWS_MIN_KEYS_PER_SM,
+        config = decode.QUANTIZED_ROWS_CONFIG  # RS_ROWS_MAX_BLOCK_KEYS_PER_SM): no early merge
     assert config.gluon and _gluon_kernel(config, layout) is _decode_split_kernel_quantized
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -788,6 +809,25 @@ def test_the_16_row_quantized_kernels_in_pages_of_whole_steps_pass_the_judge_on_
     impl = Configured(_ws(num_splits=splits, keep_partials=keep, tma_loader=tma_loader))
     assert (impl.checked_plan(problem).descriptors is not None) == tma_loader
     verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, heads, mix", [("fp8_ds_mla", 64, VARLEN), ("nvfp4", 128, SINGLE),
+                                                ("mxfp4_nsa", 16, ((4, 4, 0), (300, 64, 0))),
+                                                ("fp8_e4m3", 40, UNIFORM)],
+                         ids=["ds-mla-h64", "nvfp4-h128", "mxfp4-mtp4-empty", "e4m3-h40-padded"])
+def test_more_than_32_rows_in_16_row_blocks_pass_the_judge_through_decode_rs_fp8(layout, heads, mix):
+    """The default for more than 32 rows of decode_rs_fp8's layouts on few keys (RS_ROWS_MAX_BLOCK_KEYS_PER_SM): a
+    request's 16-row blocks side by side through decode_rs_fp8, MTP rows across tokens, padded heads, an empty
+    request."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    problem = build_problem(workload(layout, 64, mix, heads=heads, seed=heads), device)
+    plan = TritonDecode().checked_plan(problem)
+    assert plan.config.block_m == 16 and plan.descriptors is not None
+    verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 

@@ -236,6 +236,21 @@ MMA_FP8_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=4, num_stages=1,
 # fp8_ds_mla_pow2 with one scale per key since session 30: b32 154 -> 141, b128 557 -> 505, 16 x 4 b32 91 -> 84.
 QUANTIZED_ROWS_CONFIG = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=1, gluon=True)
 QUANTIZED_ROWS_MIN_KEYS_PER_SM = {**dict.fromkeys(decode_wgmma_quantized.LAYOUTS, 0), "mxfp4_nsa": 256}
+# More than 32 rows of decode_rs_fp8's layouts in whole 64-key pages take its 16-row tile, a request's row blocks side
+# by side over the same keys, up to these 16-row blocks times keys per multiprocessor (a row block's keys decoded once
+# for each of its 16 rows, not once for 64, so the decoding-bound FP4 layouts stop sooner). H100, us, 64-row kernels
+# -> decode_rs_fp8 (NOTES.md, session 52), by blocks times keys per SM: 64 heads fp8_ds_mla b1 ctx8192 (248) 25.67 ->
+# 15.87, b8 ctx4096 (993) 38.43 -> 33.13, b12 (1489) 49.92 -> 46.99, b16 (1986) 54.95 -> 58.43, b24 +10.8%; fp8_e4m3
+# b8 34.80 -> 28.70, b16 +4.0%, b24 +8.4%; nvfp4 b1 23.55 -> 15.58, b8 35.04 -> 33.70, b12 +9.0%, b16 +21.7%;
+# mxfp4_nsa b1 24.94 -> 15.99, b4 (496) 27.46 -> 21.76, b8 38.84 -> 34.84, b12 +10.1%, b16 +19.8%; 128 heads
+# fp8_ds_mla b1 ctx8192 (496) 31.51 -> 21.74, b4 ctx4096 (993) 36.86 -> 32.73, nvfp4 b1 29.58 -> 21.88, b4 34.05 ->
+# 33.55, mxfp4_nsa b2 (496) 26.18 -> 21.72; 16 heads x 4 tokens mxfp4_nsa b8 (993) 38.92 -> 34.85, fp8_ds_mla b16
+# +6.3%. The rule on against off, held-out shapes: fp8_ds_mla 64 heads b4 ctx8192 -14.8%, 48 heads b8 -26.0%, 128
+# heads b2 ctx12288 (1489) -0.1%; fp8_ds_mla_pow2 128 heads b1 ctx4096 -32.5%; fp8_e4m3 128 heads b1 ctx16384 -19.5%,
+# 16 heads x 4 tokens b12 (1489) -9.4%; nvfp4 128 heads b2 ctx8192 -1.7%, 64 heads b2 ctx16384 -6.5%; mxfp4_nsa 64
+# heads b6 -13.7%, 16 heads x 4 tokens b2 ctx8192 -24.2%.
+RS_ROWS_MAX_BLOCK_KEYS_PER_SM = {**dict.fromkeys(("fp8_ds_mla", "fp8_ds_mla_pow2", "fp8_e4m3"), 1536),
+                                 "nvfp4": 1024, "mxfp4_nsa": 1024}
 # decode_ws's tile (16 rows of its layouts, one program per multiprocessor), the default from WS_MIN_KEYS_PER_SM.
 WS_CONFIG = DecodeConfig(block_m=16, block_n=64, num_warps=decode_ws.WARPS, num_stages=1, early_merge=True, gluon=True)
 # Keys of a batch per multiprocessor from which 16-row bf16 blocks in whole 64-key pages run decode_wgmma_narrow, not
@@ -299,7 +314,10 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     device's peak DRAM bandwidth over its multiprocessors.
 
     Query rows per request (heads x new tokens) set the row block. More than 32 rows of fp8_ds_mla, fp8_e4m3, nvfp4
-    or mxfp4_nsa on Hopper (mxfp4_nsa from ``QUANTIZED_ROWS_MIN_KEYS_PER_SM``): 64-row blocks through
+    or mxfp4_nsa on Hopper in pages of whole 64-key steps, up to ``RS_ROWS_MAX_BLOCK_KEYS_PER_SM`` 16-row blocks times
+    keys per multiprocessor: decode_ws's 16-row tile (decode_rs_fp8), a request's blocks side by side over its keys
+    (H100, 64 heads b1 ctx8192: fp8_ds_mla 25.7 -> 15.9 us, mxfp4_nsa 24.9 -> 16.0, NOTES.md session 52); above it, and
+    in other pages (mxfp4_nsa from ``QUANTIZED_ROWS_MIN_KEYS_PER_SM``): 64-row blocks through
     ``decode_wgmma_quantized`` (``QUANTIZED_ROWS_CONFIG``). 128 rows or more of another quantized layout than
     fp8_e4m3 (of those layouts too off Hopper), with at least ``WIDE_ROWS_MIN_KEYS_PER_SM`` keys
     and ``WIDE_ROWS_MIN_GBPS_PER_SM`` of bandwidth per multiprocessor: 128-row blocks, one stage of 64 keys, tiles
@@ -356,6 +374,9 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
                  gbps_per_sm: float) -> DecodeConfig:
     """``default_config``'s choice of kernel and tile, before its split size."""
     rows = num_heads * max_q_len
+    block_keys = keys_per_sm * math.ceil(rows / 16)  # keys per multiprocessor of 16-row blocks
+    if rows > 32 and hopper and page_size % 64 == 0 and block_keys <= RS_ROWS_MAX_BLOCK_KEYS_PER_SM.get(layout, -1):
+        return WS_CONFIG  # a request's 16-row blocks side by side (decode_rs_fp8)
     if rows > 32 and hopper and keys_per_sm >= QUANTIZED_ROWS_MIN_KEYS_PER_SM.get(layout, math.inf):
         return QUANTIZED_ROWS_CONFIG
     wide_rows = layout in WIDE_ROWS_MIN_GBPS_PER_SM and gbps_per_sm >= WIDE_ROWS_MIN_GBPS_PER_SM[layout]
