@@ -179,17 +179,17 @@ class DecodeConfig:
     ``decode_ws`` (warp-specialized: 8 decoding warps beside a warpgroup of products), which also runs fp8_e4m3 and the
     FP4 layouts in 16 rows. ``tma_loader``: where the cache (and for bf16 the query) is contiguous, 64 rows of bf16 run
     ``decode_wgmma_ws`` (a loader warpgroup copies by TMA, or gathers pages under a tile by cp.async, one warpgroup
-    scores, one multiplies values) and, where pages hold whole 64-key tiles, decode_ws's tile of fp8_ds_mla, fp8_e4m3
-    and nvfp4 runs ``decode_rs_fp8`` (a TMA loader, two scoring warpgroups and one of values, the codes decoded into
-    wgmma's register operands, no decoded tile in shared memory); off, ``decode_wgmma`` and ``decode_ws`` everywhere.
-    ``overlap_launch`` (Hopper): launch the split kernel as a programmatic dependent of the stream's previous kernel, so
-    that its programs start, and read their work rows, while that kernel finishes; every split kernel waits on the
-    device for the previous kernel's results before it reads anything else (``WAIT_PRIOR``), but for an L2 prefetch of
-    the first keys in the bf16 kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel start likewise.
-    ``cluster_merge`` (Hopper): where every group has 2 to 4 splits, one program each (``_cluster_size``),
-    decode_wgmma_narrow, decode_rs_fp8 and decode_wgmma_ws run in clusters of a group's splits, which merge their
-    partials themselves, and no merge kernel runs; where the balanced cut straddles groups or leaves short requests
-    whole on too few programs, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
+    scores, one multiplies values) and, where pages hold whole 64-key tiles, decode_ws's tile of fp8_ds_mla, fp8_e4m3,
+    nvfp4 and mxfp4_nsa runs ``decode_rs_fp8`` (a TMA loader, two scoring warpgroups and one of values, the codes
+    decoded into wgmma's register operands, no decoded tile in shared memory); off, ``decode_wgmma`` and ``decode_ws``
+    everywhere. ``overlap_launch`` (Hopper): launch the split kernel as a programmatic dependent of the stream's
+    previous kernel, so that its programs start, and read their work rows, while that kernel finishes; every split
+    kernel waits on the device for the previous kernel's results before it reads anything else (``WAIT_PRIOR``), but for
+    an L2 prefetch of the first keys in the bf16 kernels (``FIRST_KEYS_AHEAD``), and the merge lets the next kernel
+    start likewise. ``cluster_merge`` (Hopper): where every group has 2 to 4 splits, one program each
+    (``_cluster_size``), decode_wgmma_narrow, decode_rs_fp8 and decode_wgmma_ws run in clusters of a group's splits,
+    which merge their partials themselves, and no merge kernel runs; where the balanced cut straddles groups or leaves
+    short requests whole on too few programs, such a cut replaces it within measured bounds (``_cluster_cuts``)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -364,10 +364,16 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
     return config
 
 
+def _runs_rs(layout: str, page_size: int) -> bool:
+    """Whether decode_ws's tile of ``layout`` in pages of ``page_size`` runs decode_rs_fp8 (where the cache takes
+    TMA): its layouts in pages of whole 64-key steps."""
+    return layout in RS_LAYOUTS and page_size % decode_wgmma_ws.KEYS.value == 0
+
+
 def _ws_min_keys(layout: str, page_size: int) -> float:
     """Keys per multiprocessor from which decode_ws's tile pays for ``layout`` in pages of ``page_size``: any number
-    where it runs decode_rs_fp8 (its layouts in pages of whole 64-key steps), else ``WS_MIN_KEYS_PER_SM``."""
-    return 0 if layout in RS_LAYOUTS and page_size % decode_wgmma_ws.KEYS.value == 0 else WS_MIN_KEYS_PER_SM[layout]
+    where it runs decode_rs_fp8, else ``WS_MIN_KEYS_PER_SM``."""
+    return 0 if _runs_rs(layout, page_size) else WS_MIN_KEYS_PER_SM[layout]
 
 
 def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, keys_per_sm: float, hopper: bool,
@@ -375,7 +381,7 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
     """``default_config``'s choice of kernel and tile, before its split size."""
     rows = num_heads * max_q_len
     block_keys = keys_per_sm * math.ceil(rows / 16)  # keys per multiprocessor of 16-row blocks
-    if rows > 32 and hopper and page_size % 64 == 0 and block_keys <= RS_ROWS_MAX_BLOCK_KEYS_PER_SM.get(layout, -1):
+    if rows > 32 and hopper and _runs_rs(layout, page_size) and block_keys <= RS_ROWS_MAX_BLOCK_KEYS_PER_SM[layout]:
         return WS_CONFIG  # a request's 16-row blocks side by side (decode_rs_fp8)
     if rows > 32 and hopper and keys_per_sm >= QUANTIZED_ROWS_MIN_KEYS_PER_SM.get(layout, math.inf):
         return QUANTIZED_ROWS_CONFIG
@@ -387,8 +393,7 @@ def _tile_config(num_heads: int, max_q_len: int, layout: str, page_size: int, ke
         if layout.startswith("fp8_ds_mla"):
             return DecodeConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, reread_values=True)
         return DecodeConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, gluon=hopper and layout == "bf16")
-    two_blocks = layout in RS_LAYOUTS and keys_per_sm >= _ws_min_keys(layout, page_size)
-    if block_m == 32 and hopper and two_blocks and page_size % 64 == 0 and rows % 16 == 0:
+    if block_m == 32 and hopper and _runs_rs(layout, page_size) and rows % 16 == 0:
         return WS_CONFIG  # two full 16-row blocks a request, side by side (decode_rs_fp8 where TMA can copy)
     if block_m == 32 and hopper and layout.startswith("fp8_ds_mla"):
         return DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=1, early_merge=True, gluon=True)
@@ -925,8 +930,8 @@ def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -
     in ``[64, 64]`` boxes) for 64 rows of bf16 in Gluon with a query contiguous alike (any page size: its loader gathers
     pages under a tile, the cache's descriptor unused then); in pages of whole 64-key tiles, ``decode_rs_fp8``'s of the
     cache's codes, rope and scales for decode_ws's tile of fp8_ds_mla (per-key tile scales), of nvfp4 (a 128-byte
-    chunk's 16 block scales a key) and of fp8_e4m3 (e4m3 rope, no scales: None). Else None (``decode_wgmma`` copies key
-    by key, ``decode_ws`` decodes through registers)."""
+    chunk's 16 block scales a key), of mxfp4_nsa (a key's 16 ue8m0 block exponents) and of fp8_e4m3 (e4m3 rope, no
+    scales: None). Else None (``decode_wgmma`` copies key by key, ``decode_ws`` decodes through registers)."""
     tile = decode_wgmma_ws.KEYS.value  # keys (and query rows) per box; 64 columns: the 128-byte swizzle
     wgmma_bf16 = config.gluon and cache.layout.name == "bf16" and (config.block_m, config.block_n) == (64, tile)
     rs = (config.gluon and cache.layout.name in RS_LAYOUTS
