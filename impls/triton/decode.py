@@ -136,7 +136,9 @@ MERGE_VALUES = 2048
 # kept unconditionally, 128 heads in 128-row blocks (32 MiB) got slower: fp8_ds_mla 340 -> 357 (round 8).
 PARTIALS_L2_SHARE = 0.25
 FP8_DS_MLA = ("fp8_ds_mla", "fp8_ds_mla_pow2")
-# decode_rs_fp8's, in pages of whole steps (_tma_descriptors)
+# decode_rs_fp8's, in pages of whole steps (_tma_descriptors). Not fp4_mx16: three of every four of its 324-byte keys
+# start off a 16-byte boundary, and a TMA box must start on one (H100, boxes of the cache seen as 4-key rows starting
+# at such a key: illegal instruction; NOTES.md, session 53), so it stays with decode_ws.
 RS_LAYOUTS = FP8_DS_MLA + ("fp8_e4m3", "nvfp4", "mxfp4_nsa")
 # The Gluon split kernels for Hopper, by tile (query rows, keys per step, warps) and cache layout: decode_wgmma's 64-row
 # bf16 kernel, decode_wgmma_quantized's 64-row one (fp8 and two FP4 layouts), decode_wgmma_narrow's 16- and 32-row bf16
