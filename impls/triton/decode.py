@@ -608,10 +608,7 @@ def _launch_rs_fp8(plan: DecodePlan, warmup: bool = False):
                   LAYOUT="fp8_ds_mla" if cache.layout.name in FP8_DS_MLA else cache.layout.name,
                   WAIT_PRIOR=plan.overlap_launch, CLUSTER=plan.cluster, **decode_rs_fp8.LAUNCH_OPTIONS,
                   **plan.split_launch)
-    grid = (plan.work.shape[0] // plan.cluster,)
-    if warmup:
-        return _decode_split_kernel_rs_fp8.warmup(*args, grid=grid, **kwargs)
-    _decode_split_kernel_rs_fp8[grid](*args, **kwargs)
+    return _launch_programs(_decode_split_kernel_rs_fp8, plan, args, kwargs, warmup)
 
 
 def _launch_wgmma_ws(plan: DecodePlan, warmup: bool = False):
@@ -624,10 +621,7 @@ def _launch_wgmma_ws(plan: DecodePlan, warmup: bool = False):
     kwargs = dict(PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
                   KEYS_AHEAD=plan.keys_ahead, CLUSTER=plan.cluster, **decode_wgmma_ws.LAUNCH_OPTIONS,
                   **plan.split_launch)
-    grid = (plan.work.shape[0] // plan.cluster,)
-    if warmup:
-        return _decode_split_kernel_wgmma_ws.warmup(*args, grid=grid, **kwargs)
-    _decode_split_kernel_wgmma_ws[grid](*args, **kwargs)
+    return _launch_programs(_decode_split_kernel_wgmma_ws, plan, args, kwargs, warmup)
 
 
 def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
@@ -649,6 +643,12 @@ def _launch_gluon_split(plan: DecodePlan, kernel, warmup: bool = False):
             plan.q.shape[1])
     kwargs = dict(PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials, EARLY_MERGE=plan.early_merge,
                   WAIT_PRIOR=plan.overlap_launch, **specific, **options, **plan.split_launch)
+    return _launch_programs(kernel, plan, args, kwargs, warmup)
+
+
+def _launch_programs(kernel, plan: DecodePlan, args: tuple, kwargs: dict, warmup: bool):
+    """Launch ``kernel`` over the plan's programs, ``plan.cluster`` to a cluster (``_prepare_clusters``), or with
+    ``warmup`` only compile it, returning the compiled kernel."""
     grid = (plan.work.shape[0] // plan.cluster,)
     if warmup:
         return kernel.warmup(*args, grid=grid, **kwargs)
