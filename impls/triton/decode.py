@@ -554,46 +554,71 @@ def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits, unless they merge in clusters);
     returns ``(out, lse)``."""
+    if plan.work.shape[0]:
+        _launch_split(plan)
+    if plan.groups.shape[0] and plan.cluster == 1:
+        _launch_merge(plan)
+    return plan.out, plan.lse
+
+
+def _launch_split(plan: DecodePlan, warmup: bool = False):
+    """Launch (or with ``warmup`` only compile, returning the compiled kernel) the plan's split kernel; the one place
+    that picks it: decode_rs_fp8 or decode_wgmma_ws where the plan has their TMA descriptors (``_tma_descriptors``),
+    else the Gluon kernel of the config's tile and layout (``GLUON_SPLITS``), else the Triton kernel."""
+    kernel = _gluon_split(plan.config, plan.cache.layout.name) if plan.config.gluon else None
+    if plan.descriptors:
+        return (_launch_rs_fp8 if plan.cache.layout.name in RS_LAYOUTS else _launch_wgmma_ws)(plan, warmup)
+    if kernel is _decode_split_kernel_wgmma:
+        return _launch_wgmma(plan, warmup)
+    if kernel is not None:
+        return _launch_gluon_split(plan, kernel, warmup)
+    return _launch_triton_split(plan, warmup)
+
+
+def _launch_merge(plan: DecodePlan) -> None:
+    """Launch the merge kernel: each group's partials into its output rows."""
+    cfg = plan.config
+    rows, cols = plan.merge_tile
+    grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
+    _merge_splits_kernel[grid](
+        plan.groups, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
+        plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
+        BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=plan.merge_splits, INTERPRET=INTERPRETED,
+        EARLY_MERGE=plan.early_merge, KEEP_PARTIALS=plan.keep_partials,
+        RELEASE_NEXT=plan.overlap_launch, num_warps=4,
+        **({"launch_pdl": True} if plan.early_merge else {}))
+
+
+def _launch_triton_split(plan: DecodePlan, warmup: bool = False):
+    """Launch (or with ``warmup`` only compile, returning the compiled kernel) the Triton split kernel
+    (decode_kernel), which runs every layout on any GPU and in the interpreter."""
     cfg, cache = plan.config, plan.cache
-    early_merge = plan.early_merge
-    kernel = _gluon_split(cfg, cache.layout.name) if cfg.gluon else None
-    if plan.work.shape[0] and plan.descriptors and cache.layout.name in RS_LAYOUTS:
-        _launch_rs_fp8(plan)
-    elif plan.work.shape[0] and cfg.gluon and kernel is not _decode_split_kernel_wgmma:  # these take the same arguments
-        _launch_gluon_split(plan, kernel)
-    elif plan.work.shape[0] and plan.descriptors:
-        _launch_wgmma_ws(plan)
-    elif plan.work.shape[0] and cfg.gluon:
-        _decode_split_kernel_wgmma[(plan.work.shape[0],)](
-            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data.view(torch.bfloat16), plan.block_table,
-            plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
-            plan.out.stride(0), plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse,
-            plan.qk_scale, plan.q.shape[1], PAGE_SIZE=cache.page_size, KEEP_PARTIALS=plan.keep_partials,
-            WAIT_PRIOR=plan.overlap_launch, KEYS_AHEAD=plan.keys_ahead, num_warps=cfg.num_warps, **plan.split_launch)
-    elif plan.work.shape[0]:
-        _decode_split_kernel[(plan.work.shape[0],)](
-            plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
+    args = (plan.q, plan.q.stride(0), plan.q.stride(1), cache.data, plan.block_table, plan.block_table.stride(0),
             plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out, plan.out.stride(0),
             plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse, plan.qk_scale,
-            plan.nope_scale, plan.out_scale, plan.q.shape[1],
-            LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
-            TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
-            REREAD=cfg.reread_values and cache.layout.name != "bf16",
-            SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
-            EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
-            KEYS_AHEAD=plan.keys_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **plan.split_launch)
-    if plan.groups.shape[0] and plan.cluster == 1:
-        rows, cols = plan.merge_tile
-        grid = (plan.groups.shape[0], cfg.block_m // rows, NOPE.value // cols)
-        _merge_splits_kernel[grid](
-            plan.groups, plan.part_out, plan.part_lse, plan.out, plan.out.stride(0), plan.out.stride(1), plan.lse,
-            plan.lse.stride(0), plan.out_scale, plan.q.shape[1],
-            BLOCK_M=cfg.block_m, ROWS=rows, COLS=cols, SPLITS=plan.merge_splits, INTERPRET=INTERPRETED,
-            EARLY_MERGE=early_merge, KEEP_PARTIALS=plan.keep_partials,
-            RELEASE_NEXT=plan.overlap_launch, num_warps=4,
-            **({"launch_pdl": True} if early_merge else {}))
-    return plan.out, plan.lse
+            plan.nope_scale, plan.out_scale, plan.q.shape[1])
+    kwargs = dict(LAYOUT=cache.layout.name, BYTES_PER_TOKEN=cache.layout.bytes_per_token, PAGE_SIZE=cache.page_size,
+                  TILE_SCALES=cache.layout.name.startswith("fp8_ds_mla"),
+                  REREAD=cfg.reread_values and cache.layout.name != "bf16",
+                  SCALE_NOPE=KERNEL_LAYOUTS[cache.layout.name] == "nope",
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_AS_N=cfg.heads_as_n, INTERPRET=INTERPRETED,
+                  EARLY_MERGE=plan.early_merge, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
+                  KEYS_AHEAD=plan.keys_ahead, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **plan.split_launch)
+    return _launch_programs(_decode_split_kernel, plan, args, kwargs, warmup)
+
+
+def _launch_wgmma(plan: DecodePlan, warmup: bool = False):
+    """Launch (or with ``warmup`` only compile, returning the compiled kernel) decode_wgmma: 64 rows of bf16 copied
+    key by key, where the plan has no TMA descriptors for decode_wgmma_ws."""
+    cfg = plan.config
+    args = (plan.q, plan.q.stride(0), plan.q.stride(1), plan.cache.data.view(torch.bfloat16), plan.block_table,
+            plan.block_table.stride(0), plan.visible, plan.work, plan.work.stride(0), plan.item_counts, plan.out,
+            plan.out.stride(0), plan.out.stride(1), plan.lse, plan.lse.stride(0), plan.part_out, plan.part_lse,
+            plan.qk_scale, plan.q.shape[1])
+    kwargs = dict(PAGE_SIZE=plan.cache.page_size, KEEP_PARTIALS=plan.keep_partials, WAIT_PRIOR=plan.overlap_launch,
+                  KEYS_AHEAD=plan.keys_ahead, num_warps=cfg.num_warps, **plan.split_launch)
+    return _launch_programs(_decode_split_kernel_wgmma, plan, args, kwargs, warmup)
 
 
 def _launch_rs_fp8(plan: DecodePlan, warmup: bool = False):
@@ -724,9 +749,7 @@ def _prepare_clusters(plan: DecodePlan) -> None:
     if kernel is not _decode_split_kernel_narrow and not plan.descriptors:  # decode_ws or decode_wgmma: no clusters
         plan.cluster = 1
         return
-    compiled = (_launch_rs_fp8(plan, warmup=True) if plan.cache.layout.name in RS_LAYOUTS
-                else _launch_wgmma_ws(plan, warmup=True) if kernel is _decode_split_kernel_wgmma
-                else _launch_gluon_split(plan, _decode_split_kernel_narrow, warmup=True))
+    compiled = _launch_split(plan, warmup=True)
     meta = compiled.metadata
     as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, meta.shared)
     if (compiled.packed_metadata not in (as_compiled, clustered)
