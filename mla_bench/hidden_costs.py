@@ -43,6 +43,7 @@ COST_METRICS = ("plan_ms", "run_ms", "launches", "h2d_copies", "h2d_bytes", "d2h
 COUNTS = COST_METRICS[2:]
 
 _WINDOW = "mla_bench::measured"
+_KINETO_QUIET = 6  # Kineto's log levels run from 0 (verbose) to 5 (its "USDT" start and stop lines)
 _CUDA_SYNCS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                          "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
 _CPU_MEMORY, _CUDA_MEMORY = 0, 1  # the trace's "Device Type" of an allocation (c10::DeviceType)
@@ -106,6 +107,9 @@ def profile_costs(fn: Callable[[], Any], device: torch.device | str) -> tuple[An
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)  # no earlier GPU work in the trace: every GPU activity in it is fn's
+    # Kineto (torch 2.13) writes "USDT: profiler_start" and "profiler_stop" to stderr for every trace at each of
+    # its log levels; one level above them it is silent. A level the user set wins. Read at the first trace.
+    os.environ.setdefault("KINETO_LOG_LEVEL", str(_KINETO_QUIET))
     with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
         with record_function(_WINDOW):
             result = fn()

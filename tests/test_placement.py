@@ -4,6 +4,9 @@ one planted bug each (on the CPU twins of the counts here; the CUDA parts are ma
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -118,6 +121,21 @@ def test_cpu_counts_see_host_reads_plain_copies_and_allocations():
     out = torch.empty_like(x)
     _, costs = profile_costs(lambda: (torch.mul(x, x, out=out), out.add_(x)), "cpu")
     assert (costs.launches, costs.allocations, costs.syncs, costs.d2d_copies) == (2, 0, 0, 0)
+
+
+def test_profiling_leaves_no_profiler_chatter_on_stderr_unless_the_user_asks_for_it():
+    script = ("import torch; from mla_bench.hidden_costs import profile_costs; "
+              "profile_costs(lambda: torch.randn(8).sum(), 'cpu'); profile_costs(lambda: torch.randn(8), 'cpu')")
+
+    def stderr_of(**env) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"} | env
+        done = subprocess.run([sys.executable, "-c", script], env=environ, capture_output=True, text=True, check=True)
+        return done.stderr
+
+    chatty = stderr_of(KINETO_LOG_LEVEL="5")  # the user's level wins over ours
+    if "USDT" not in chatty:
+        pytest.skip(f"this torch ({torch.__version__}) writes no profiler start/stop lines at any level")
+    assert "USDT" not in stderr_of()
 
 
 def test_cuda_trace_counting_reads_kernels_memcpy_bytes_syncs_and_device_allocations():
