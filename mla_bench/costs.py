@@ -30,11 +30,6 @@ class Cost:
     def tflops(self, ms: float) -> float:
         return self.flops / (ms * 1e-3) / 1e12
 
-    @property
-    def intensity(self) -> float:
-        """FLOPs per byte (the roofline's x axis)."""
-        return self.flops / self.bytes if self.bytes else 0.0
-
 
 def visible_keys(w: Workload) -> list[int]:
     """Keys each query token sees, request after request (causal: query i of a request sees
