@@ -18,8 +18,12 @@ TESTS = Path(__file__).parent
 
 
 def _run(tmp_path, name: str, *args: str) -> tuple[int, Path]:
+    return _run_on(tmp_path, name, "cpu", *args)
+
+
+def _run_on(tmp_path, name: str, device: str, *args: str) -> tuple[int, Path]:
     out = tmp_path / name
-    code = main(["run", "--device", "cpu", "--out", str(out), *args])
+    code = main(["run", "--device", device, "--out", str(out), *args])
     return code, out / "run.json"
 
 
@@ -48,6 +52,25 @@ def test_gate_fails_on_a_less_accurate_impl_and_on_a_new_failure(tmp_path, capsy
     assert main(["gate", "--baseline", str(base), str(worse)]) == 1
     out = capsys.readouterr().out
     assert "gate: FAILED" in out and "accuracy" in out and "new failure" in out
+
+
+@pytest.mark.gpu
+def test_gate_passes_a_rerun_and_fails_the_torch_baseline_made_twice_as_slow(tmp_path, capsys):
+    """The latency suite times on CUDA only; the planted impl keeps torch_eager's name and results. Four serving
+    shapes (~15 s a run): the tiny sweep's workloads take 256 rotating input sets each and minutes."""
+    sweep = ("--suite", "latency", "--preset", "deepseek-v3-tp8", "--sweep", "gpu-quick", "--mode", "decode",
+             "--layout", "bf16", "--no-report")
+    code, base = _run_on(tmp_path, "base", "cuda", "--impl", "torch_eager", *sweep)
+    assert code == 0
+    code, again = _run_on(tmp_path, "again", "cuda", "--impl", "torch_eager", *sweep)
+    capsys.readouterr()
+    assert code == 0 and main(["gate", "--baseline", str(base), str(again)]) == 0  # a rerun is within the noise
+    code, slower = _run_on(tmp_path, "slower", "cuda", "--impl", "planted_impls:SlowerTorchEager", *sweep)
+    assert code == 0 and len([r for r in load_run(slower).results if r.check == "latency"]) == 4
+    capsys.readouterr()
+    assert main(["gate", "--baseline", str(base), str(slower)]) == 1
+    out = capsys.readouterr().out
+    assert "gate: FAILED" in out and "latency" in out
 
 
 def test_bad_input_gets_clear_errors_and_exit_code_2(tmp_path, capsys):
