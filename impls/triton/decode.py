@@ -369,7 +369,7 @@ def default_config(num_heads: int, max_q_len: int, layout: str = "bf16", page_si
 def _runs_rs(layout: str, page_size: int) -> bool:
     """Whether decode_ws's tile of ``layout`` in pages of ``page_size`` runs decode_rs_fp8 (where the cache takes
     TMA): its layouts in pages of whole 64-key steps."""
-    return layout in RS_LAYOUTS and page_size % decode_wgmma_ws.KEYS.value == 0
+    return layout in RS_LAYOUTS and _whole_tiles(page_size)
 
 
 def _ws_min_keys(layout: str, page_size: int) -> float:
@@ -985,7 +985,12 @@ def _tma_descriptors(q: torch.Tensor, cache: PagedCache, config: DecodeConfig) -
 
 def _tma_pages(cache: PagedCache) -> bool:
     """The cache's pages hold whole 64-key tiles and its rows are TMA rows: the TMA kernels can copy it."""
-    return cache.page_size % decode_wgmma_ws.KEYS.value == 0 and _tma_rows(cache.data)
+    return _whole_tiles(cache.page_size) and _tma_rows(cache.data)
+
+
+def _whole_tiles(page_size: int) -> bool:
+    """Pages of ``page_size`` keys hold whole 64-key tiles, the steps the TMA kernels copy."""
+    return page_size % decode_wgmma_ws.KEYS.value == 0
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
