@@ -28,6 +28,7 @@ CEILINGS_CHECK = "ceilings"  # the check name of the Result that carries a devic
 GRAPH = "cuda_graph"
 EVENTS = "cuda_events"
 COLD_L2_FACTOR = 4          # the rotating input sets together exceed this many times the L2 size
+MAX_SETS = 256              # ... but a rotation holds at most this many sets (see sets_for_cold_l2)
 DEFAULT_L2_BYTES = 50 << 20  # when the device does not report its L2 size
 MATMUL_N = 8192
 COPY_BYTES = 1 << 30
@@ -84,9 +85,17 @@ def l2_cache_bytes(device: torch.device) -> int:
     return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
 
 
-def sets_for_cold_l2(bytes_per_set: int, l2_bytes: int, limit: int = 256) -> int:
-    """How many independent input sets make the rotation exceed ``COLD_L2_FACTOR`` times the L2 size."""
-    return max(1, min(limit, math.ceil(COLD_L2_FACTOR * l2_bytes / max(1, bytes_per_set))))
+def sets_for_cold_l2(bytes_per_set: int, l2_bytes: int, limit: int = MAX_SETS) -> int:
+    """How many independent input sets make the rotation exceed ``COLD_L2_FACTOR`` times the L2 size, at most
+    ``limit`` and never more than ``MAX_SETS``. Every set is drawn, planned and captured, so a workload of a few
+    hundred KB would need thousands (the tiny sweep's decode on an H100: 15,000 sets, 132 s for one impl); at the
+    cap such a workload is timed with its inputs partly in L2, which ``rotation_is_cold`` reports."""
+    return max(1, min(limit, MAX_SETS, math.ceil(COLD_L2_FACTOR * l2_bytes / max(1, bytes_per_set))))
+
+
+def rotation_is_cold(sets: int, bytes_per_set: int, l2_bytes: int) -> bool:
+    """Whether ``sets`` input sets together exceed ``COLD_L2_FACTOR`` times the L2 size."""
+    return sets * bytes_per_set >= COLD_L2_FACTOR * l2_bytes
 
 
 def time_host(fn: Callable[[], Any], device: torch.device) -> float:

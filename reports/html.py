@@ -177,12 +177,14 @@ def _latency(run: Run, plots: list[Plot]) -> str:
             text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}<br>"
                     f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
                     f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
-                    f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}")
+                    f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"
+                    + (" &middot; warm L2" if r.details.get("cold_l2") is False else ""))
             row.append(f'<td class="num">{text}</td>')
         rows.append(row)
     out = "<h2>Latency, bandwidth and the roofline</h2>" + "".join(_img(p) for p in plots)
     out += ("<h3>Impls side by side</h3><p class='muted'>median run time &plusmn; IQR, bandwidth and compute as a "
-            "fraction of the ceilings measured in this run, plan time, timer</p>")
+            "fraction of the ceilings measured in this run, plan time, timer; \"warm L2\" where the workload is "
+            "so small that its rotating input sets stay within a few times the L2</p>")
     return out + _table(["workload", *[esc(i) for i in impls]], rows)
 
 

@@ -1,7 +1,8 @@
 """Latency: plan time and run time of every impl on every workload of the sweep, on a CUDA device.
 
 Per (impl, workload): enough independent input sets (seeds ``seed, seed+1, ...``) to exceed several times
-the L2 size are built and planned (plan time measured on the host, per set), then ``run`` is timed over the
+the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its details),
+are built and planned (plan time measured on the host, per set), then ``run`` is timed over the
 rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``). Metrics: median and IQR of
 run and plan, GB/s and TFLOP/s (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and
 bf16 matmul rate measured in the same run (yielded once per device as the ``ceilings`` result).
@@ -84,4 +85,5 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
                "input_sets": sets, "iterations": stats.count}
     return result("passed", metrics=metrics,
                   details={"timer": stats.method, "fallback": stats.fallback, "device": ceilings.device_name,
-                           "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes})
+                           "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes,
+                           "cold_l2": timing.rotation_is_cold(sets, work.bytes, ceilings.l2_bytes)})

@@ -52,6 +52,13 @@ def test_rotation_exceeds_the_l2_several_times():
     n = timing.sets_for_cold_l2(5 << 20, l2)
     assert n * (5 << 20) >= timing.COLD_L2_FACTOR * l2 > (n - 1) * (5 << 20)
     assert timing.sets_for_cold_l2(4 << 30, l2) == 1 and timing.sets_for_cold_l2(1, l2, limit=8) == 8
+    assert timing.rotation_is_cold(n, 5 << 20, l2) and not timing.rotation_is_cold(n - 1, 5 << 20, l2)
+
+
+def test_a_rotation_never_holds_more_than_max_sets_however_small_the_workload():
+    l2 = 50 << 20
+    sets = timing.sets_for_cold_l2(128 << 10, l2, limit=10 ** 6)  # a tiny decode: 1600 sets would be cold
+    assert sets == timing.MAX_SETS and not timing.rotation_is_cold(sets, 128 << 10, l2)
 
 
 @pytest.mark.gpu
@@ -83,6 +90,19 @@ def test_a_size_matched_copy_grows_with_its_size_and_stays_near_the_ceiling_rate
     for fast, slow in ((151_003_136, 151_000_064), (608_436_224, 608_444_416)):
         a, b = (timing.time_copy(n, device, ceilings.l2_bytes).median for n in (fast, slow))
         assert b < 1.15 * a
+
+
+@pytest.mark.gpu
+def test_the_latency_suite_times_a_tiny_workload_on_max_sets_and_says_its_l2_is_warm():
+    from impls.torch_eager import TorchEager
+    from suites.latency import time_impl
+    from suites.sweeps import tiny
+    device = torch.device("cuda")
+    workload = tiny()[0]
+    result = time_impl(TorchEager(), workload, device, timing.measure_ceilings(device))
+    assert result.status == "passed", result.message
+    assert result.metrics["input_sets"] == timing.MAX_SETS and result.details["cold_l2"] is False
+    assert result.details["rotation_bytes"] == timing.MAX_SETS * cost(workload).bytes
 
 
 @pytest.mark.gpu
