@@ -235,7 +235,7 @@ def measure_step(impl: Any, problem: Any, reps: int = 3) -> StepCosts:
     """Plan and run ``impl`` on ``problem``: once to warm up (lazy init, JIT compiles, capability refusal as
     ``UnsupportedConfig``), then once each under the profiler, then ``reps`` timed steps without it."""
     device = problem.device
-    plan = impl.checked_plan(problem)
+    plan = impl.plan(problem)
     impl.run(plan)
     _sync(device)
     plan, plan_costs = profile_costs(lambda: impl.plan(problem), device)

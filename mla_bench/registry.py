@@ -1,9 +1,10 @@
 """Implementations: the ``Impl`` interface, declared ``Capabilities``, and discovery.
 
-An impl declares what it supports; the bench refuses everything else *before* calling it, with an
-``UnsupportedConfig`` naming the combination. ``plan(problem)`` does the per-step host work (metadata,
-workspaces) and may refuse finer conditions itself; ``run(plan)`` computes ``(out, lse)``. The two are
-timed separately.
+An impl declares what it supports; everything else is refused *before* its code runs, with an
+``UnsupportedConfig`` naming the combination: every subclass's ``plan`` is wrapped (``Impl.__init_subclass__``)
+so that it checks the declared capabilities first, whoever calls it (the runner, a test, a user). ``plan(problem)``
+does the per-step host work (metadata, workspaces) and may refuse finer conditions itself; ``run(plan)``
+computes ``(out, lse)``. The two are timed separately.
 
 Discovery: the built-in impls below (named as ``module:Class`` strings, so this module imports none of them),
 plus any distribution that registers an entry point in the group ``mla_bench.impls``, plus any
@@ -12,6 +13,7 @@ plus any distribution that registers an entry point in the group ``mla_bench.imp
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
@@ -141,6 +143,14 @@ class Impl(ABC):
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass's own ``plan`` is wrapped to refuse a problem outside the declared capabilities before its
+        body runs: called directly, an impl would otherwise compute whatever its code does with an input it never
+        claimed (a dense decode given a sparse problem answers without the top-k, silently)."""
+        super().__init_subclass__(**kwargs)
+        if "plan" in cls.__dict__:
+            cls.plan = _refusing_undeclared(cls.__dict__["plan"])
+
     @abstractmethod
     def plan(self, problem: Any) -> Any:
         """Per-step host work for ``problem`` (metadata, workspaces). Raise ``UnsupportedConfig`` to refuse."""
@@ -157,12 +167,16 @@ class Impl(ABC):
         """Why ``problem`` is out of this impl's declared capabilities, or None."""
         return self.capabilities.refusal(problem.workload, problem.device)
 
-    def checked_plan(self, problem: Any) -> Any:
-        """``plan`` behind the capability check: an unsupported combination never reaches the impl."""
+
+def _refusing_undeclared(plan: Any) -> Any:
+    """``plan`` behind the capability check (see ``Impl.__init_subclass__``)."""
+    @functools.wraps(plan)
+    def checked(self: Impl, problem: Any) -> Any:
         reason = self.refusal(problem)
         if reason:
             raise UnsupportedConfig(f"{self.name}: unsupported {reason} ({problem.workload.label})")
-        return self.plan(problem)
+        return plan(self, problem)
+    return checked
 
 
 class ImplNotInstalled(Exception):

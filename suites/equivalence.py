@@ -194,7 +194,7 @@ def _dense_decode_impl() -> str:
 def _impl_runner(name: str) -> Callable[[Problem], Pair]:
     def run(problem: Problem) -> Pair:
         impl = discover()[name].load()
-        out, lse = impl.run(impl.checked_plan(problem))
+        out, lse = impl.run(impl.plan(problem))
         if problem.device.type == "cuda":
             torch.cuda.synchronize(problem.device)
         return out, lse

@@ -53,7 +53,7 @@ class References:
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
     """Run ``impl`` on ``problem`` and judge its output."""
     try:
-        plan = impl.checked_plan(problem)
+        plan = impl.plan(problem)
     except UnsupportedConfig as exc:
         return Verdict("unsupported", message=str(exc))
     except Exception:  # noqa: BLE001 - any crash of an impl is a result, not a bench failure

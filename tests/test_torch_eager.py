@@ -32,7 +32,7 @@ def test_torch_eager_passes_the_judge(mode, dtype, mix):
 def test_padding_requests_give_zero_rows_and_minus_inf():
     w = Workload(mode="decode", q_lens=(1, 2), kv_lens=(10, 0), page_size=4)
     impl = TorchEager()
-    out, lse = impl.run(impl.checked_plan(build_problem(w)))
+    out, lse = impl.run(impl.plan(build_problem(w)))
     assert bool((out[1:] == 0).all()) and bool(torch.isneginf(lse[1:]).all())
 
 
@@ -75,5 +75,21 @@ def test_unsupported_combinations_are_refused_at_plan_time_with_the_reason():
         (Workload(mode="decode", q_lens=(1,), kv_lens=(8,), dtype="float16"), "dtype float16"),
     ]:
         with pytest.raises(UnsupportedConfig, match=reason):
-            impl.checked_plan(build_problem(workload))
+            impl.plan(build_problem(workload))
         assert judge(impl, build_problem(workload)).status == "unsupported"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: p.meta.block_table.__setitem__((0, 0), -1), r"block_table\[0, 0\] = -1 points outside the cache"),
+    (lambda p: p.meta.block_table.__setitem__((1, 0), p.cache.num_blocks), r"block_table\[1, 0\] = \d+ points outside"),
+    (lambda p: setattr(p.meta, "kv_lens", (10, 999)), "request 1: kv_len 999 exceeds the block table's capacity"),
+    (lambda p: setattr(p, "q", p.q[:2]), r"q has 2 rows but sum\(q_lens\) = 3"),
+])
+def test_a_bad_block_table_or_inconsistent_lengths_are_errors_in_plan(edit, message):
+    """Without these checks a negative page wraps around to another request's keys (silently wrong) and a page past
+    the cache fails inside torch's indexing."""
+    problem = build_problem(Workload(mode="decode", q_lens=(1, 2), kv_lens=(10, 40), page_size=16, seed=3))
+    edit(problem)
+    for impl in (TorchEager(), resolve("torch_eager_host_cache").load()):
+        with pytest.raises(ValueError, match=message):
+            impl.plan(problem)

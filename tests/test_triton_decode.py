@@ -31,7 +31,7 @@ from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
 from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
-from mla_bench.workload import Workload
+from mla_bench.workload import Mode, Workload
 from reference.core import attend
 from suites.judge import judge
 
@@ -97,7 +97,7 @@ def test_a_merge_of_many_splits_on_a_large_gpu_narrows_its_rows_and_passes(monke
     monkeypatch.setattr(decode, "_sm_count", lambda device: 64)
     impl = Configured(DecodeConfig(block_m=16, block_n=16, num_splits=24))
     problem = build_problem(workload("bf16", 16, ((1,), (700,)), heads=16, seed=8))
-    plan = impl.checked_plan(problem)
+    plan = impl.plan(problem)
     assert plan.schedule.max_splits == 22 and plan.merge_tile == (8, 8) and plan.merge_splits == 32
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -329,13 +329,51 @@ def test_fp8_ds_mla_tile_scales_are_applied_after_exact_products_in_both_orienta
 def test_outputs_are_the_plans_buffers_and_poison_marks_them():
     """run allocates nothing (CUDA-graph safe): it writes the buffers plan made; poison NaN-fills them."""
     impl = TritonDecode()
-    plan = impl.checked_plan(build_problem(workload("bf16", 16, SINGLE)))
+    plan = impl.plan(build_problem(workload("bf16", 16, SINGLE)))
     impl.poison(plan)
     assert bool(torch.isnan(plan.out).all()) and bool(torch.isnan(plan.lse).all())
     out, lse = impl.run(plan)
     assert out.data_ptr() == plan.out.data_ptr() and lse.data_ptr() == plan.lse.data_ptr()
     assert not bool(torch.isnan(out).any())
     assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())  # the empty request
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_query_gives_nan_in_its_row_not_an_empty_rows_minus_inf(bad, splits):
+    """A row whose scores are NaN must not pass for a row that saw no key (out 0, lse -inf): its out and lse are
+    NaN, in one program and merged from splits; the other rows are untouched."""
+    problem = build_problem(workload("bf16", 16, SINGLE, seed=5))
+    expected_out, expected_lse = TritonDecode().run(TritonDecode().plan(problem))
+    problem.q[0, 1, 3] = bad
+    impl = Configured(DecodeConfig(num_splits=splits)) if splits else TritonDecode()
+    out, lse = impl.run(impl.plan(problem))
+    assert bool(torch.isnan(out[0, 1]).all()) and bool(torch.isnan(lse[0, 1]))
+    keep = torch.ones_like(lse, dtype=torch.bool)
+    keep[0, 1] = False
+    assert torch.allclose(lse[keep], expected_lse[keep], atol=1e-5)
+    assert torch.allclose(out[keep].float(), expected_out[keep].float(), atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bf16", "fp8_ds_mla", "nvfp4"])
+@pytest.mark.parametrize("preset, batch, ctx", [("deepseek-v3-tp8", 1, 8192), ("deepseek-v3-tp8", 32, 4096),
+                                                ("deepseek-v3", 4, 2048)], ids=["h16-b1-split", "h16-b32", "h128-b4"])
+def test_a_nan_query_gives_nan_in_its_row_on_hopper(layout, preset, batch, ctx):
+    """The default plan's Gluon kernels, their cluster merges and the merge kernel: a NaN query row gives NaN out
+    and lse (not an empty row's 0 and -inf); the other rows are as without it."""
+    problem = build_problem(Workload.uniform(Mode.DECODE, batch, 1, ctx, preset=preset, layout=layout, page_size=64,
+                                             seed=int(torch.randint(0, 1000, ()))), "cuda")
+    impl = TritonDecode()
+    expected_out, expected_lse = (x.clone() for x in impl.run(impl.plan(problem)))
+    row = int(torch.randint(0, batch, ()))
+    problem.q[row, 0, 100] = math.nan
+    out, lse = impl.run(impl.plan(problem))
+    assert bool(torch.isnan(out[row, 0]).all()) and bool(torch.isnan(lse[row, 0]))
+    keep = torch.ones_like(lse, dtype=torch.bool)
+    keep[row, 0] = False
+    assert torch.allclose(lse[keep], expected_lse[keep], atol=1e-5)
+    assert torch.allclose(out[keep].float(), expected_out[keep].float(), atol=1e-2)
 
 
 def test_visible_lens_restrict_each_row_to_a_prefix_as_a_dcp_shard_does():
@@ -361,7 +399,7 @@ def test_a_plan_runs_again_with_the_same_result():
     """A plan replays (CUDA graphs): a launch leaves nothing behind that changes the next one's result."""
     problem = build_problem(workload("bf16", 16, VARLEN, heads=16, seed=4))
     impl = Configured(DecodeConfig(block_m=16, block_n=16, num_splits=4, merge_splits=2))
-    plan = impl.checked_plan(problem)
+    plan = impl.plan(problem)
     first = [t.clone() for t in impl.run(plan)]
     impl.poison(plan)
     again = impl.run(plan)
@@ -551,13 +589,13 @@ def test_the_wgmma_kernels_are_refused_where_they_cannot_run():
     wgmma = DecodeConfig(block_m=64, block_n=64, num_warps=8, gluon=True)
     fp8_wgmma = DecodeConfig(block_m=32, block_n=64, num_warps=8, gluon=True)
     with pytest.raises(UnsupportedConfig):  # CPU tensors: no Hopper (and, on a GPU machine, no interpreter)
-        Configured(wgmma).checked_plan(build_problem(workload("bf16", 64, SINGLE)))
+        Configured(wgmma).plan(build_problem(workload("bf16", 64, SINGLE)))
     for config in (fp8_wgmma, _fp8_mma()):
         with pytest.raises(UnsupportedConfig):
-            Configured(config).checked_plan(build_problem(workload("fp8_ds_mla", 64, SINGLE)))
+            Configured(config).plan(build_problem(workload("fp8_ds_mla", 64, SINGLE)))
     for rows in (16, 32):
         with pytest.raises(UnsupportedConfig):
-            Configured(_narrow(rows)).checked_plan(build_problem(workload("bf16", 1, SINGLE)))
+            Configured(_narrow(rows)).plan(build_problem(workload("bf16", 1, SINGLE)))
     bf16, fp8, ds_mla = (build_problem(workload(layout, 64, SINGLE)).cache
                          for layout in ("bf16", "fp8_e4m3", "fp8_ds_mla"))
     with pytest.raises(UnsupportedConfig, match="need a Hopper GPU"):
@@ -599,11 +637,11 @@ def test_the_wgmma_kernels_pass_the_judge_on_hopper(page_size, mix, heads, split
     config = DecodeConfig(block_m=64, block_n=64, num_warps=8, num_splits=splits, keep_partials=keep, gluon=True,
                           tma_loader=tma_loader)
     impl = Configured(config)
-    assert (impl.checked_plan(problem).descriptors is not None) == tma_loader
+    assert (impl.plan(problem).descriptors is not None) == tma_loader
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     if heads == 128:
-        assert TritonDecode().checked_plan(problem).config.gluon  # the default there
+        assert TritonDecode().plan(problem).config.gluon  # the default there
 
 
 def test_the_warp_specialized_64_row_kernel_takes_any_page_and_a_contiguous_query():
@@ -770,7 +808,7 @@ def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, lay
     if kernel is _fp8_mma:  # its tile still selects it
         assert _gluon_kernel(kernel(), layout) is _decode_split_kernel_mma_fp8
     if kernel is _ws and heads == 16 and mix is SINGLE and decode._ws_min_keys(layout, page_size) == 0:
-        chosen = TritonDecode().checked_plan(problem).config  # the default at every size, a few keys here
+        chosen = TritonDecode().plan(problem).config  # the default at every size, a few keys here
         assert chosen.gluon and _gluon_kernel(chosen, layout) is _decode_split_kernel_ws
 
 
@@ -807,7 +845,7 @@ def test_the_16_row_quantized_kernels_in_pages_of_whole_steps_pass_the_judge_on_
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
     impl = Configured(_ws(num_splits=splits, keep_partials=keep, tma_loader=tma_loader))
-    assert (impl.checked_plan(problem).descriptors is not None) == tma_loader
+    assert (impl.plan(problem).descriptors is not None) == tma_loader
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
@@ -825,7 +863,7 @@ def test_more_than_32_rows_in_16_row_blocks_pass_the_judge_through_decode_rs_fp8
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, 64, mix, heads=heads, seed=heads), device)
-    plan = TritonDecode().checked_plan(problem)
+    plan = TritonDecode().plan(problem)
     assert plan.config.block_m == 16 and plan.descriptors is not None
     verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -847,10 +885,10 @@ def test_mxfp4_blocks_20_binades_apart_within_a_key_decode_exactly_through_decod
     spread = latent_columns_magnified(build_problem(workload("mxfp4_nsa", 64, VARLEN, heads=16, seed=3), device),
                                       factors)
     impl = Configured(_ws(num_splits=2))
-    plan = impl.checked_plan(spread)
+    plan = impl.plan(spread)
     assert plan.descriptors is not None
     out, lse = impl.run(plan)
-    want, want_lse = impl.run(impl.checked_plan(base))
+    want, want_lse = impl.run(impl.plan(base))
     blocks = (out.float() / factors.to(device)).reshape(*out.shape[:2], -1, 32)
     wanted = want.float().reshape(*want.shape[:2], -1, 32)
     error = (torch.linalg.vector_norm(blocks - wanted, dim=(0, 1, 3))
@@ -890,7 +928,7 @@ def test_fp4_layouts_decoded_in_inline_ptx_pass_the_judge_on_the_gpu(layout, pag
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + heads), device)
     if factors:
         problem = magnified(problem, *factors)
-    config = TritonDecode().checked_plan(problem).config
+    config = TritonDecode().plan(problem).config
     verdict = judge(Configured(dataclasses.replace(config, num_splits=splits)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
@@ -909,7 +947,7 @@ def test_the_narrow_bf16_kernel_passes_the_judge_on_hopper(page_size, mix, heads
     verdict = judge(Configured(_narrow(rows, num_splits=splits, keep_partials=keep)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     if page_size == 1 and mix is SINGLE:
-        chosen = TritonDecode().checked_plan(problem).config  # the default there
+        chosen = TritonDecode().plan(problem).config  # the default there
         assert chosen.gluon and _gluon_kernel(chosen, "bf16") is _decode_split_kernel_narrow
 
 
@@ -930,7 +968,7 @@ def test_the_narrow_kernel_merges_a_groups_splits_inside_its_cluster_on_hopper(p
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size + splits), device)
     impl = Configured(_narrow(rows, num_splits=splits))
-    assert impl.checked_plan(problem).cluster == splits
+    assert impl.plan(problem).cluster == splits
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
@@ -959,7 +997,7 @@ def test_decode_rs_fp8_merges_a_groups_splits_inside_its_cluster_on_hopper(layou
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, page_size, mix, heads=heads, seed=page_size + splits), device)
     impl = Configured(_ws(num_splits=splits))
-    plan = impl.checked_plan(problem)
+    plan = impl.plan(problem)
     assert plan.cluster == cluster and bool(plan.descriptors) == (cluster > 1)
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -983,7 +1021,7 @@ def test_decode_wgmma_ws_merges_a_groups_splits_inside_its_cluster_on_hopper(pag
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload("bf16", page_size, mix, heads=heads, seed=page_size + splits), device)
     impl = Configured(dataclasses.replace(WGMMA_TILE, num_splits=splits))
-    plan = impl.checked_plan(problem)
+    plan = impl.plan(problem)
     assert plan.cluster == splits and plan.descriptors is not None
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -999,7 +1037,7 @@ def test_the_default_plan_of_128_heads_runs_a_groups_splits_in_a_cluster_on_hopp
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     requests = decode._sm_count(device) // 4
     problem = build_problem(workload("bf16", 64, ((1,) * requests, (1024,) * requests), heads=128, seed=9), device)
-    plan = TritonDecode().checked_plan(problem)
+    plan = TritonDecode().plan(problem)
     assert plan.cluster == 2 and plan.schedule.max_splits == 2 and plan.descriptors is not None
     verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -1013,7 +1051,7 @@ def test_clusters_the_gpu_cannot_hold_at_once_fall_back_to_the_merge_kernel(monk
     monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size: 0)
     problem = build_problem(workload("bf16", 64, CLUSTER_CASES[0][1], heads=16, seed=3), device)
     impl = Configured(_narrow(16, num_splits=2))
-    assert impl.checked_plan(problem).cluster == 1
+    assert impl.plan(problem).cluster == 1
     verdict = judge(impl, problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
 
@@ -1036,7 +1074,7 @@ def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(layout, m
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = build_problem(workload(layout, 64, mix, heads=heads, seed=5), device)
-    plan = TritonDecode().checked_plan(problem)
+    plan = TritonDecode().plan(problem)
     assert plan.cluster == size and plan.schedule.max_splits == size and plan.config.gluon
     verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -1051,7 +1089,7 @@ def test_a_cut_into_clusters_the_gpu_cannot_hold_falls_back_to_the_balanced_cut(
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size: 0)
     problem = build_problem(workload("bf16", 64, STRADDLED, heads=16, seed=6), device)
-    plan = TritonDecode().checked_plan(problem)
+    plan = TritonDecode().plan(problem)
     balanced = build_schedule(list(STRADDLED[0]), list(STRADDLED[1]), 16, plan.config.block_m, plan.config.block_n,
                               decode._sm_count(device), plan.config.min_split)
     assert plan.cluster == 1 and plan.schedule == balanced
@@ -1072,7 +1110,7 @@ def test_clusters_formed_across_groups_are_caught(monkeypatch, layout, config):
     monkeypatch.setattr(decode, "_cluster_size", lambda schedule, config, layout: 2)
     problem = build_problem(workload(layout, 64, ((1, 1), (300, 520)), heads=16, seed=4), device)
     impl = Configured(config)
-    assert len(impl.checked_plan(problem).schedule.items) == 6
+    assert len(impl.plan(problem).schedule.items) == 6
     assert judge(impl, problem).status == "failed"
 
 
@@ -1105,7 +1143,7 @@ def test_the_quantized_gluon_kernels_hold_queries_and_scales_of_any_magnitude(q_
         pytest.skip("needs a Hopper GPU (compute capability 9)")
     problem = magnified(build_problem(workload(layout, page_size, VARLEN, heads=16, seed=13), device), q_factor,
                         kv_factor)
-    assert (Configured(config).checked_plan(problem).descriptors is not None) == (page_size == 64)  # rs16: TMA
+    assert (Configured(config).plan(problem).descriptors is not None) == (page_size == 64)  # rs16: TMA
     verdict = judge(Configured(config), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
@@ -1128,7 +1166,7 @@ def test_mxfp4_blocks_far_below_their_tiles_largest_pass_through_the_quantized_g
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
 
-    plan = Configured(config()).checked_plan(problem)
+    plan = Configured(config()).plan(problem)
     slot = problem.meta.token_slots[0]  # request 0's first key: every row of its first token attends it
     cache_rows = problem.cache.data.view(-1, problem.cache.layout.bytes_per_token)
     cache_rows[slot, 256 + 4 * 2 + 1] = 0xFF  # tile 2, block 1
@@ -1152,7 +1190,7 @@ def test_power_of_two_tiles_far_below_their_keys_largest_pass_through_the_64_row
     assert verdict.status == "passed", verdict.violations or verdict.message
     assert verdict.kernel.rel_l2 < 4e-3
 
-    plan = Configured(config).checked_plan(problem)
+    plan = Configured(config).plan(problem)
     slot = problem.meta.token_slots[0]  # request 0's first key: every row of its first token attends it
     cache_rows = problem.cache.data.view(-1, problem.cache.layout.bytes_per_token)
     cache_rows[slot, 512 + 4 * 2:512 + 4 * 3] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # tile 2: NaN
@@ -1291,7 +1329,7 @@ def test_a_planted_bug_through_the_narrow_gluon_kernels_fails_the_judge(config, 
     impl.config = config
     problem = build_problem(workload(layout, page_size, SINGLE, heads=16, seed=11), device)
     rs = (config, page_size) == (_ws(), 64)  # the one case decode_rs_fp8 runs (TMA descriptors)
-    assert (impl.checked_plan(problem).descriptors is not None) == rs
+    assert (impl.plan(problem).descriptors is not None) == rs
     verdict = judge(impl, problem)
     assert verdict.status == "failed", "the Gluon kernel ignored the item's end"
     assert verdict.violations
@@ -1316,15 +1354,17 @@ def test_unsupported_dtypes_head_dims_and_modes_are_refused():
         plan_decode(**{**args, "q": args["q"][..., :192].contiguous()})
     impl = TritonDecode()
     for w, reason in [(Workload(mode="prefill", q_lens=(2,), kv_lens=(8,)), "mode prefill"),
+                      (Workload(mode="sparse_decode", q_lens=(1,), kv_lens=(40,), topk=4, page_size=16),
+                       "mode sparse_decode"),
                       (Workload(mode="decode", q_lens=(1,), kv_lens=(8,), dtype="float32"), "dtype float32")]:
         with pytest.raises(UnsupportedConfig, match=reason):
-            impl.checked_plan(build_problem(w))
+            impl.plan(build_problem(w))
 
 
 def test_the_fp4_block_size_that_miscompiles_on_hopper_is_refused():
     problem = build_problem(workload("nvfp4", 16, SINGLE))
     with pytest.raises(UnsupportedConfig, match="block_n 16 with the FP4 layout"):
-        Configured(DecodeConfig(block_n=16, heads_as_n=False)).checked_plan(problem)
+        Configured(DecodeConfig(block_n=16, heads_as_n=False)).plan(problem)
 
 
 def test_a_block_table_pointing_past_the_cache_is_an_error_in_plan():
@@ -1350,6 +1390,10 @@ def test_a_length_above_the_block_tables_capacity_is_an_error_in_plan():
     ({"visible_lens": torch.tensor([41, 8, 9], dtype=torch.int32)}, "visible_lens\\[0\\] = 41"),
     ({"visible_lens": torch.tensor([1, 2], dtype=torch.int32)}, "visible_lens must be int32 \\[3\\]"),
     ({"scale": math.nan}, "softmax scale"),
+    ({"scale": torch.tensor(0.1)}, "softmax scale"),
+    ({"q_lens": (1, 2), "kv_lens": (40, 1)}, "request 1: q_len 2 > kv_len 1"),
+    ({"kv_lens": (40.5, 9)}, "kv_lens must hold integers"),
+    ({"q_lens": (1.0, 2.9)}, "q_lens must hold integers"),
 ])
 def test_inconsistent_metadata_is_named(change, message):
     with pytest.raises(ValueError, match=message):

@@ -56,7 +56,7 @@ def _decode_after_a_late_write(impl: TritonDecode, problem, written: str = "quer
     """Run ``impl`` right after a kernel that writes new ``written`` late (queries: fresh ones; the block table: each
     request's row moved to the next request, whose lengths must be the same), and compare with an eager run on
     them."""
-    plan = impl.checked_plan(problem)
+    plan = impl.plan(problem)
     assert plan.overlap_launch, "the plan does not launch its split kernel as a programmatic dependent"
     target = plan.q if written == "queries" else plan.block_table
     old = target.clone()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from impls.torch_eager.impl import TorchEager, TorchEagerPlan, decode
+from impls.torch_eager.impl import TorchEager, TorchEagerPlan, check_inputs, decode
 from mla_bench.metadata.reference import request_token_slots
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities
@@ -32,6 +32,7 @@ class TorchEagerHostCache(TorchEager):
         """The slot lists on the host, from a host copy of the block table (metadata crosses, once per step)."""
         meta = problem.meta
         block_table = meta.block_table.to(problem.cache.data.device)
+        check_inputs(problem, block_table)
         slots = [request_token_slots(block_table, b, n, meta.page_size) for b, n in enumerate(meta.kv_lens)]
         return TorchEagerPlan(problem, slots)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_bench.layouts import NOPE_DIM
-from mla_bench.metadata.reference import cumulative, request_token_slots
+from mla_bench.metadata.reference import check_block_table, cumulative, request_token_slots
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -39,6 +39,7 @@ class TorchEager(Impl):
     )
 
     def plan(self, problem: Problem) -> TorchEagerPlan:
+        check_inputs(problem, problem.meta.block_table)
         slots = []
         if problem.workload.mode is Mode.DECODE:
             meta = problem.meta
@@ -59,6 +60,21 @@ class TorchEager(Impl):
             keys.append(torch.cat([p.k_nope[rows], k_pe], dim=-1))
             values.append(p.v[rows])
         return _attention(p, p.q, keys, values)
+
+
+def check_inputs(p: Problem, block_table: torch.Tensor) -> None:
+    """ValueError unless the queries (and, for prefill, the keys) have the rows the lengths say and a decode's
+    ``block_table`` (the problem's, or a copy of it) points into the cache: indexing with a bad slot would read
+    another request's keys silently (a negative one wraps around) or fail deep inside torch."""
+    meta = p.meta
+    if p.q.shape[0] != sum(meta.q_lens):
+        raise ValueError(f"q has {p.q.shape[0]} rows but sum(q_lens) = {sum(meta.q_lens)}")
+    if p.workload.mode is Mode.DECODE:
+        check_block_table(block_table, list(meta.kv_lens), meta.page_size, p.cache.num_blocks)
+        return
+    for name in ("k_nope", "k_pe", "v"):
+        if getattr(p, name).shape[0] != sum(meta.kv_lens):
+            raise ValueError(f"{name} has {getattr(p, name).shape[0]} rows but sum(kv_lens) = {sum(meta.kv_lens)}")
 
 
 def decode(p: Problem, q: torch.Tensor, request_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

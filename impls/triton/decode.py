@@ -45,6 +45,8 @@ keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -70,7 +72,7 @@ from impls.triton.decode_rs_fp8 import _decode_split_kernel_rs_fp8
 from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
-from mla_bench.metadata.reference import blocks_needed, cumulative
+from mla_bench.metadata.reference import check_block_table, cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -469,14 +471,14 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                 kv_lens: Sequence[int], scale: float, visible_lens: torch.Tensor | None = None,
                 config: DecodeConfig | None = None) -> DecodePlan:
     """Validate, schedule and allocate for one decode step (see the module docstring)."""
-    q_lens, kv_lens = [int(n) for n in q_lens], [int(n) for n in kv_lens]
+    q_lens, kv_lens = _lengths("q_lens", q_lens), _lengths("kv_lens", kv_lens)
     _check_supported(q, cache)
     device = q.device
     _check_batch(q, cache, block_table, q_lens, kv_lens)
     visible = _visible(visible_lens, q_lens, kv_lens, device)
     num_heads = q.shape[1]
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax scale must be a positive finite number, got {scale}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax scale must be a positive finite number, got {scale!r}")
     chosen = config is None
     config = config or batch_config(num_heads, q_lens, kv_lens, cache.layout.name, cache.page_size, device)
     if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
@@ -845,31 +847,31 @@ def _check_batch(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, 
     for name, tensor in (("cache", cache.data), ("block_table", block_table)):
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must be int32 [{batch}, max_blocks], got {block_table.dtype} "
-                         f"{list(block_table.shape)}")
+    check_block_table(block_table, kv_lens, cache.page_size, cache.num_blocks)
     if block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")
-    capacity = block_table.shape[1] * cache.page_size
-    too_long = [b for b, n in enumerate(kv_lens) if n > capacity]
-    if too_long:
-        b = too_long[0]
-        raise ValueError(f"request {b}: kv_len {kv_lens[b]} exceeds the block table's capacity "
-                         f"({block_table.shape[1]} blocks x page size {cache.page_size} = {capacity} tokens)")
-    used = torch.tensor([blocks_needed(n, cache.page_size) for n in kv_lens], device=block_table.device)
-    in_use = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < used[:, None]
-    bad = in_use & ((block_table < 0) | (block_table >= cache.num_blocks))
-    if bool(bad.any()):
-        b, j = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the cache "
-                         f"({cache.num_blocks} blocks)")
+
+
+def _lengths(name: str, values: Sequence[int]) -> list[int]:
+    """Per-request lengths as ints; a float or a string is an error, not something to round."""
+    try:
+        return [operator.index(n) for n in values]
+    except TypeError:
+        raise ValueError(f"{name} must hold integers, got {list(values)!r}") from None
 
 
 def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list[int],
              device: torch.device) -> torch.Tensor:
-    """Per query token, how many leading keys of its request it sees (validated when given)."""
+    """Per query token, how many leading keys of its request it sees (validated when given). Without
+    ``visible_lens`` a request's new tokens are its last ``q_len`` keys, so a query longer than its context is an
+    error (a request of no context is padding and may carry queries: they see nothing)."""
     limits = [n for q, n in zip(q_lens, kv_lens) for _ in range(q)]
     if visible_lens is None:
+        longer = [b for b, (q, n) in enumerate(zip(q_lens, kv_lens)) if q > n > 0]
+        if longer:
+            b = longer[0]
+            raise ValueError(f"request {b}: q_len {q_lens[b]} > kv_len {kv_lens[b]}: the new tokens must be among "
+                             f"the request's keys (or pass visible_lens)")
         causal = [max(n - q + i + 1, 0) if n else 0 for q, n in zip(q_lens, kv_lens) for i in range(q)]
         return torch.tensor(causal, dtype=torch.int32, device=device)
     if visible_lens.dtype != torch.int32 or visible_lens.shape != (len(limits),) or visible_lens.device != device:

@@ -28,7 +28,8 @@ exception: on the GPU it runs inline PTX on packed words (``_e2m1_scaled``), in 
 that computes the same values; the GPU tests judge the PTX.
 
 Row ``r`` of a request sees its first ``visible[r]`` keys (the causal frontier; a DCP shard's local
-prefix). Rows that see nothing give out 0 and lse -inf.
+prefix). Rows that see nothing give out 0 and lse -inf; a row whose inputs hold a NaN or inf gives NaN in both
+(never the -inf of a row that saw nothing).
 """
 
 from __future__ import annotations
@@ -648,7 +649,7 @@ def _attend_item(
             acc2 = _pv(acc2, alpha, p, k2, HEADS_AS_N, INTERPRET)
             acc3 = _pv(acc3, alpha, p, k3, HEADS_AS_N, INTERPRET)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     out_row = out + token.to(tl.int64) * stride_ot + head * stride_oh
     part = slot_out.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -733,7 +734,7 @@ def _merge_splits_kernel(
         gdc_wait()
     partial_evict: tl.constexpr = "evict_first" if KEEP_PARTIALS else ""
     acc, total, m = _merged_partials(part_out, part_lse, first, count, local, cols, BLOCK_M, SPLITS, partial_evict)
-    seen = total > 0.0  # rows that saw nothing get out 0 and lse -inf
+    seen = total != 0.0  # rows that saw nothing (a NaN stays NaN) get out 0 and lse -inf
     o = acc * tl.where(seen, out_scale / tl.where(seen, total, 1.0), 0.0)[:, None]
     tl.store(out_row[:, None] + cols[None, :], _to_bf16(o, INTERPRET), mask=row_ok[:, None])
     if tl.program_id(2) == 0:

@@ -246,7 +246,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
                      _value_codes(cache, pages, start, kv_end, PAGE_SIZE), acc)
         unit = new_unit
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     to_out = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)[:, None][None, :, :] * unit[:, None][:, None, :]
     o = (acc * to_out).reshape([4, 16, 16, 8]).permute((0, 1, 3, 2)).reshape([4, 16, 128])  # back in cache order

@@ -451,7 +451,7 @@ def _score(q, stride_qt, stride_qh, visible, work, items_stride, item_counts, ls
             mbarrier.arrive(bars.index(PREADY + pb), count=1)
             g += 1
         l_i = gl.sum(l_part, 0)
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
         if tiles > 0:
             _send(to_out, gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), bars.index(LREADY), bars.index(LFREE),
                   nq & 1)

@@ -303,7 +303,7 @@ def _store_item(m_i, l_part, unit, out_scale, acc0, acc1, acc2, acc3, row_block,
     item covers its rows' whole range (``slot_out < 0``), else a normalized partial for
     ``decode_kernel._merge_splits_kernel`` (which applies the layer scale)."""
     l_i = gl.sum(l_part, 1)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     factor = gl.convert_layout(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), gl.SliceLayout(1, OUT_LAYOUT))
     rows_s = row_block * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, SCORE_LAYOUT))

@@ -261,7 +261,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
         _cta_barrier()  # every warp is done with the decoded keys, the scales and P
 
     l_i = gl.sum(l_part, 0)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)[None, :]
     cols = gl.arange(0, TILE, layout=ACC_KEYS)[:, None]

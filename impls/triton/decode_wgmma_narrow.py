@@ -135,7 +135,7 @@ def _attend_item(item, q, stride_qt, stride_qh, cache, block_table, stride_bt, v
     _cta_barrier()  # the next item's copies reuse the buffers
 
     l_i = gl.sum(l_part, 0)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     inv_l = gl.convert_layout(inv_l, STORED_ROWS)
@@ -283,7 +283,7 @@ def _cluster_weights(part_lse, first_slot, local, out_scale, ROWS: gl.constexpr,
     m = gl.maximum(gl.maximum(split0, split1), gl.maximum(split2, split3))
     m = gl.where(m == float("-inf"), 0.0, m)  # no split saw a key: every weight stays 0
     total = gl.exp2(split0 - m) + gl.exp2(split1 - m) + gl.exp2(split2 - m) + gl.exp2(split3 - m)
-    seen = total > 0.0  # rows that saw nothing get lse -inf
+    seen = total != 0.0  # rows that saw nothing (a NaN stays NaN) get lse -inf
     merged = gl.where(seen, m + gl.log2(gl.where(seen, total, 1.0)), float("-inf"))
     w0 = gl.where(seen, gl.exp2(split0 - merged), 0.0) * out_scale
     w1 = gl.where(seen, gl.exp2(split1 - merged), 0.0) * out_scale

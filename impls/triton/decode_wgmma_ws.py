@@ -242,7 +242,7 @@ def _score(visible, work, items_stride, item_counts, out, stride_ot, stride_oh, 
             mbarrier.arrive(bars.index(KFREE + (g + 1) % STAGES), count=1)
             _send(sums, l_i, bars.index(LREADY), bars.index(LFREE), nq & 1)  # for the value warpgroup's normalization
             nq += 1
-        seen = l_i > 0.0
+        seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
         rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_S)
         _store_lse(gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf")), rows,
                    rows < q_len * num_heads, lse, stride_lt, part_lse, row_block, slot_out, q_first, num_heads, ROWS,
@@ -331,7 +331,7 @@ def _store_columns(half: gl.constexpr, l_i, acc0, acc1, row_block, slot_out, q_f
     """Output columns ``[256 half, 256 half + 256)`` over the row sums ``l_i``: final bf16 rows where the item covers
     its rows' whole range (``slot_out < 0``), else a float32 partial for ``_merge_splits_kernel``; under ``CLUSTER``,
     merged with the cluster's other splits (``_merge_in_cluster``)."""
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), ROW_O)[:, None]
     rows = row_block * ROWS + gl.arange(0, ROWS, layout=ROW_O)
     cols = 2 * half * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]

@@ -477,7 +477,7 @@ def _attend_item(item, g, q, stride_qt, stride_qh, visible, out, stride_ot, stri
         g += steps
 
     l_i = gl.sum(l_part, 0)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     to_out = gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0)
     if slot_out < 0:

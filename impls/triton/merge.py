@@ -36,7 +36,7 @@ def _merge_kernel(out_ptr, lse_out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, R, H
     wa = tl.exp(la - m_safe)
     wb = tl.exp(lb - m_safe)
     total = wa + wb
-    live = total > 0
+    live = total != 0  # not > 0: a NaN row is not an empty one
     safe_total = tl.where(live, total, 1.0)
     ca = (wa / safe_total)[:, None]
     cb = (wb / safe_total)[:, None]
@@ -110,7 +110,7 @@ def _rescale_kernel(out_ptr, lse_total_ptr, part_ptr, all_lse_ptr, rank, world, 
     m = tl.max(lses, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lses - m_safe[None, :]), axis=0)
-    live = total > 0
+    live = total != 0  # not > 0: a NaN row is not an empty one
     lse_total = tl.where(live, m_safe + tl.log(tl.where(live, total, 1.0)), float("-inf"))
     own = tl.load(all_lse_ptr + rank * s_lw + t * s_lt + heads * s_lh, mask=h_ok, other=float("-inf"))
     own = _as_neginf_if_posinf(own.to(tl.float32))

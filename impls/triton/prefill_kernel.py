@@ -129,7 +129,7 @@ def _prefill_kernel(Q, K_NOPE, K_PE, V, OUT, LSE, CU_Q, CU_K, qk_scale,
                                           frontier, qk_scale, offs_n, offs_dn, offs_dr, offs_dv, s_knt, s_kpt, s_vt,
                                           True, BLOCK_N, UPCAST)
 
-        live = l_i > 0
+        live = l_i != 0  # not > 0: a NaN row is not an empty one
         safe_l = tl.where(live, l_i, 1.0)
         out = acc / safe_l[:, None]
         lse = tl.where(live, (m_i + tl.log2(safe_l)) * 0.6931471805599453, float("-inf"))

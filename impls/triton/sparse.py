@@ -7,8 +7,7 @@ decodes the cache. Dequantizing ``fp8_ds_mla`` into a bf16 buffer instead rounds
 power of two: measured here, an lse error of 0.013 to 0.045, beyond the bf16 kernel bound of 0.005.
 
 Each declares the one index transform it takes; the other is refused at plan time with ``UnsupportedConfig``
-(SGLang PR 21835: a backend that received indices of the other transform crashed mid-forward). ``plan``
-checks it again itself, so a caller that skips ``checked_plan`` is refused too.
+(SGLang PR 21835: a backend that received indices of the other transform crashed mid-forward).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch
 
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
 from impls.triton.sparse_kernel import SparseConfig, check_wgmma, default_config, sparse_mqa
-from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -38,15 +36,8 @@ class SparsePlan:
 
 
 class _TritonSparseBase(Impl):
-    transform: str
-
     def __init__(self, config: SparseConfig | None = None) -> None:
         self.config = config
-
-    def _refuse_other_transform(self, problem: Problem) -> None:
-        if problem.workload.index_transform != self.transform:
-            raise UnsupportedConfig(f"{self.name} reads {self.transform.upper()} indices; this problem's indices "
-                                    f"were made by the {problem.workload.index_transform.upper()} transform")
 
     def _outputs(self, problem: Problem, layout: int, buffer: torch.Tensor | None = None) -> SparsePlan:
         tokens, heads = problem.q.shape[:2]
@@ -64,12 +55,10 @@ class _TritonSparseBase(Impl):
 class TritonSparse(_TritonSparseBase):
     name = "triton_sparse"
     description = "sparse top-k MQA reading (and dequantizing) the paged cache by PAGED slot indices"
-    transform = "paged"
     capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES),
                                 index_transforms=frozenset({"paged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
-        self._refuse_other_transform(problem)
         return self._outputs(problem, layout_code(problem.cache.layout.name))
 
     def run(self, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,12 +70,10 @@ class TritonSparse(_TritonSparseBase):
 class TritonSparseRagged(_TritonSparseBase):
     name = "triton_sparse_ragged"
     description = "sparse top-k MQA over the requests' tokens gathered in order, by RAGGED row indices"
-    transform = "ragged"
     capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES),
                                 index_transforms=frozenset({"ragged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
-        self._refuse_other_transform(problem)
         cache = problem.cache
         buffer = torch.empty(problem.meta.token_slots.shape[0], cache.layout.bytes_per_token, dtype=torch.uint8,
                              device=problem.device)

@@ -163,7 +163,7 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
         acc2 = _values(acc2, p, k2, c2, alpha, SCALED, UPCAST)
         acc3 = _values(acc3, p, k3, c3, alpha, SCALED, UPCAST)
         m_i = m_new
-    live = l_i > 0
+    live = l_i != 0  # not > 0: a NaN row is not an empty one
     inv_l = (1.0 / tl.where(live, l_i, 1.0))[:, None]
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_rows = OUT + t * s_ot + heads[:, None] * s_oh + offs[None, :]

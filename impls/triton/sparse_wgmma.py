@@ -424,7 +424,7 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_part, 1)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # not > 0: a NaN row is not an empty one
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     rows_s = head0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, SCORE_LAYOUT))
     gl.store(lse + token * stride_lt + rows_s * stride_lh, lse2 * LN2, mask=rows_s < num_heads)

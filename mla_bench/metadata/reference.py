@@ -58,6 +58,28 @@ def assign_blocks(kv_lens: list[int], page_size: int, pool: torch.Tensor) -> tor
     return torch.tensor(rows, dtype=torch.int32)
 
 
+def check_block_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int, num_blocks: int) -> None:
+    """ValueError unless the int32 ``[B, max_blocks]`` block table holds every request's length and each entry a
+    request reads (its first ``ceil(kv_len / page_size)``) names one of the cache's ``num_blocks`` pages: a kernel
+    given a bad entry reads another request's page or faults, so ``plan`` refuses it."""
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != len(kv_lens):
+        raise ValueError(f"block_table must be int32 [{len(kv_lens)}, max_blocks], got {block_table.dtype} "
+                         f"{list(block_table.shape)}")
+    capacity = block_table.shape[1] * page_size
+    too_long = [b for b, n in enumerate(kv_lens) if n > capacity]
+    if too_long:
+        b = too_long[0]
+        raise ValueError(f"request {b}: kv_len {kv_lens[b]} exceeds the block table's capacity "
+                         f"({block_table.shape[1]} blocks x page size {page_size} = {capacity} tokens)")
+    table = block_table.cpu()  # read on the host: one copy of the table out, nothing in
+    used = torch.tensor([blocks_needed(n, page_size) for n in kv_lens])
+    in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
+    bad = in_use & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} points outside the cache ({num_blocks} blocks)")
+
+
 def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_size: int) -> torch.Tensor:
     """Physical slots of request ``b``'s tokens: ``page_table_1[b, :kv_len]`` (int64, on the block table's device)."""
     positions = torch.arange(kv_len, dtype=torch.int64, device=block_table.device)
