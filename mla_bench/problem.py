@@ -2,8 +2,9 @@
 
 Everything is drawn from one seeded CPU generator and then moved, so a workload gives the same values on
 every device. The paged cache goes to the workload's ``cache_device`` when it names one (host memory while the
-rest lives on the GPU), else with the rest. Values are fresh random numbers (never zeros), scaled so that scores have a standard deviation
-near 2: softmax is neither uniform nor one-hot. Unused cache bytes and block-table padding read as NaN.
+rest lives on the GPU), else with the rest. Values are fresh random numbers (never zeros), scaled so that scores
+have a standard deviation near 2: softmax is neither uniform nor one-hot. Unused cache bytes and block-table
+padding read as NaN.
 
 Per mode:
 
@@ -63,7 +64,8 @@ class Problem:
 
 def build_problem(workload: Workload, device: torch.device | str = "cpu") -> Problem:
     """Draw the inputs of ``workload`` (deterministic in its seed) and place them on ``device``."""
-    device = torch.device(device)
+    device = _available(torch.device(device), "build_problem was asked to put the problem", workload)
+    cache_device = _cache_device(workload, device)
     gen = torch.Generator().manual_seed(workload.seed)
     dims, mode, dtype = workload.dims, workload.mode, TORCH_DTYPES[workload.dtype]
     heads = dims.num_heads
@@ -96,7 +98,7 @@ def build_problem(workload: Workload, device: torch.device | str = "cpu") -> Pro
     if mode.sparse:
         problem.topk_indices = _topk_indices(workload, gen)
         problem.sparse_indices = transform_indices(problem.topk_indices, workload, meta)
-    return _to_device(problem, device)
+    return _to_device(problem, device, cache_device)
 
 
 def transform_indices(topk_indices: torch.Tensor, workload: Workload, meta: PagedMetadata) -> torch.Tensor:
@@ -134,17 +136,29 @@ def _topk_indices(workload: Workload, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).to(torch.int32)
 
 
-def _to_device(problem: Problem, device: torch.device) -> Problem:
+def _available(device: torch.device, what: str, workload: Workload) -> torch.device:
+    """``device``, refused with a ValueError where it is CUDA and this machine has none (torch would raise
+    ``AssertionError: Torch not compiled with CUDA enabled``, or fail later)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} on {device}, but CUDA is not available ({workload.label})")
+    return device
+
+
+def _cache_device(workload: Workload, device: torch.device) -> torch.device:
+    """Where the paged cache goes: the workload's ``cache_device`` where it names another device type, else
+    ``device`` (refused up front, before any drawing, where it is CUDA on a machine without)."""
+    wanted = workload.cache_device or device.type
+    if wanted == device.type:
+        return device
+    return _available(torch.device(wanted), "the workload puts the cache", workload)
+
+
+def _to_device(problem: Problem, device: torch.device, cache_device: torch.device) -> Problem:
     for name in ("kv", "w_uk", "w_uv", "q", "k_nope", "k_pe", "v", "topk_indices", "sparse_indices"):
         value = getattr(problem, name)
         if value is not None:
             setattr(problem, name, value.to(device))
     problem.meta = problem.meta.to(device)
     if problem.cache is not None:
-        wanted = problem.workload.cache_device or device.type
-        cache_device = device if wanted == device.type else torch.device(wanted)
-        if cache_device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"the workload puts the cache on cuda, but CUDA is not available "
-                             f"({problem.workload.label})")
         problem.cache = problem.cache.to(cache_device)
     return problem

@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from mla_bench.dims import MLADims, get_preset
 
@@ -51,6 +51,7 @@ class Mode(str, Enum):
 INDEX_TRANSFORMS = ("paged", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICE_TYPES = ("cpu", "cuda")
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes a seed as an unsigned 64-bit int
 
 
 def query_len_kind(q_lens: tuple[int, ...]) -> str:
@@ -99,7 +100,7 @@ class Workload:
     def _validate(self) -> None:
         from mla_bench.layouts import get_layout  # local: layouts import nothing from here, keep it that way
 
-        get_preset(self.preset)
+        _look_up("preset", self.preset, get_preset)
         if len(self.q_lens) != len(self.kv_lens):
             raise ValueError(f"q_lens has {len(self.q_lens)} requests but kv_lens has {len(self.kv_lens)}")
         if not self.q_lens:
@@ -116,12 +117,13 @@ class Workload:
             raise ValueError("a workload needs at least one query token (every q_len is 0)")
         if self.num_heads is not None:
             _positive("num_heads", self.num_heads)
-        get_layout(self.layout)
+        _look_up("cache layout", self.layout, get_layout)
         _positive("page_size", self.page_size)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an int >= 0 and < 2**64 (what torch.Generator.manual_seed takes), "
+                             f"got {self.seed!r}")
         if self.cache_device not in (None, *DEVICE_TYPES):
             raise ValueError(f"cache_device must be None or one of {DEVICE_TYPES}, got {self.cache_device!r}")
         if self.cache_device is not None and not self.mode.uses_cache:
@@ -259,6 +261,14 @@ def _int_tuple(name: str, values: Any) -> tuple[int, ...]:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"{name} must hold ints, got {v!r}")
     return values
+
+
+def _look_up(kind: str, name: Any, lookup: Callable[[str], Any]) -> None:
+    """``lookup(name)`` (a preset or layout registry); a name that is not a string, such as ``["tiny"]`` from JSON,
+    is refused as unknown too, instead of failing the registry's dict look-up with ``TypeError: unhashable``."""
+    if not isinstance(name, str):
+        raise ValueError(f"unknown {kind} {name!r}: a {kind} is named by a string")
+    lookup(name)
 
 
 def _positive(name: str, value: Any) -> None:

@@ -1,6 +1,8 @@
 """Float64 eager references for every MLA path; torch only, any device.
 
 Every function returns ``(out, lse)`` with a natural-log lse; rows that see no key give out 0, lse -inf.
+Bad input (a shape, a dtype, NaN or inf in an input, a scale that is not a finite positive number) is a ValueError
+that names it: the reference is what every impl is judged against, so it never answers from such input.
 """
 
 from reference.absorbed import latent_mqa, paged_latent_mqa

@@ -11,17 +11,26 @@ import torch
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM, PagedCache
 from mla_bench.layouts.ops import gather_cache
 from mla_bench.metadata import PagedMetadata
-from reference.checks import check_tensor
-from reference.core import ragged_attention
+from reference.checks import check_ragged_rows, check_same_device, check_tensor, check_values
+from reference.core import ragged_attention_prechecked
 
 
 def latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float,
                causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of ``q`` ``[T, H, 576]`` over ragged latent tokens ``kv`` ``[N, 576]``."""
+    check_latent_inputs(q, kv, q_lens, kv_lens, scale)
+    kv = kv.double()
+    return ragged_attention_prechecked(q, kv[:, None, :], kv[:, None, :NOPE_DIM], q_lens, kv_lens, scale, causal)
+
+
+def check_latent_inputs(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float) -> None:
+    """All checks of an absorbed call (``latent_mqa``, the DCP path): ``q`` ``[sum(q_lens), H, 576]``, ``kv``
+    ``[sum(kv_lens), 576]`` on one device, then the values."""
     check_tensor("q", q, 3, last=LATENT_DIM)
     check_tensor("kv", kv, 2, last=LATENT_DIM)
-    kv = kv.double()
-    return ragged_attention(q, kv[:, None, :], kv[:, None, :NOPE_DIM], q_lens, kv_lens, scale, causal)
+    check_same_device(q=q, kv=kv)
+    check_ragged_rows(q_lens, kv_lens, q, "kv", kv)
+    check_values(scale, q=q, kv=kv)
 
 
 def paged_latent_mqa(q: torch.Tensor, cache: PagedCache, meta: PagedMetadata,

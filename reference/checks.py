@@ -1,6 +1,13 @@
-"""Input checks shared by the reference functions: refuse bad input with a clear error before any work."""
+"""Input checks shared by the reference functions: refuse bad input with a clear error before any work.
+
+Every public entry point checks the structure of its inputs first (types, shapes, devices: cheap), then their
+values once with ``check_values`` (a pass over each input); what it calls internally does not check again.
+"""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
@@ -15,6 +22,19 @@ def check_tensor(name: str, tensor: torch.Tensor, dims: int, last: int | None = 
         raise ValueError(f"{name} must have last dimension {last}, got shape {list(tensor.shape)}")
     if not tensor.dtype.is_floating_point:
         raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
+
+
+def check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """``tensor`` is a floating-point tensor of exactly ``shape`` (the error gives both shapes)."""
+    check_tensor(name, tensor, len(shape))
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+
+
+def check_rows(name: str, tensor: torch.Tensor, rows: int, what: str) -> None:
+    """``tensor`` has ``rows`` rows, the count ``what`` gives (a ragged batch's ``sum(q_lens)``, say)."""
+    if tensor.shape[0] != rows:
+        raise ValueError(f"{name} has {tensor.shape[0]} rows for {what}={rows}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
@@ -38,6 +58,27 @@ def check_lengths(q_lens, kv_lens) -> None:
             raise ValueError(f"request {i}: query longer than context (q_len={q} > kv_len={kv})")
 
 
+def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: torch.Tensor) -> None:
+    """Valid lengths, ``sum(q_lens)`` rows of ``q`` and ``sum(kv_lens)`` rows of the keys."""
+    check_lengths(q_lens, kv_lens)
+    check_rows("q", q, sum(q_lens), "sum(q_lens)")
+    check_rows(keys_name, keys, sum(kv_lens), "sum(kv_lens)")
+
+
 def check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_values(scale: float, **tensors: torch.Tensor) -> None:
+    """The value check of every public entry point: a finite positive scale and no NaN / inf in any input.
+
+    The reference is the anchor every impl is judged against: a non-finite input must be refused, not turned
+    into a NaN (or a plausible) answer. Call it after the structural checks (it reads every element)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    for name, tensor in tensors.items():
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            raise ValueError(f"{name} holds NaN or inf ({finite.numel() - int(finite.sum())} of {finite.numel()} "
+                             f"values); the reference needs finite inputs")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.checks import check_lengths, check_same_device, check_tensor
+from reference.checks import check_ragged_rows, check_same_device, check_tensor, check_values
 
 # Score-matrix elements per block of query rows: bounds the reference's memory on long contexts.
 _BLOCK_ELEMENTS = 1 << 25
@@ -20,15 +20,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     ``visible`` ``[M, N]`` (bool, or None for all) says which keys each query row may see.
     Returns ``out`` ``[M, H, Dv]`` and ``lse`` ``[M, H]``, both float64.
     """
+    check_attend_inputs(q, k, v, visible)
+    check_values(scale, q=q, k=k, v=v)
+    return attend_prechecked(q, k, v, visible, scale)
+
+
+def check_attend_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> None:
+    """The structure of ``attend``'s inputs: dtypes, shapes, one device, and a bool mask (or None)."""
     check_tensor("q", q, 3)
     check_tensor("k", k, 3, last=q.shape[-1])
     check_tensor("v", v, 3)
+    if visible is not None and (not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool):
+        got = visible.dtype if isinstance(visible, torch.Tensor) else type(visible).__name__
+        raise ValueError(f"visible must be a bool tensor (or None), got {got}")
     check_same_device(q=q, k=k, v=v, visible=visible)
     if k.shape[1] not in (1, q.shape[1]) or v.shape[1] != k.shape[1] or v.shape[0] != k.shape[0]:
         raise ValueError(f"k / v must be [N, 1 or {q.shape[1]}, D] with matching N and heads, got "
                          f"{list(k.shape)} and {list(v.shape)}")
     if visible is not None and visible.shape != (q.shape[0], k.shape[0]):
         raise ValueError(f"visible must be [{q.shape[0]}, {k.shape[0]}], got {list(visible.shape)}")
+
+
+def attend_prechecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend`` without the checks, for callers that checked their own inputs (the value check reads them all)."""
     q, k, v = q.double(), k.double(), v.double()
     rows, heads = q.shape[0], q.shape[1]
     n = k.shape[0]
@@ -75,16 +90,21 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: 
                      causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a ragged batch: request ``b`` owns ``q_lens[b]`` rows of ``q`` and ``kv_lens[b]`` rows of
     ``k`` / ``v``, each request after the previous one. Causal masking aligns queries to the end of the keys."""
-    check_lengths(q_lens, kv_lens)
-    if q.shape[0] != sum(q_lens) or k.shape[0] != sum(kv_lens) or v.shape[0] != k.shape[0]:
-        raise ValueError(f"ragged_attention: q has {q.shape[0]} rows for sum(q_lens)={sum(q_lens)}, "
-                         f"k has {k.shape[0]} and v {v.shape[0]} rows for sum(kv_lens)={sum(kv_lens)}")
+    check_attend_inputs(q, k, v, None)
+    check_ragged_rows(q_lens, kv_lens, q, "k", k)
+    check_values(scale, q=q, k=k, v=v)
+    return ragged_attention_prechecked(q, k, v, q_lens, kv_lens, scale, causal)
+
+
+def ragged_attention_prechecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens, kv_lens, scale: float,
+                                causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ragged_attention`` without the checks, for callers that checked their own inputs."""
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
     q0 = k0 = 0
     for q_len, kv_len in zip(q_lens, kv_lens):
         visible = causal_visible(q_len, kv_len, q.device) if causal else None
-        out[q0:q0 + q_len], lse[q0:q0 + q_len] = attend(q[q0:q0 + q_len], k[k0:k0 + kv_len], v[k0:k0 + kv_len],
-                                                        visible, scale)
+        rows, keys = slice(q0, q0 + q_len), slice(k0, k0 + kv_len)
+        out[rows], lse[rows] = attend_prechecked(q[rows], k[keys], v[keys], visible, scale)
         q0, k0 = q0 + q_len, k0 + kv_len
     return out, lse

@@ -14,8 +14,9 @@ import torch
 
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.metadata.reference import dcp_rank_of_position
-from reference.checks import check_lengths, check_positive, check_tensor
-from reference.core import attend
+from reference.absorbed import check_latent_inputs
+from reference.checks import check_positive
+from reference.core import attend_prechecked
 
 
 def shard_positions(kv_len: int, rank: int, world: int, interleave: int) -> torch.Tensor:
@@ -26,7 +27,8 @@ def shard_positions(kv_len: int, rank: int, world: int, interleave: int) -> torc
 
 def rank_partial(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float, rank: int, world: int,
                  interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's attention of all heads over its shard: ``(out [T, H, 512], lse [T, H])``."""
+    """One rank's attention of all heads over its shard: ``(out [T, H, 512], lse [T, H])`` (inputs checked by the
+    caller, ``dcp_latent_mqa``)."""
     out = torch.zeros(q.shape[0], q.shape[1], NOPE_DIM, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
     q0 = k0 = 0
@@ -36,7 +38,8 @@ def rank_partial(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: floa
         frontier = kv_len - q_len + torch.arange(q_len, device=q.device)
         visible = positions[None, :] <= frontier[:, None]
         rows = slice(q0, q0 + q_len)
-        out[rows], lse[rows] = attend(q[rows], local[:, None, :], local[:, None, :NOPE_DIM], visible, scale)
+        out[rows], lse[rows] = attend_prechecked(q[rows], local[:, None, :], local[:, None, :NOPE_DIM], visible,
+                                                 scale)
         q0, k0 = q0 + q_len, k0 + kv_len
     return out, lse
 
@@ -46,12 +49,7 @@ def dcp_latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: fl
     """Absorbed decode over ragged latent ``kv`` ``[N, 576]`` computed as ``world`` DCP ranks would."""
     check_positive("world", world)
     check_positive("interleave", interleave)
-    check_tensor("q", q, 3, last=kv.shape[-1])
-    check_tensor("kv", kv, 2)
-    check_lengths(q_lens, kv_lens)
-    if q.shape[0] != sum(q_lens) or kv.shape[0] != sum(kv_lens):
-        raise ValueError(f"q has {q.shape[0]} rows for sum(q_lens)={sum(q_lens)}, kv {kv.shape[0]} for "
-                         f"sum(kv_lens)={sum(kv_lens)}")
+    check_latent_inputs(q, kv, q_lens, kv_lens, scale)
     head_groups = torch.arange(q.shape[1], device=q.device).tensor_split(world)
     local_q = [q[:, heads] for heads in head_groups]            # each rank starts with its own heads
     gathered_q = torch.cat(local_q, dim=1)                       # all-gather over heads

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.checks import check_tensor
-from reference.core import ragged_attention
+from reference.checks import check_ragged_rows, check_same_device, check_tensor, check_values
+from reference.core import ragged_attention_prechecked
 
 
 def mha_keys(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -25,11 +25,16 @@ def up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> 
 
 def mha_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor, q_lens, kv_lens,
                   scale: float, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged MHA of ``q`` ``[T, H, 192]`` over ``k_nope`` ``[N, H, 128]``, ``k_pe`` ``[N, 64]``, ``v`` ``[N, H, 128]``."""
+    """Ragged MHA of ``q`` ``[T, H, 192]`` over ``k_nope`` ``[N, H, 128]``, ``k_pe`` ``[N, 64]``,
+    ``v`` ``[N, H, 128]``."""
+    check_tensor("q", q, 3)
     check_tensor("k_nope", k_nope, 3)
     check_tensor("k_pe", k_pe, 2, last=q.shape[-1] - k_nope.shape[-1])
     check_tensor("v", v, 3)
     if k_nope.shape[:2] != (k_pe.shape[0], q.shape[1]) or v.shape[:2] != k_nope.shape[:2]:
         raise ValueError(f"k_nope {list(k_nope.shape)}, k_pe {list(k_pe.shape)} and v {list(v.shape)} must share "
                          f"N tokens and the {q.shape[1]} query heads")
-    return ragged_attention(q, mha_keys(k_nope, k_pe), v, q_lens, kv_lens, scale, causal)
+    check_same_device(q=q, k_nope=k_nope, k_pe=k_pe, v=v)
+    check_ragged_rows(q_lens, kv_lens, q, "k_nope", k_nope)
+    check_values(scale, q=q, k_nope=k_nope, k_pe=k_pe, v=v)
+    return ragged_attention_prechecked(q, mha_keys(k_nope, k_pe), v, q_lens, kv_lens, scale, causal)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
-from reference.checks import check_lengths, check_same_device, check_tensor
+from reference.checks import check_ragged_rows, check_rows, check_same_device, check_tensor, check_values
 from reference.core import masked_softmax
 
 _BLOCK_ELEMENTS = 1 << 24
@@ -19,23 +19,15 @@ _BLOCK_ELEMENTS = 1 << 24
 def sparse_latent_mqa(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, q_lens, kv_lens,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[T, H, 576]``, ragged latent ``kv`` ``[N, 576]``, ``topk_indices`` ``[T, topk]`` (request positions)."""
-    check_tensor("q", q, 3, last=LATENT_DIM)
-    check_tensor("kv", kv, 2, last=LATENT_DIM)
-    check_same_device(q=q, kv=kv, topk_indices=topk_indices)
-    check_lengths(q_lens, kv_lens)
-    if topk_indices.dim() != 2 or topk_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_indices must be int32/int64 [T, topk], got {topk_indices.dtype} "
-                         f"{list(topk_indices.shape)}")
-    if topk_indices.shape[0] != q.shape[0] or q.shape[0] != sum(q_lens) or kv.shape[0] != sum(kv_lens):
-        raise ValueError(f"topk_indices has {topk_indices.shape[0]} rows, q {q.shape[0]}, sum(q_lens) {sum(q_lens)}; "
-                         f"kv has {kv.shape[0]} rows for sum(kv_lens) {sum(kv_lens)}")
+    check_indexed_inputs(q, "kv", kv, "topk_indices", topk_indices)
+    check_ragged_rows(q_lens, kv_lens, q, "kv", kv)
     owner = torch.repeat_interleave(torch.arange(len(q_lens), device=q.device),
                                     torch.tensor(list(q_lens), device=q.device))
     kv_len = torch.tensor(list(kv_lens), device=q.device)[owner]
     kv_start = (torch.cumsum(torch.tensor([0] + list(kv_lens), device=q.device), 0))[owner]
-    idx = topk_indices.to(q.device).long()
+    idx = topk_indices.long()
     valid = (idx >= 0) & (idx < kv_len[:, None])
-    return indexed_latent_mqa(q, kv, torch.where(valid, idx + kv_start[:, None], -1), scale)
+    return _indexed_attention(q, "kv", kv, torch.where(valid, idx + kv_start[:, None], -1), scale)
 
 
 def indexed_latent_mqa(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
@@ -43,9 +35,33 @@ def indexed_latent_mqa(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tenso
     """Each query token attends the rows of ``rows`` ``[R, 576]`` its ``indices`` ``[T, topk]`` name; -1 (any
     negative) and ``>= R`` are invalid. With RAGGED indices ``rows`` is the gathered K; with PAGED indices, the
     dequantized cache slots."""
+    check_indexed_inputs(q, "rows", rows, "indices", indices)
+    return _indexed_attention(q, "rows", rows, indices.long(), scale)
+
+
+def check_indexed_inputs(q: torch.Tensor, rows_name: str, rows: torch.Tensor, indices_name: str,
+                         indices: torch.Tensor) -> None:
+    """The structure of a sparse call: ``q`` ``[T, H, 576]``, latent ``rows`` ``[R, 576]`` and integer indices
+    ``[T, topk]`` (a float index would be truncated into a wrong valid one), all on one device."""
+    check_tensor("q", q, 3, last=LATENT_DIM)
+    check_tensor(rows_name, rows, 2, last=LATENT_DIM)
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
+        got = f"{indices.dtype} {list(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"{indices_name} must be int32/int64 [T, topk], got {got}")
+    check_same_device(q=q, **{rows_name: rows, indices_name: indices})
+    check_rows(indices_name, indices, q.shape[0], "q.shape[0]")
+
+
+def _indexed_attention(q: torch.Tensor, rows_name: str, rows: torch.Tensor, idx: torch.Tensor,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query token over the rows its int64 ``idx`` name (inputs structurally checked). The value
+    check reads ``q`` and only the rows a valid index names: PAGED indices address every cache slot, poisoned
+    (NaN) unused ones too, and those never reach the answer."""
+    valid = (idx >= 0) & (idx < rows.shape[0])
+    selected = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    selected[idx[valid]] = True
+    check_values(scale, q=q, **{f"{rows_name} (the rows the indices select)": rows[selected]})
     kv = rows.double()
-    idx = indices.to(q.device).long()
-    valid = (idx >= 0) & (idx < kv.shape[0])
     safe = torch.where(valid, idx, 0)
     out = torch.zeros(q.shape[0], q.shape[1], NOPE_DIM, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from reference.absorbed import latent_mqa
-from reference.chunked import chunked_prefill
-from reference.core import attend
+from mla_bench.problem import build_problem
+from mla_bench.workload import Workload
+from reference.absorbed import latent_mqa, paged_latent_mqa
+from reference.chunked import chunked_prefill, prefill_with_context
+from reference.core import attend, ragged_attention
 from reference.dcp import dcp_latent_mqa
-from reference.merge import merge_attn_states
+from reference.merge import merge_attn_states, merge_many
 from reference.mha import mha_attention
-from reference.sparse import sparse_latent_mqa
+from reference.sparse import indexed_latent_mqa, sparse_latent_mqa
 
 Q = torch.randn(3, 2, 576, dtype=torch.float64)
 KV = torch.randn(10, 576, dtype=torch.float64)
@@ -38,7 +42,183 @@ KV = torch.randn(10, 576, dtype=torch.float64)
                              torch.randn(2, 512, 128), (1,), (5,), 0.1, 0), "chunk_size must be a positive int"),
     (lambda: merge_attn_states(torch.randn(3, 2, 8), torch.randn(3, 2), torch.randn(3, 2, 4), torch.randn(3, 2)),
      "shapes differ"),
+    (lambda: dcp_latent_mqa(Q, KV[:, :300], (3,), (10,), 0.1, 2, 1), "kv must have last dimension 576"),
+    (lambda: dcp_latent_mqa(Q[..., :300], KV[:, :300], (3,), (10,), 0.1, 2, 1), "q must have last dimension 576"),
+    (lambda: attend(Q, KV[:, None], KV[:, None, :512], torch.ones(3, 10, dtype=torch.int64), 0.1),
+     "visible must be a bool tensor \\(or None\\), got torch.int64"),
+    (lambda: attend(Q, KV[:, None], KV[:, None, :512], torch.ones(3, 10), 0.1),
+     "visible must be a bool tensor \\(or None\\), got torch.float32"),
+    (lambda: attend(Q, KV[:, None], KV[:, None, :512], [[True] * 10] * 3, 0.1),
+     "visible must be a bool tensor \\(or None\\), got list"),
 ])
 def test_bad_reference_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def f64(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+PREFILL_LENS = dict(q_lens=(1, 2), kv_lens=(4, 6))
+
+
+def prefill_step(heads: int = 2) -> dict[str, torch.Tensor]:
+    """Fresh inputs of a prefill with context for PREFILL_LENS: 3 new tokens, 7 context tokens."""
+    return dict(q=f64(3, heads, 192), k_nope=f64(3, heads, 128), k_pe=f64(3, 64), v=f64(3, heads, 128),
+                context=f64(7, 576), w_uk=f64(heads, 512, 128) / 512 ** 0.5, w_uv=f64(heads, 512, 128) / 512 ** 0.5)
+
+
+def chunked(inputs: dict, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    return chunked_prefill(**inputs, **PREFILL_LENS, scale=scale, chunk_size=3)
+
+
+def unchunked(inputs: dict, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    return prefill_with_context(**inputs, **PREFILL_LENS, scale=scale)
+
+
+@pytest.mark.parametrize("prefill", [chunked, unchunked])
+@pytest.mark.parametrize("name, cut, message", [
+    ("q", lambda t: torch.cat([t, t[:2]]), r"q must have shape \[3, 2, 192\], got \[5, 2, 192\]"),
+    ("k_nope", lambda t: t[:2], r"k_nope must have shape \[3, 2, 128\], got \[2, 2, 128\]"),
+    ("k_pe", lambda t: t[:2], r"k_pe must have shape \[3, 64\], got \[2, 64\]"),
+    ("v", lambda t: t[:2], r"v must have shape \[3, 2, 128\], got \[2, 2, 128\]"),
+    ("w_uk", lambda t: t[..., :100], r"w_uk must have shape \[2, 512, 128\], got \[2, 512, 100\]"),
+    ("w_uv", lambda t: t[:1], r"w_uv must have shape \[2, 512, 128\], got \[1, 512, 128\]"),
+    ("context", lambda t: t[:, :512], r"context must have last dimension 576, got shape \[7, 512\]"),
+])
+def test_prefill_with_context_names_the_tensor_of_a_wrong_shape(prefill, name, cut, message):
+    """Extra query rows were answered 0 / -inf, short keys failed on a mask, a narrow w_uk inside einsum."""
+    inputs = prefill_step()
+    inputs[name] = cut(inputs[name])
+    with pytest.raises(ValueError, match=message):
+        prefill(inputs, 0.1)
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, rows, idx: indexed_latent_mqa(q, rows, idx, 0.1),
+    lambda q, rows, idx: sparse_latent_mqa(q, rows, idx, (3,), (10,), 0.1),
+], ids=["indexed", "sparse"])
+@pytest.mark.parametrize("bad, message", [
+    (dict(idx=torch.full((3, 4), -1.0) + 0.7), r"must be int32/int64 \[T, topk\], got torch.float32 \[3, 4\]"),
+    (dict(idx=torch.zeros(3, dtype=torch.int64)), r"must be int32/int64 \[T, topk\], got torch.int64 \[3\]"),
+    (dict(idx=[[0] * 4] * 3), r"must be int32/int64 \[T, topk\], got list"),
+    (dict(idx=torch.zeros(2, 4, dtype=torch.int64)), r"has 2 rows for q.shape\[0\]=3"),
+    (dict(q=f64(3, 2, 512)), r"q must have last dimension 576, got shape \[3, 2, 512\]"),
+    (dict(q=f64(3, 576)), r"q must have 3 dimensions"),
+    (dict(rows=f64(10, 512)), r"must have last dimension 576, got shape \[10, 512\]"),
+])
+def test_indexed_and_sparse_references_validate_alike(call, bad, message):
+    """A float index -1 + 0.7 used to truncate to the valid 0; 1-D indices and wrong widths failed inside torch."""
+    inputs = {"q": f64(3, 2, 576), "rows": f64(10, 576), "idx": torch.randint(-1, 10, (3, 4)), **bad}
+    with pytest.raises(ValueError, match=message):
+        call(inputs["q"], inputs["rows"], inputs["idx"])
+
+
+def test_rows_the_indices_do_not_select_may_hold_poison():
+    """PAGED indices address every cache slot, unused (NaN) ones too: only the rows named are checked."""
+    q, rows = f64(3, 2, 576), f64(10, 576)
+    idx = torch.randint(0, 6, (3, 4))
+    clean = indexed_latent_mqa(q, rows, idx, 0.1)
+    rows[6:] = float("nan")
+    poisoned = indexed_latent_mqa(q, rows, idx, 0.1)
+    assert torch.equal(clean[0], poisoned[0]) and torch.equal(clean[1], poisoned[1])
+    idx[torch.randint(3, ()), torch.randint(4, ())] = 7
+    with pytest.raises(ValueError, match=r"rows \(the rows the indices select\) holds NaN or inf \(576 of "):
+        indexed_latent_mqa(q, rows, idx, 0.1)
+
+
+ABSORBED_LENS = ((1, 2), (4, 6))
+ALL_POSITIONS = torch.arange(6).repeat(3, 1)  # every position of every request (past kv_len: invalid, skipped)
+
+# Every public float64 entry point: fresh float inputs, and a call on them with a scale.
+ENTRY_POINTS = {
+    "attend": (lambda: dict(q=f64(3, 2, 16), k=f64(5, 1, 16), v=f64(5, 1, 8)),
+               lambda x, scale: attend(x["q"], x["k"], x["v"], None, scale)),
+    "ragged_attention": (lambda: dict(q=f64(3, 2, 16), k=f64(10, 2, 16), v=f64(10, 2, 8)),
+                         lambda x, scale: ragged_attention(x["q"], x["k"], x["v"], *ABSORBED_LENS, scale)),
+    "latent_mqa": (lambda: dict(q=f64(3, 2, 576), kv=f64(10, 576)),
+                   lambda x, scale: latent_mqa(x["q"], x["kv"], *ABSORBED_LENS, scale)),
+    "dcp_latent_mqa": (lambda: dict(q=f64(3, 2, 576), kv=f64(10, 576)),
+                       lambda x, scale: dcp_latent_mqa(x["q"], x["kv"], *ABSORBED_LENS, scale, 2, 2)),
+    "sparse_latent_mqa": (lambda: dict(q=f64(3, 2, 576), kv=f64(10, 576)),
+                          lambda x, scale: sparse_latent_mqa(x["q"], x["kv"], ALL_POSITIONS, *ABSORBED_LENS, scale)),
+    "indexed_latent_mqa": (lambda: dict(q=f64(3, 2, 576), rows=f64(10, 576)),
+                           lambda x, scale: indexed_latent_mqa(x["q"], x["rows"], torch.arange(10).repeat(3, 1),
+                                                               scale)),
+    "mha_attention": (lambda: dict(q=f64(3, 2, 192), k_nope=f64(10, 2, 128), k_pe=f64(10, 64), v=f64(10, 2, 128)),
+                      lambda x, scale: mha_attention(x["q"], x["k_nope"], x["k_pe"], x["v"], *ABSORBED_LENS, scale)),
+    "chunked_prefill": (prefill_step, chunked),
+    "prefill_with_context": (prefill_step, unchunked),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_refuses_a_non_finite_input_by_name(entry):
+    """NaN or inf anywhere in an input gave a NaN answer (or none at all where it was masked): now an error."""
+    make, call = ENTRY_POINTS[entry]
+    out, lse = call(make(), 0.1)
+    assert bool(torch.isfinite(out).all())
+    for name in make():
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            inputs = make()
+            flat = inputs[name].view(-1)
+            flat[torch.randint(flat.numel(), ())] = bad
+            with pytest.raises(ValueError, match=rf"^{re.escape(name)}\b.* holds NaN or inf \(1 of {flat.numel()} "):
+                call(inputs, 0.1)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("scale", ["0.1", torch.tensor(0.1), 0, -0.1, float("nan"), float("inf"), True, None])
+def test_every_entry_point_refuses_a_bad_scale(entry, scale):
+    make, call = ENTRY_POINTS[entry]
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        call(make(), scale)
+
+
+def test_a_nan_in_the_paged_cache_or_the_queries_is_named():
+    problem = build_problem(Workload(mode="decode", q_lens=(1, 2), kv_lens=(5, 9), page_size=4,
+                                     seed=int(torch.randint(1000, ()))))
+    paged_latent_mqa(problem.q, problem.cache, problem.meta, problem.scale)
+    problem.cache.rows()[problem.meta.token_slots[torch.randint(14, ())]] = 0xFF  # a written bf16 slot reads NaN
+    with pytest.raises(ValueError, match=r"kv holds NaN or inf \(576 of "):
+        paged_latent_mqa(problem.q, problem.cache, problem.meta, problem.scale)
+    with pytest.raises(ValueError, match="scale must be a finite positive number"):
+        paged_latent_mqa(problem.q, problem.cache, problem.meta, "0.1")
+
+
+def merge_parts(count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(f64(4, 3, 8), f64(4, 3) * 3) for _ in range(count)]
+
+
+@pytest.mark.parametrize("parts, message", [
+    (lambda: [], "merge: no parts to merge"),
+    (lambda: merge_parts(2) + [(f64(5, 3, 8), f64(5, 3))], r"shapes differ: part 2 has out \[5, 3, 8\]"),
+    (lambda: merge_parts(1) + [(f64(4, 3, 8), f64(4, 2))], r"shapes differ: part 1 has out \[4, 3, 8\], lse \[4, 2\]"),
+    (lambda: [(f64(4, 3, 8).float(), f64(4, 3, 1))], "part 0 lse must have 2 dimensions"),
+])
+def test_merge_refuses_no_parts_and_parts_of_other_shapes(parts, message):
+    with pytest.raises(ValueError, match=message):
+        merge_many(parts())
+
+
+@pytest.mark.parametrize("tensor, message", [(1, r"part \d lse holds NaN"), (0, r"part \d out holds NaN or inf")])
+def test_merge_refuses_a_nan_lse_and_a_non_finite_out_of_a_non_empty_row(tensor, message):
+    """A NaN lse came back as out 0 (masked into a plausible zero) with lse NaN."""
+    parts = merge_parts(3)
+    part = parts[int(torch.randint(3, ()))]
+    row, head = int(torch.randint(4, ())), int(torch.randint(3, ()))
+    part[tensor][row, head] = float("nan")
+    with pytest.raises(ValueError, match=message):
+        merge_many(parts)
+
+
+def test_merge_keeps_its_empty_part_conventions():
+    """-inf and +inf mark an empty part, whose out may be anything: merged as absent, never refused."""
+    (out_a, lse_a), (out_b, lse_b) = merge_parts(2)
+    row = int(torch.randint(4, ()))
+    lse_b[row], out_b[row] = float("-inf"), float("nan")
+    lse_a[(row + 1) % 4], out_a[(row + 1) % 4] = float("inf"), float("inf")
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert torch.equal(out[row], out_a[row]) and torch.equal(lse[row], lse_a[row])
+    assert torch.equal(out[(row + 1) % 4], out_b[(row + 1) % 4])

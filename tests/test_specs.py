@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from mla_bench.dims import PRESETS, get_preset
+from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import POISON_BYTE
 from mla_bench.problem import build_problem
+from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode, Workload
 
 
@@ -63,11 +65,46 @@ def test_query_length_kinds():
     (dict(q_lens=(1,), kv_lens=(3,), page_size=0), "page_size must be a positive int"),
     (dict(q_lens=(1,), kv_lens=(3,), num_heads=0), "num_heads must be a positive int"),
     (dict(q_lens=(1,), kv_lens=(3,), seed=-1), "seed must be an int >= 0"),
+    (dict(q_lens=(1,), kv_lens=(3,), seed=2 ** 64), r"seed must be an int >= 0 and < 2\*\*64"),
+    (dict(q_lens=(1,), kv_lens=(3,), seed=True), "seed must be an int .*, got True"),
+    (dict(q_lens=(1,), kv_lens=(3,), seed=1.0), "seed must be an int .*, got 1.0"),
 ])
 def test_bad_workloads_name_the_problem(fields, message):
     fields = {"mode": "decode", **fields}
     with pytest.raises(ValueError, match=message):
         Workload(**fields)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("preset", ["tiny"], r"unknown preset \['tiny'\]"),
+    ("preset", {"name": "tiny"}, r"unknown preset \{'name': 'tiny'\}"),
+    ("layout", ["bf16"], r"unknown cache layout \['bf16'\]"),
+    ("preset", 7, "unknown preset 7"),
+])
+def test_from_dict_refuses_a_preset_or_layout_that_is_not_a_name(field, value, message):
+    """An unhashable name from JSON failed the registry look-up with ``TypeError: unhashable type``."""
+    with pytest.raises(ValueError, match=message):
+        Workload.from_dict({"mode": "decode", "q_lens": [1], "kv_lens": [2], field: value})
+
+
+def test_the_seed_range_is_what_the_generator_takes():
+    """``seed=2**64`` used to pass the Workload and fail in build_problem; the largest seed accepted builds."""
+    largest = Workload(mode="decode", q_lens=(1,), kv_lens=(4,), seed=2 ** 64 - 1)
+    assert build_problem(largest).q.shape == (1, 4, 576)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.Generator().manual_seed(largest.seed + 1)
+
+
+def test_build_problem_on_cuda_without_cuda_is_a_value_error(monkeypatch):
+    """torch raised ``AssertionError: Torch not compiled with CUDA enabled``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    w = Workload(mode="decode", q_lens=(1,), kv_lens=(4,), seed=int(torch.randint(100, ())))
+    for device in ("cuda", torch.device("cuda:1")):
+        with pytest.raises(ValueError, match=r"the problem on cuda(:1)?, but CUDA is not available \(decode "):
+            build_problem(w, device)
+    with pytest.raises(ValueError, match="cache on cuda, but CUDA is not available"):
+        build_problem(w.replace(cache_device="cuda"))
+    assert build_problem(w, "cpu").q.device.type == "cpu"
 
 
 def test_from_dict_refuses_foreign_data():
@@ -123,3 +160,33 @@ def test_problem_shapes_per_mode(mode, extra):
         frontier = torch.tensor([7, 8, 17, 18, 19])[:, None]
         assert bool(((idx == -1) | ((idx >= 0) & (idx <= frontier))).all())
         assert bool(((p.sparse_indices == -1) == (idx == -1)).all())
+
+
+class PageSixteenOnly(Impl):
+    """Declares page size 16 only; its plan would take anything."""
+
+    name = "page16"
+    capabilities = Capabilities(modes=frozenset({Mode.DECODE}), page_sizes=frozenset({16}))
+
+    def plan(self, problem):
+        return problem
+
+    def run(self, plan):
+        raise AssertionError("not called")
+
+
+class PageSixteenTimed(PageSixteenOnly):
+    """A subclass that overrides plan again and calls the parent's."""
+
+    def plan(self, problem):
+        return super().plan(problem)
+
+
+@pytest.mark.parametrize("impl", [PageSixteenOnly, PageSixteenTimed])
+def test_plan_called_directly_refuses_what_the_impl_did_not_declare(impl):
+    """Not only the runner: any caller of plan meets the declared capabilities first."""
+    w = Workload(mode="decode", q_lens=(1,), kv_lens=(20,), page_size=16, seed=int(torch.randint(0, 99, ())))
+    problem = build_problem(w)
+    assert impl().plan(problem) is problem
+    with pytest.raises(UnsupportedConfig, match="page16: unsupported page size 64"):
+        impl().plan(build_problem(w.replace(page_size=64)))
