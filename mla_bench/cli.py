@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -19,13 +21,19 @@ from rich.text import Text
 
 
 class _Console:
-    """Rich output to the current stdout; wide when it is not a terminal (logs, CI), so tables do not fold."""
+    """Rich output to the current stdout (or stderr); wide when it is not a terminal (logs, CI), so lines do not
+    fold."""
+
+    def __init__(self, stderr: bool = False) -> None:
+        self.stderr = stderr
 
     def print(self, *objects) -> None:
-        Console(width=None if sys.stdout.isatty() else 200).print(*objects)
+        stream = sys.stderr if self.stderr else sys.stdout
+        Console(stderr=self.stderr, width=None if stream.isatty() else 200).print(*objects)
 
 
 console = _Console()
+notes_console = _Console(stderr=True)  # remarks before a run (suites skipped, filters not applied)
 SUITE_CHOICES = ("accuracy", "roundtrip", "metadata", "equivalence", "latency", "placement", "all")
 
 
@@ -73,27 +81,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         device = prepare(args.device)  # sets TRITON_INTERPRET on CPU before any impl is imported
     except ValueError as exc:
         return _usage_error(str(exc))
-    from mla_bench.runner import RunOptions, execute
+    from mla_bench.registry import ImplNotInstalled
+    from mla_bench.runner import run_selection, select_run
     from mla_bench.results import save_run
     from reports.console import failures_table, summary_table
     from reports.hidden_costs import hidden_cost_table
     from suites.capability import print_capability_matrix
 
-    preset = args.preset or ("tiny" if device.type == "cpu" else None)
-    options = RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device), preset=preset,
-                         modes=_split(args.mode), layouts=_split(args.layout),
-                         page_sizes=[int(p) for p in _split(args.page_size)], seed=args.seed, sweep=args.sweep,
-                         devices=[int(d) for d in _split(args.devices)], isolate=args.isolate,
-                         dcp_world=args.dcp, dcp_interleave=args.dcp_interleave)
-    notes: list[str] = []
-    try:
-        with _RichProgress() as progress:
-            run = execute(options, progress, notes)
-    except ValueError as exc:  # unknown impl, suite, sweep, preset, layout...
-        return _usage_error(str(exc))
-    for note in notes:
-        console.print(Text(note, style="yellow"))
     out = Path(args.out) if args.out else Path("results") / _run_name(device)
+    try:
+        selection = select_run(_run_options(args, device))
+    except (ValueError, ImplNotInstalled) as exc:  # unknown impl, suite, preset, mode, a bad value, nothing to run
+        return _usage_error(str(exc))
+    problem = _make_dir(out)  # before the run, so a bad --out cannot lose its results
+    if problem:
+        return _usage_error(problem)
+    for note in selection.notes:
+        notes_console.print(Text(note, style="yellow"))
+    with _RichProgress() as progress:
+        run = run_selection(selection, progress)
     path = save_run(run, out / "run.json")
     print_capability_matrix(run.results, console)
     if any(r.check == "hidden_cost" for r in run.results):
@@ -108,6 +114,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         console.print(f"report:  {write_report(run, out / 'report.html')}")
     return 0 if run.ok else 1
+
+
+def _run_options(args: argparse.Namespace, device):
+    """The runner's options from the command line. Without ``--preset``, a CPU run takes the tiny preset (the
+    suites' own defaults are serving sizes) unless the sweep asked for cannot build it (the gpu sweeps)."""
+    from mla_bench.runner import RunOptions
+    from suites.sweeps import sweep_presets
+
+    tiny = device.type == "cpu" and "tiny" in sweep_presets(args.sweep or "tiny")
+    return RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device),
+                      preset=args.preset or ("tiny" if tiny else None), modes=_split(args.mode),
+                      layouts=_split(args.layout), page_sizes=args.page_size or [], seed=args.seed, sweep=args.sweep,
+                      devices=args.devices or [], isolate=args.isolate, dcp_world=args.dcp,
+                      dcp_interleave=args.dcp_interleave)
+
+
+def _make_dir(path: Path) -> str | None:
+    """Create the directory ``path`` (and its parents); why it cannot hold our files, or None when it can."""
+    if path.exists() and not path.is_dir():
+        return f"{path} exists and is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the directory {path}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cannot write in the directory {path}"
+    return None
 
 
 def _run_name(device) -> str:
@@ -146,8 +179,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     if run is None:
         return 2
     target = Path(args.output) if args.output else Path(args.run).with_name("report.html")
+    problem = _report_target_problem(target)
+    if problem:
+        return _usage_error(problem)
     console.print(f"report: {write_report(run, target)}")
     return 0
+
+
+def _report_target_problem(path: Path) -> str | None:
+    """Why the report (and its PNGs beside it) cannot be written at ``path``, or None; checked before writing."""
+    if path.is_dir():
+        return f"{path} is a directory; give the report's file name, e.g. {path / 'report.html'}"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"cannot write {path}"
+    return _make_dir(path.parent)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -163,7 +208,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_gate(args: argparse.Namespace) -> int:
     """Exit 1 when the run regresses against the baseline (see reports.gate), else 0."""
     from reports.console import gate_table
-    from reports.gate import GateLimits, gate
+    from reports.gate import GateLimits, count_compared, gate
 
     baseline, run = _load(args.baseline), _load(args.run)
     if baseline is None or run is None:
@@ -172,11 +217,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if findings:
         console.print(gate_table(findings))
     fatal = [f for f in findings if f.fatal]
-    compared = len(run.results)
+    compared = f"{count_compared(baseline, run)} of {len(run.results)} results compared against {args.baseline}"
     if fatal:
-        console.print(Text(f"gate: FAILED, {len(fatal)} regression(s) in {compared} results", style="bold red"))
+        console.print(Text(f"gate: FAILED, {len(fatal)} regression(s) ({compared})", style="bold red"))
         return 1
-    console.print(Text(f"gate: passed ({compared} results against {args.baseline})", style="green"))
+    console.print(Text(f"gate: passed ({compared})", style="green"))
     return 0
 
 
@@ -196,6 +241,31 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
     return value
+
+
+def _gate_limit(text: str) -> float:
+    """A gate option: a finite number >= 0 (a negative or NaN slack fails a run against itself, inf passes anything)."""
+    problem = argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise problem from None
+    if not 0 <= value < float("inf"):
+        raise problem
+    return value
+
+
+def _int_list(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated ints of at least ``minimum`` (an argparse error for anything else)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in _split(text)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"values must be >= {minimum}, got {text!r}")
+        return values
+    return parse
 
 
 def _split(value: str | None) -> list[str]:
@@ -219,13 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run suites over implementations, write results and a report")
     p.add_argument("--impl", default="all", help="impl names or module:Class, comma-separated, or 'all'")
     p.add_argument("--suite", default="accuracy", help=f"comma-separated of {', '.join(SUITE_CHOICES)}")
-    p.add_argument("--preset", help="model preset (default: tiny on CPU, the GPU sweep's presets on CUDA)")
+    p.add_argument("--preset", help="model preset (default: tiny on CPU unless --sweep is a gpu sweep, else the GPU "
+                                    "sweep's presets)")
     p.add_argument("--mode", help="only these modes (comma-separated)")
     p.add_argument("--layout", help="run the cache-reading workloads with these layouts (comma-separated)")
-    p.add_argument("--page-size", help="run the cache-reading workloads with these page sizes (comma-separated)")
+    p.add_argument("--page-size", type=_int_list(minimum=1),
+                   help="run the cache-reading workloads with these page sizes (comma-separated)")
     p.add_argument("--sweep", help="sweep name (tiny, gpu, gpu-quick; default from the preset and device)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--devices", help="shard workloads over these GPUs, one worker process each (e.g. 0,1,2,3)")
+    p.add_argument("--devices", type=_int_list(minimum=0),
+                   help="shard workloads over these GPUs, one worker process each (e.g. 0,1,2,3)")
     p.add_argument("--isolate", action="store_true", help="run each impl in its own process (crashes become errors)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dcp", type=_positive_int, metavar="W",
@@ -250,11 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gate", help="fail (exit 1) when a run regresses against a baseline")
     p.add_argument("run")
     p.add_argument("--baseline", required=True)
-    p.add_argument("--error-slack", type=float, default=0.25,
+    p.add_argument("--error-slack", type=_gate_limit, default=0.25,
                    help="allowed error increase, as a fraction of the accuracy bound (default 0.25)")
-    p.add_argument("--latency-slack", type=float, default=0.10,
+    p.add_argument("--latency-slack", type=_gate_limit, default=0.10,
                    help="allowed relative slowdown before noise is considered (default 0.10)")
-    p.add_argument("--noise-factor", type=float, default=3.0,
+    p.add_argument("--noise-factor", type=_gate_limit, default=3.0,
                    help="a slowdown must also exceed this many IQRs of the timings (default 3)")
     p.set_defaults(func=cmd_gate)
     return parser

@@ -54,11 +54,12 @@ class Result:
 
     @property
     def brief(self) -> str:
-        """The message in one line: a traceback's last line (the exception), else the first line."""
+        """The message in one line for tables: its first line, followed by the exception (the last line) when a
+        traceback follows it, so "suite X crashed:" still says what was raised."""
         lines = [line.strip() for line in self.message.strip().splitlines() if line.strip()]
-        if not lines:
-            return ""
-        return lines[-1] if lines[0].startswith("Traceback") else lines[0]
+        if not any(line.startswith("Traceback") for line in lines):
+            return lines[0] if lines else ""
+        return lines[-1] if lines[0].startswith("Traceback") else f"{lines[0]} {lines[-1]}"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -12,6 +12,7 @@ whose tail is kept when the worker dies.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -31,8 +33,12 @@ from mla_bench.device import pick_device
 from mla_bench.registry import ImplEntry, discover, resolve
 from mla_bench.results import Result, Run
 from mla_bench.timing import CEILINGS_CHECK
+from mla_bench.workload import Mode
 
 _STDERR_TAIL = 4000
+# The command line's flag for each filter (RunContext field) that a suite may leave unapplied.
+_FLAGS = {"impls": "--impl", "modes": "--mode", "layouts": "--layout", "page_sizes": "--page-size",
+          "sweep": "--sweep", "dcp_world": "--dcp"}
 
 
 @dataclass
@@ -64,20 +70,64 @@ class Progress:
         """One workload step began."""
 
 
+@dataclass
+class Selection:
+    """A run checked and ready: its device, impls and suites; ``results`` holds an ``error`` per named suite that
+    could not load, ``notes`` remarks for the user (suites skipped, filters a suite does not apply)."""
+
+    options: RunOptions
+    device: torch.device
+    entries: list[ImplEntry]
+    suites: list[tuple[str, Any]]
+    results: list[Result]
+    notes: list[str]
+
+
 def resolve_impls(specs: list[str]) -> list[ImplEntry]:
-    """Impl entries by name or ``module:Class``; ``all`` is every discoverable impl."""
-    if specs == ["all"] or "all" in specs:
+    """Impl entries by name or ``module:Class``; ``all`` is every discoverable impl. ValueError for none, or for
+    two impls of one name (their results would share keys)."""
+    if not specs:
+        raise ValueError("no impl given: name impls, module:Class, or 'all'")
+    if "all" in specs:
         return [entry for _, entry in sorted(discover().items())]
-    return [resolve(spec) for spec in specs]
+    entries = [resolve(spec) for spec in specs]
+    twice = [name for name, count in Counter(e.name for e in entries).items() if count > 1]
+    if twice:
+        targets = ", ".join(e.target for e in entries if e.name == twice[0])
+        raise ValueError(f"impl name {twice[0]!r} is given more than once ({targets}); give each impl once")
+    return entries
+
+
+def select_run(options: RunOptions) -> Selection:
+    """Resolve and check everything ``options`` asks for before anything runs; a ValueError names the problem
+    (unknown impl, suite, preset, sweep, mode or layout, a bad value, filters that leave nothing to run). An impl
+    given as ``module:Class`` whose module cannot be imported raises ``ImplNotInstalled``."""
+    from suites.sweeps import check_filters
+
+    device = pick_device(options.device)
+    entries = resolve_impls(options.impls)
+    notes: list[str] = []
+    suites, results = _select_suites(options.suites, notes)
+    ctx = _context(options, device, entries, Progress())
+    check_filters(ctx)
+    _check_not_emptied(suites, ctx)
+    notes += _unapplied_filter_notes(options, [name for name, _ in suites])
+    return Selection(options, device, entries, suites, results, notes)
 
 
 def execute(options: RunOptions, progress: Progress | None = None, notes: list[str] | None = None) -> Run:
-    """Run everything ``options`` asks for. ``notes`` collects remarks for the user (suites not available)."""
+    """Check (``select_run``) and run everything ``options`` asks for. ``notes`` collects remarks for the user."""
+    selection = select_run(options)
+    if notes is not None:
+        notes += selection.notes
+    return run_selection(selection, progress)
+
+
+def run_selection(selection: Selection, progress: Progress | None = None) -> Run:
+    """Run a checked selection: in this process, or in worker processes (``isolate``, ``devices``)."""
     progress = progress or Progress()
-    notes = notes if notes is not None else []
-    device = pick_device(options.device)
-    entries = resolve_impls(options.impls)
-    suites, results = _select_suites(options.suites, notes)
+    options, device, entries, suites = selection.options, selection.device, selection.entries, selection.suites
+    results = list(selection.results)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if options.isolate or options.devices:
         results += _execute_workers(options, device, entries, [name for name, _ in suites], progress)
@@ -101,8 +151,12 @@ def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
 
 
 def _select_suites(names: list[str], notes: list[str]) -> tuple[list[tuple[str, Any]], list[Result]]:
+    """The suites named (``all``: every registered one) and an ``error`` Result per named suite that cannot load;
+    ValueError for an unknown name or none."""
     from suites.registry import SUITES, SuiteNotAvailable, load_suite
 
+    if not names:
+        raise ValueError(f"no suite given: name suites ({', '.join(SUITES)}) or 'all'")
     wanted = list(SUITES) if "all" in names else names
     chosen, results = [], []
     for name in wanted:
@@ -119,6 +173,46 @@ def _select_suites(names: list[str], notes: list[str]) -> tuple[list[tuple[str, 
             results.append(Result(name, name, "error", label="(suite)",
                                   message=f"suite {name} failed to load:\n{traceback.format_exc()}"))
     return chosen, results
+
+
+def _check_not_emptied(suites: list[tuple[str, Any]], ctx) -> None:
+    """ValueError, naming the filters, when no selected suite has a workload to run and ``--mode`` / ``--dcp``
+    emptied some. A suite that cannot list its workloads counts as having some; one that lists none on this device
+    even unfiltered (latency on a CPU, which says so in a result) was not emptied by them."""
+    from suites.sweeps import sweep_of
+
+    if any(_workload_count(suite, ctx) != 0 for _, suite in suites):
+        return
+    unfiltered = dataclasses.replace(ctx, modes=[], dcp_world=None, dcp_interleave=1)
+    emptied = [name for name, suite in suites if _workload_count(suite, unfiltered)]
+    if not emptied:
+        return
+    given = []
+    if ctx.modes:
+        given.append(f"--mode {','.join(ctx.modes)}")
+    if ctx.dcp_world:
+        given.append(f"--dcp {ctx.dcp_world}")
+    raise ValueError(f"nothing to run: {' with '.join(given)} selects no workload of the {sweep_of(ctx)} sweep "
+                     f"(suites {', '.join(emptied)})")
+
+
+def _unapplied_filter_notes(options: RunOptions, suite_names: list[str]) -> list[str]:
+    """One note per filter given that a selected suite does not apply (``suites.base.UNAPPLIED_FILTERS``), and
+    for ``--layout`` / ``--page-size`` when every mode given reads no cache (its workloads then take neither)."""
+    from suites.base import UNAPPLIED_FILTERS
+
+    notes = []
+    for name, flag in _FLAGS.items():
+        value = getattr(options, name)
+        unapplied = [suite for suite in suite_names if name in UNAPPLIED_FILTERS.get(suite, ())]
+        if value and value != ["all"] and unapplied:
+            notes.append(f"note: {flag} is not applied by suite(s) {', '.join(unapplied)}")
+    if options.modes and not any(Mode(mode).uses_cache for mode in options.modes):
+        for name in ("layouts", "page_sizes"):
+            if getattr(options, name):
+                notes.append(f"note: {_FLAGS[name]} is not applied to the workloads of --mode "
+                             f"{','.join(options.modes)}: they read no cache")
+    return notes
 
 
 def _context(options: RunOptions, device: torch.device, entries: list[ImplEntry], progress: Progress,
@@ -142,14 +236,22 @@ def _total(suites: list[tuple[str, Any]], contexts: list) -> int | None:
         for _, suite in suites:
             if not _runs_in_shard(suite, ctx.shard):
                 continue
-            workloads = getattr(suite, "workloads", None)
-            if not callable(workloads):
+            count = _workload_count(suite, ctx)
+            if count is None:
                 return None
-            try:
-                total += len(workloads(ctx))
-            except Exception:  # noqa: BLE001 - the suite itself will report the problem when it runs
-                return None
+            total += count
     return total
+
+
+def _workload_count(suite: Any, ctx) -> int | None:
+    """How many workloads ``suite`` lists for ``ctx``; None when it cannot say (no ``workloads``, or it raised)."""
+    workloads = getattr(suite, "workloads", None)
+    if not callable(workloads):
+        return None
+    try:
+        return len(workloads(ctx))
+    except Exception:  # noqa: BLE001 - the suite itself will report the problem when it runs
+        return None
 
 
 # ---- workers ------------------------------------------------------------------------------------------------------

@@ -2,14 +2,17 @@
 
 A finding is fatal when:
 
-- a result fails or errors in the run but passed (or was absent) in the baseline: a new failure;
+- no result of the run pairs with one of the baseline (other than ones unsupported in both): nothing compared;
+- several results of the run, or of the baseline, share one key: which of them counts is ambiguous;
+- a result fails or errors in the run but passed, was unsupported or was absent in the baseline: a new failure;
+- a result passed in the baseline and is unsupported in the run: a case lost its coverage;
 - an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
   (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
   noise_factor * max(IQR of either))``; latencies are compared only when both runs ran on the same GPU model.
 
-Results that failed in both runs, passed results missing from the run, and incomparable latencies are
-reported but not fatal.
+Results that failed in both runs, failed results now unsupported, passed results missing from the run, and
+incomparable latencies are reported but not fatal.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from mla_bench.results import Result, Run
-from reports.pairing import pair, same_gpu
+from reports.pairing import duplicates, pair, same_gpu
 
 BAD = ("failed", "error")
 # Error metrics and the Tolerance field that bounds each.
@@ -27,7 +30,8 @@ ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "c
 
 @dataclass
 class Finding:
-    kind: str  # new failure, accuracy, latency, still failing, missing, not compared
+    kind: str  # nothing compared, duplicate, new failure, now unsupported, accuracy, latency, still failing,
+    #            missing, not compared
     suite: str
     impl: str
     label: str
@@ -44,31 +48,59 @@ class GateLimits:
 
 def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Finding]:
     """Every finding of ``run`` against ``baseline``; the gate passes when none is fatal."""
-    findings: list[Finding] = []
+    findings = _duplicates(baseline, "baseline") + _duplicates(run, "run")
+    if not count_compared(baseline, run):
+        findings.append(Finding("nothing compared", "", "", "", f"none of the run's {len(run.results)} results "
+                                f"pairs with one of the baseline's {len(baseline.results)} (same suite, check, impl "
+                                "and workload, seed included) other than ones unsupported in both", True))
     compare_latency = same_gpu(baseline, run)
     if not compare_latency and any(r.suite == "latency" and r.status == "passed" for r in run.results):
         findings.append(Finding("not compared", "latency", "", "", "latency not compared: baseline GPU "
                                 f"{baseline.environment.get('gpu')!r}, run GPU {run.environment.get('gpu')!r}",
                                 False))
     for _, base, new in pair(baseline, run):
-        if new is None:
-            if base is not None and base.status == "passed":
-                findings.append(_finding("missing", base, "passed in the baseline, absent from this run", False))
-            continue
-        if new.status in BAD:
-            if base is None or base.status not in BAD:
-                was = "absent from" if base is None else f"{base.status} in"
-                findings.append(_finding("new failure", new, f"{new.status} (was {was} the baseline): "
-                                         f"{new.brief}", True))
-            else:
-                findings.append(_finding("still failing", new, new.brief, False))
-            continue
-        if base is None or base.status != "passed" or new.status != "passed":
-            continue
-        findings += _accuracy(base, new, limits)
-        if new.suite == "latency" and compare_latency:
-            findings += _latency(base, new, limits)
+        findings += _compare(base, new, limits, compare_latency)
     return findings
+
+
+def count_compared(baseline: Run, run: Run) -> int:
+    """How many results of ``run`` the gate compares: those that pair with a result of ``baseline``, unless both
+    are unsupported (two refusals, e.g. of an impl not installed, compare nothing)."""
+    return sum(base is not None and new is not None and not base.status == new.status == "unsupported"
+               for _, base, new in pair(baseline, run))
+
+
+def _duplicates(run: Run, which: str) -> list[Finding]:
+    """A fatal finding per key that several results of ``run`` share: the gate would see only the last of them,
+    so a failed copy followed by a passed one would hide the failure."""
+    return [_finding("duplicate", group[0], f"{len(group)} results of check {group[0].check!r} in the {which} share "
+                     f"this key (statuses {', '.join(r.status for r in group)}): the {which} is ambiguous", True)
+            for group in duplicates(run).values()]
+
+
+def _compare(base: Result | None, new: Result | None, limits: GateLimits, compare_latency: bool) -> list[Finding]:
+    """The findings of one result: its status against the baseline's, then its metrics where both passed."""
+    if new is None:
+        if base is not None and base.status == "passed":
+            return [_finding("missing", base, "passed in the baseline, absent from this run", False)]
+        return []
+    if new.status in BAD:
+        if base is None or base.status not in BAD:
+            was = "absent from" if base is None else f"{base.status} in"
+            return [_finding("new failure", new, f"{new.status} (was {was} the baseline): {new.brief}", True)]
+        return [_finding("still failing", new, new.brief, False)]
+    if new.status == "unsupported":
+        if base is None or base.status == "unsupported":
+            return []
+        # passed -> unsupported loses a case the impl handled; failed -> unsupported refuses one it got wrong.
+        return [_finding("now unsupported", new, f"unsupported (was {base.status} in the baseline): {new.brief}",
+                         base.status == "passed")]
+    if base is None or base.status != "passed":
+        return []
+    found = _accuracy(base, new, limits)
+    if new.suite == "latency" and compare_latency:
+        found += _latency(base, new, limits)
+    return found
 
 
 def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:

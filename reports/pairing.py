@@ -1,4 +1,4 @@
-"""Match the Results of two runs: the same suite, check, impl and workload (or label) are the same result."""
+"""Match the Results of two runs: the same suite, check, impl, workload and label are the same result."""
 
 from __future__ import annotations
 
@@ -14,13 +14,23 @@ Key = tuple[str, str, str, str]
 
 
 def result_key(result: Result) -> Key:
-    what = json.dumps(result.workload, sort_keys=True) if result.workload is not None else result.label
+    """What identifies a result across runs. The label is part of it: one workload may carry several results of
+    one check told apart by their label only (placement's metadata_sync, one per metadata builder)."""
+    what = json.dumps([result.workload, result.label], sort_keys=True)
     return (result.suite, result.check, result.impl or "", what)
 
 
 def index(run: Run) -> dict[Key, Result]:
-    """Results by key (a later duplicate wins)."""
+    """Results by key (a later duplicate wins: see ``duplicates``)."""
     return {result_key(r): r for r in run.results}
+
+
+def duplicates(run: Run) -> dict[Key, list[Result]]:
+    """The results of each key that several results of ``run`` share: which of them is the result is ambiguous."""
+    groups: dict[Key, list[Result]] = {}
+    for r in run.results:
+        groups.setdefault(result_key(r), []).append(r)
+    return {key: group for key, group in groups.items() if len(group) > 1}
 
 
 def pair(a: Run, b: Run) -> Iterator[tuple[Key, Result | None, Result | None]]:

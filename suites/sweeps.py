@@ -6,16 +6,17 @@ kind, an empty request, lengths on page boundaries, page sizes 1/16/64 and a non
 4096/8192/16384, page 64, plus prefill). ``gpu-quick`` is the gpu sweep cut to batch 1/32, context 4096/8192.
 
 ``select(ctx)`` applies the run's filters: ``--preset`` picks the sweep (``tiny`` -> tiny, others -> gpu
-shapes with that preset), ``--mode`` keeps only those modes, ``--layout`` / ``--page-size`` re-run each
-cache-reading workload with those values (so ``--layout fp8_ds_mla`` sweeps every decode shape in FP8), and
-``--seed`` sets the seed. Layouts other than bf16 are swept for whatever the layout registry holds.
+shapes with that preset; the gpu sweeps cannot build ``tiny``), ``--mode`` keeps only those modes, ``--layout`` /
+``--page-size`` re-run each cache-reading workload with those values (so ``--layout fp8_ds_mla`` sweeps every
+decode shape in FP8), and ``--seed`` sets the seed. Layouts other than bf16 are swept for whatever the layout
+registry holds. ``check_filters(ctx)`` refuses, before a run starts, a filter value that no workload can take.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, TypeVar
 
-from mla_bench.dims import get_preset
+from mla_bench.dims import PRESETS, get_preset
 from mla_bench.layouts import LAYOUTS
 from mla_bench.registry import Capabilities
 from mla_bench.workload import Mode, Workload
@@ -94,15 +95,49 @@ def default_sweep(preset: str | None, device_type: str) -> str:
     return "tiny" if preset == "tiny" or (preset is None and device_type != "cuda") else "gpu"
 
 
-def select(ctx) -> list[Workload]:
-    """The workloads of ``ctx``'s sweep after its filters (see the module docstring), without duplicates."""
-    name = getattr(ctx, "sweep", None) or default_sweep(ctx.preset, ctx.device.type)
+def sweep_presets(name: str) -> tuple[str, ...]:
+    """The presets sweep ``name`` can build: the tiny sweep any (its shapes with that preset's dims), the gpu
+    sweeps the serving-size ones (every preset but ``tiny``, the CPU preset)."""
     if name not in SWEEPS:
         raise ValueError(f"unknown sweep {name!r}; sweeps: {', '.join(SWEEPS)}")
+    return tuple(PRESETS) if name == "tiny" else tuple(p for p in PRESETS if p != "tiny")
+
+
+def sweep_of(ctx) -> str:
+    """The sweep ``ctx`` names, else the default for its preset and device; ValueError for an unknown sweep or
+    one that cannot build ``ctx.preset`` (rather than silently building other presets)."""
+    name = getattr(ctx, "sweep", None) or default_sweep(ctx.preset, ctx.device.type)
+    presets = sweep_presets(name)
+    if ctx.preset and ctx.preset not in presets:
+        raise ValueError(f"sweep {name} takes the presets {', '.join(presets)}, not {ctx.preset!r}")
+    return name
+
+
+def check_filters(ctx) -> None:
+    """Refuse, before a run starts, a filter of ``ctx`` that no workload can take (ValueError naming it): an
+    unknown preset, sweep, mode or layout, a sweep that cannot build the preset, a page size or seed ``Workload``
+    refuses, a DCP interleave without ``--dcp``."""
+    probe = Workload(Mode.DECODE, (1,), (1,), preset=ctx.preset or "tiny", seed=ctx.seed)  # Workload checks values
+    sweep_of(ctx)
+    modes = [mode.value for mode in Mode]
+    for mode in ctx.modes:
+        if mode not in modes:
+            raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(modes)}")
+    for layout in ctx.layouts:
+        probe.replace(layout=layout)
+    for page_size in ctx.page_sizes:
+        probe.replace(page_size=page_size)
+    if ctx.dcp_interleave != 1 and not ctx.dcp_world:
+        raise ValueError("--dcp-interleave applies to decode context parallel runs only: give --dcp W too")
+
+
+def select(ctx) -> list[Workload]:
+    """The workloads of ``ctx``'s sweep after its filters (see the module docstring), without duplicates."""
+    name = sweep_of(ctx)
     if name == "tiny":
         base = SWEEPS[name](ctx.preset or "tiny")
     else:
-        base = SWEEPS[name](presets=(ctx.preset,) if ctx.preset and ctx.preset != "tiny" else GPU_PRESETS)
+        base = SWEEPS[name](presets=(ctx.preset,) if ctx.preset else GPU_PRESETS)
     if ctx.modes:
         base = [w for w in base if w.mode.value in ctx.modes]
     if getattr(ctx, "dcp_world", None):  # --dcp W: the decode workloads, sharded over W ranks

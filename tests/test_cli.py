@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mla_bench.cli import main
-from mla_bench.results import load_run
+from mla_bench.results import Result, Run, load_run, save_run
 
 TESTS = Path(__file__).parent
 
@@ -123,3 +123,69 @@ def test_dcp_flags_refuse_non_positive_values(flag, capsys):
     with pytest.raises(SystemExit) as info:
         main(["run", *flag])
     assert info.value.code == 2 and "must be a positive int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "tinyy"], "unknown preset 'tinyy'"),
+    (["--layout", "nope"], "unknown cache layout 'nope'"),
+    (["--sweep", "x"], "unknown sweep 'x'"),
+    (["--seed", "-1"], "seed must be an int >= 0"),
+    (["--seed", str(2 ** 64)], "seed must be an int >= 0"),
+    (["--mode", "decod"], "unknown mode 'decod'; modes: decode, prefill"),
+    (["--mode", "Decode"], "unknown mode 'Decode'"),
+    (["--mode", "prefill", "--dcp", "2"], "nothing to run: --mode prefill with --dcp 2"),
+    (["--impl", ""], "no impl given"),
+    (["--suite", ""], "no suite given"),
+    (["--impl", "torch_eager,torch_eager"], "impl name 'torch_eager' is given more than once"),
+    (["--impl", "nosuchmod:Foo"], "nosuchmod:Foo: cannot import nosuchmod"),
+    (["--preset", "tiny", "--sweep", "gpu-quick"], "sweep gpu-quick takes the presets deepseek-v3"),
+    (["--dcp-interleave", "4"], "--dcp-interleave applies to decode context parallel runs only"),
+])
+def test_bad_run_options_are_usage_errors_before_anything_runs(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    assert main(["run", "--device", "cpu", "--out", str(out), "--impl", "torch_eager", "--mode", "decode", *args]) == 2
+    assert f"error: {message}" in capsys.readouterr().out
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--page-size", "abc"], "argument --page-size: expected comma-separated ints, got 'abc'"),
+    (["--page-size", "1.5"], "argument --page-size: expected comma-separated ints"),
+    (["--page-size", "16,0"], "argument --page-size: values must be >= 1"),
+    (["--page-size", "-4"], "argument --page-size: values must be >= 1"),
+    (["--devices", "a,b"], "argument --devices: expected comma-separated ints"),
+    (["--devices=-1"], "argument --devices: values must be >= 0"),
+])
+def test_unparsable_or_out_of_range_numbers_are_argparse_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("mla_bench.runner.run_selection", lambda *a: pytest.fail("the run started"))
+    blocker = tmp_path / "file"
+    blocker.write_text("keep")
+    for out, message in ((blocker, "exists and is not a directory"), (blocker / "sub", "cannot create the directory")):
+        assert main(["run", "--device", "cpu", "--impl", "torch_eager", "--out", str(out)]) == 2
+        printed = capsys.readouterr().out
+        assert printed.startswith("error: ") and message in printed and str(out) in printed
+    assert blocker.read_text() == "keep"
+
+
+def test_report_to_a_directory_or_an_unwritable_place_is_refused_and_writes_nothing(tmp_path, capsys):
+    result = Result("accuracy", "accuracy", "failed", impl="x", label="w", message="rel_l2 too large")
+    run = save_run(Run(environment={}, results=[result]), tmp_path / "run" / "run.json")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    for target, message in ((tmp_path / "dir", "is a directory"), (tmp_path / "file" / "r.html", "is not a directory")):
+        assert main(["report", str(run), "-o", str(target)]) == 2
+        assert message in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["dir", "file", "run", "run.json"]
+
+
+def test_a_filter_that_is_not_applied_gets_a_note_on_stderr(tmp_path, capsys):
+    code, _ = _run(tmp_path, "note", "--impl", "torch_eager", "--mode", "prefill", "--layout", "fp8_ds_mla",
+                   "--no-report")
+    assert code == 0
+    assert "note: --layout is not applied to the workloads of --mode prefill" in capsys.readouterr().err

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from mla_bench.results import Result, Run
-from reports.gate import GateLimits, gate
+import pytest
+
+from mla_bench.cli import main
+from mla_bench.results import Result, Run, save_run
+from reports.gate import GateLimits, count_compared, gate
 
 TOL = {"tolerance": {"kernel": {"rel_l2": 8e-3, "max_row_rel": 2e-2, "cos_diff": 2e-5, "lse_abs": 5e-3}}}
 
 
-def _acc(impl="k", status="passed", rel=2e-3, label="w1", nonfinite=0) -> Result:
-    return Result("accuracy", "accuracy", status, impl=impl, workload={"label": label}, label=label,
+def _acc(impl="k", status="passed", rel=2e-3, label="w1", nonfinite=0, seed=0) -> Result:
+    return Result("accuracy", "accuracy", status, impl=impl, workload={"label": label, "seed": seed}, label=label,
                   metrics={"kernel.rel_l2": rel, "kernel.nonfinite_mismatch": nonfinite}, details=TOL,
-                  message="" if status == "passed" else "kernel: rel_l2 too large")
+                  message={"passed": "", "unsupported": "no fp8 cache"}.get(status, "kernel: rel_l2 too large"))
 
 
 def _lat(median, iqr=0.001, impl="k", label="w1") -> Result:
@@ -77,3 +80,64 @@ def test_an_unusable_tolerance_in_a_file_does_not_crash_the_gate():
     run.results[0].details = {"tolerance": {"kernel": {"rel_l2": "<script>"}}}
     base.results[0].details = {"tolerance": {"kernel": {"rel_l2": float("inf")}}}
     assert _fatal(base, run) == []  # no usable bound: that metric is not gated (status still is)
+
+
+def test_a_gate_that_compares_nothing_fails():
+    base = _run(_acc(label="a"), _acc(label="b"))
+    nothing = [_run(), _run(_acc(label="a", seed=1), _acc(label="b", seed=1))]  # no results; another seed
+    for baseline, run in [(base, nothing[0]), (base, nothing[1]), (_run(), base)]:
+        assert count_compared(baseline, run) == 0
+        assert [f.kind for f in _fatal(baseline, run)] == ["nothing compared"]
+    # Results unsupported in both runs (an impl not installed on either machine) compare nothing either.
+    refused = _run(_acc(status="unsupported"))
+    assert [f.kind for f in _fatal(refused, refused)] == ["nothing compared"]
+    assert count_compared(base, _run(_acc(label="a"), _acc(label="c"))) == 1 and _fatal(base, base) == []
+
+
+def test_passed_then_unsupported_is_fatal_other_status_changes_to_unsupported_are_not():
+    base = _run(_acc(label="a"), _acc(label="b", status="failed"), _acc(label="c", status="unsupported"))
+    findings = gate(base, _run(_acc(label="a", status="unsupported"), _acc(label="b", status="unsupported"),
+                               _acc(label="c")))
+    assert [(f.kind, f.label, f.fatal) for f in findings] == [("now unsupported", "a", True),
+                                                              ("now unsupported", "b", False)]
+    assert "was passed" in findings[0].message and "no fp8 cache" in findings[0].message
+
+
+def test_duplicate_keys_in_either_file_are_fatal():
+    base = _run(_acc(label="a"), _acc(label="b"))
+    hidden = _run(_acc(label="a", status="failed"), _acc(label="a"), _acc(label="b"))  # the passed copy came last
+    found = _fatal(base, hidden)
+    assert [(f.kind, f.label) for f in found] == [("duplicate", "a")]
+    assert "in the run" in found[0].message and "failed, passed" in found[0].message
+    assert [(f.kind, f.label) for f in _fatal(hidden, base)] == [("duplicate", "a")]
+
+
+def test_results_of_one_workload_told_apart_by_label_are_distinct():
+    """Placement's metadata_sync gives one result per builder for a workload, the builder named in the label."""
+    def sync(builder, status="passed"):
+        return Result("placement", "metadata_sync", status, workload={"mode": "sparse_decode"},
+                      label=f"{builder} | sparse_decode", message="" if status == "passed" else "synced 1x")
+
+    base = _run(sync("build_step"), sync("transform_paged"))
+    assert _fatal(base, base) == []
+    found = _fatal(base, _run(sync("build_step", "failed"), sync("transform_paged")))
+    assert [(f.kind, f.label) for f in found] == [("new failure", "build_step | sparse_decode")]
+
+
+def test_the_summary_says_how_many_results_were_compared(tmp_path, capsys):
+    base = save_run(_run(_acc(label="a"), _acc(label="b"), _acc(label="c", status="unsupported")), tmp_path / "b")
+    run = save_run(_run(_acc(label="a"), _acc(label="b"), _acc(label="c", status="unsupported"), _acc(label="d")),
+                   tmp_path / "r")
+    assert main(["gate", "--baseline", str(base), str(run)]) == 0
+    assert f"gate: passed (2 of 4 results compared against {base})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option", ["--error-slack", "--latency-slack", "--noise-factor"])
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "1e400", "lots"])
+def test_gate_options_must_be_finite_and_non_negative(option, value, tmp_path, capsys):
+    path = save_run(_run(_acc()), tmp_path / "run.json")
+    assert main(["gate", "--baseline", str(path), str(path), option, "0"]) == 0  # the strictest limit is valid
+    with pytest.raises(SystemExit) as info:
+        main(["gate", "--baseline", str(path), str(path), f"{option}={value}"])
+    assert info.value.code == 2
+    assert f"argument {option}: must be a finite number >= 0, got '{value}'" in capsys.readouterr().err

@@ -85,3 +85,18 @@ def test_missing_and_binary_files(tmp_path):
 def test_format_constants_are_what_files_carry(tmp_path):
     data = json.loads(save_run(_run(), tmp_path / "r.json").read_text())
     assert data["format"] == RUN_FORMAT and data["version"] == RUN_VERSION
+
+
+TRACEBACK = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: unknown preset 'tinyy'\n"
+
+
+@pytest.mark.parametrize("message, brief", [
+    ("suite accuracy crashed:\n" + TRACEBACK, "suite accuracy crashed: ValueError: unknown preset 'tinyy'"),
+    ("could not build the problem or its reference:\n" + TRACEBACK,
+     "could not build the problem or its reference: ValueError: unknown preset 'tinyy'"),
+    (TRACEBACK, "ValueError: unknown preset 'tinyy'"),
+    ("rel_l2 3e-2 > 8e-3\nsecond line", "rel_l2 3e-2 > 8e-3"),
+    ("", ""),
+])
+def test_brief_shows_the_exception_of_a_traceback_after_the_first_line(message, brief):
+    assert Result("accuracy", "accuracy", "error", message=message).brief == brief

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 import planted_impls as planted
-from mla_bench.runner import Progress, RunOptions, execute
+from mla_bench.runner import Progress, RunOptions, execute, select_run
 from suites.registry import SUITES
 
 CORRECT = ["planted_impls:PlainDecode", "planted_impls:PlainSparse"]
@@ -95,3 +95,43 @@ def test_unknown_impl_or_suite_is_a_value_error():
         execute(RunOptions(impls=["nope"], device="cpu"))
     with pytest.raises(ValueError, match="unknown suite"):
         execute(RunOptions(impls=["torch_eager"], suites=["nope"], device="cpu"))
+
+
+def test_a_bad_filter_is_refused_before_anything_runs():
+    progress = Recorder()
+    with pytest.raises(ValueError, match="unknown preset 'tinyy'"):
+        execute(RunOptions(impls=["torch_eager"], device="cpu", preset="tinyy"), progress)
+    assert progress.total is None and not progress.labels
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(impls=[]), "no impl given"),
+    (dict(suites=[]), "no suite given"),
+    (dict(impls=["torch_eager", "torch_eager"]), "impl name 'torch_eager' is given more than once"),
+    (dict(impls=["torch_eager", "planted_impls:SlowerTorchEager"]), "impl name 'torch_eager' is given more than once"),
+    (dict(modes=["prefill"], dcp_world=2), "nothing to run: --mode prefill with --dcp 2 selects no workload of the "
+                                           "tiny sweep (suites accuracy)"),
+    (dict(suites=["accuracy", "latency"], modes=["prefill"], dcp_world=2), "tiny sweep (suites accuracy)"),
+])
+def test_selections_that_cannot_run_are_value_errors(options, message):
+    with pytest.raises(ValueError) as info:
+        select_run(RunOptions(**{"impls": ["torch_eager"], "device": "cpu", "preset": "tiny", **options}))
+    assert message in str(info.value)
+
+
+def test_a_suite_with_no_workloads_on_this_device_or_one_that_ignores_modes_keeps_a_run_going():
+    """Latency lists no workload on a CPU even unfiltered (it reports that in a result); metadata ignores --mode."""
+    for suites in (["latency"], ["accuracy", "metadata"]):
+        selection = select_run(RunOptions(impls=["torch_eager"], suites=suites, device="cpu", preset="tiny",
+                                          modes=["prefill"], dcp_world=2))
+        assert [name for name, _ in selection.suites] == suites
+
+
+def test_filters_a_suite_does_not_apply_get_one_note_each():
+    notes = select_run(RunOptions(impls=["torch_eager"], suites=["accuracy", "equivalence", "metadata"],
+                                  device="cpu", preset="tiny", modes=["prefill"], layouts=["fp8_ds_mla"])).notes
+    assert notes == ["note: --impl is not applied by suite(s) equivalence, metadata",
+                     "note: --mode is not applied by suite(s) equivalence, metadata",
+                     "note: --layout is not applied by suite(s) equivalence, metadata",
+                     "note: --layout is not applied to the workloads of --mode prefill: they read no cache"]
+    assert select_run(RunOptions(impls=["torch_eager"], device="cpu", preset="tiny", modes=["decode"])).notes == []

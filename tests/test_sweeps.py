@@ -47,6 +47,34 @@ def test_select_picks_the_sweep_from_preset_and_device():
     assert kimi and all(w.preset == "kimi-k2" for w in kimi) and {w.batch for w in kimi if w.mode is Mode.DECODE} == {1, 32}
 
 
+def test_a_gpu_sweep_refuses_the_tiny_preset_instead_of_building_others():
+    with pytest.raises(ValueError, match="sweep gpu-quick takes the presets deepseek-v3, .*not 'tiny'"):
+        sweeps.select(_ctx(preset="tiny", sweep="gpu-quick"))
+    assert "tiny" in sweeps.sweep_presets("tiny") and "tiny" not in sweeps.sweep_presets("gpu")
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(preset="tinyy"), "unknown preset 'tinyy'"),
+    (dict(sweep="x"), "unknown sweep 'x'"),
+    (dict(modes=["decod"]), "unknown mode 'decod'; modes: decode, prefill"),
+    (dict(modes=["Decode"]), "unknown mode 'Decode'"),
+    (dict(modes=["prefill"], layouts=["nope"]), "unknown cache layout 'nope'"),  # even where no workload reads it
+    (dict(page_sizes=[16, 0]), "page_size must be a positive int, got 0"),
+    (dict(seed=-1), "seed must be an int >= 0"),
+    (dict(seed=2 ** 64), "seed must be an int >= 0 and < 2**64"),  # torch.Generator.manual_seed's limit
+    (dict(dcp_interleave=4), "--dcp-interleave applies to decode context parallel runs only"),
+])
+def test_check_filters_refuses_what_no_workload_can_take(fields, message):
+    with pytest.raises(ValueError) as info:
+        sweeps.check_filters(_ctx(**fields))
+    assert message in str(info.value)
+
+
+def test_check_filters_accepts_the_largest_seed_the_generator_takes():
+    sweeps.check_filters(_ctx(seed=2 ** 64 - 1, modes=["decode"], layouts=["fp8_ds_mla"], page_sizes=[1],
+                              dcp_world=2, dcp_interleave=4))
+
+
 def test_filters_keep_modes_and_rerun_layouts_and_page_sizes():
     only = sweeps.select(_ctx(modes=["prefill"]))
     assert only and {w.mode for w in only} == {Mode.PREFILL}
