@@ -7,7 +7,9 @@ V value dims (128), Lq query latent rank (1536, or None where queries are not co
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 def yarn_mscale(factor: float, mscale_all_dim: float) -> float:
@@ -80,6 +82,13 @@ PRESETS: dict[str, MLADims] = {
     "tiny": MLADims("tiny", num_heads=4, hidden_size=256, q_lora_rank=96,
                     rope_factor=40.0, mscale_all_dim=1.0),
 }
+
+
+def check_softmax_scale(scale: Any) -> None:
+    """ValueError unless ``scale`` is a finite positive real number (not a bool, not a tensor): the reference and
+    the decode kernel's plan refuse any other scale by name instead of computing with it."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax scale must be a finite positive number, got {scale!r}")
 
 
 def get_preset(name: str) -> MLADims:

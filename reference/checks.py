@@ -6,10 +6,9 @@ values once with ``check_values`` (a pass over each input); what it calls intern
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
+
+from mla_bench.dims import check_softmax_scale
 
 
 def check_tensor(name: str, tensor: torch.Tensor, dims: int, last: int | None = None) -> None:
@@ -75,8 +74,7 @@ def check_values(scale: float, **tensors: torch.Tensor) -> None:
 
     The reference is the anchor every impl is judged against: a non-finite input must be refused, not turned
     into a NaN (or a plausible) answer. Call it after the structural checks (it reads every element)."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    check_softmax_scale(scale)
     for name, tensor in tensors.items():
         finite = torch.isfinite(tensor)
         if not bool(finite.all()):

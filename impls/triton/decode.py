@@ -45,7 +45,6 @@ keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
@@ -70,6 +69,7 @@ from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from impls.triton import decode_rs_fp8, decode_ws
 from impls.triton.decode_rs_fp8 import _decode_split_kernel_rs_fp8
 from impls.triton.decode_ws import _decode_split_kernel_ws
+from mla_bench.dims import check_softmax_scale
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
 from mla_bench.metadata.reference import check_block_table, cumulative
@@ -477,8 +477,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     _check_batch(q, cache, block_table, q_lens, kv_lens)
     visible = _visible(visible_lens, q_lens, kv_lens, device)
     num_heads = q.shape[1]
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax scale must be a positive finite number, got {scale!r}")
+    check_softmax_scale(scale)
     chosen = config is None
     config = config or batch_config(num_heads, q_lens, kv_lens, cache.layout.name, cache.page_size, device)
     if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
