@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.dims import check_softmax_scale
+from mla_bench.lengths import check_lengths  # also imported from here by the reference modules
 
 
 def check_tensor(name: str, tensor: torch.Tensor, dims: int, last: int | None = None) -> None:
@@ -42,24 +43,9 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"inputs are on different devices: {', '.join(f'{n}={d}' for n, d in devices.items())}")
 
 
-def check_lengths(q_lens, kv_lens) -> None:
-    """Per-request lengths: as many of each, non-negative ints, queries no longer than their context
-    (a request with kv_len 0 is padding and may carry query rows)."""
-    q_lens, kv_lens = list(q_lens), list(kv_lens)
-    if len(q_lens) != len(kv_lens):
-        raise ValueError(f"q_lens has {len(q_lens)} requests but kv_lens has {len(kv_lens)}")
-    for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
-        if isinstance(q, bool) or isinstance(kv, bool) or not isinstance(q, int) or not isinstance(kv, int):
-            raise ValueError(f"request {i}: lengths must be ints, got q_len={q!r}, kv_len={kv!r}")
-        if q < 0 or kv < 0:
-            raise ValueError(f"request {i}: lengths must be >= 0, got q_len={q}, kv_len={kv}")
-        if kv > 0 and q > kv:
-            raise ValueError(f"request {i}: query longer than context (q_len={q} > kv_len={kv})")
-
-
 def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: torch.Tensor) -> None:
     """Valid lengths, ``sum(q_lens)`` rows of ``q`` and ``sum(kv_lens)`` rows of the keys."""
-    check_lengths(q_lens, kv_lens)
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
     check_rows("q", q, sum(q_lens), "sum(q_lens)")
     check_rows(keys_name, keys, sum(kv_lens), "sum(kv_lens)")
 

@@ -1,6 +1,6 @@
 """Latency: plan time and run time of every impl on every workload of the sweep, on a CUDA device.
 
-Per (impl, workload): enough independent input sets (seeds ``seed, seed+1, ...``) to exceed several times
+Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several times
 the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its details),
 are built and planned (plan time measured on the host, per set), then ``run`` is timed over the
 rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``). Metrics: median and IQR of
@@ -22,7 +22,7 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
 from mla_bench.registry import Impl
 from mla_bench.results import Result
-from mla_bench.workload import Workload
+from mla_bench.workload import Workload, derive_seed
 from suites import sweeps
 from suites.base import RunContext, load_impls
 
@@ -54,6 +54,11 @@ class LatencySuite:
                 torch.cuda.empty_cache()
 
 
+def input_set(workload: Workload, i: int) -> Workload:
+    """The workload of input set ``i``: seed ``seed + i``, wrapped into [0, 2**64) (set 0 is the workload itself)."""
+    return workload.replace(seed=derive_seed(workload.seed, i))
+
+
 def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: timing.Ceilings) -> Result:
     """One latency Result of ``impl`` on ``workload``."""
     def result(status: str, **fields) -> Result:
@@ -70,7 +75,7 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
     try:
         plans, plan_ms = [], []
         for i in range(sets):
-            problem = build_problem(workload.replace(seed=workload.seed + i), device)
+            problem = build_problem(input_set(workload, i), device)
             plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
         stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device)
     except UnsupportedConfig as exc:

@@ -1386,14 +1386,15 @@ def test_a_length_above_the_block_tables_capacity_is_an_error_in_plan():
 
 @pytest.mark.parametrize("change, message", [
     ({"q_lens": (1, 1)}, "sum\\(q_lens\\)"),
-    ({"kv_lens": (40,)}, "same, nonzero number"),
+    ({"kv_lens": (40,)}, "q_lens has 2 requests but kv_lens has 1"),
+    ({"q_lens": (), "kv_lens": ()}, "must name at least one request"),
     ({"visible_lens": torch.tensor([41, 8, 9], dtype=torch.int32)}, "visible_lens\\[0\\] = 41"),
     ({"visible_lens": torch.tensor([1, 2], dtype=torch.int32)}, "visible_lens must be int32 \\[3\\]"),
     ({"scale": math.nan}, "softmax scale"),
     ({"scale": torch.tensor(0.1)}, "softmax scale"),
-    ({"q_lens": (1, 2), "kv_lens": (40, 1)}, "request 1: q_len 2 > kv_len 1"),
-    ({"kv_lens": (40.5, 9)}, "kv_lens must hold integers"),
-    ({"q_lens": (1.0, 2.9)}, "q_lens must hold integers"),
+    ({"q_lens": (1, 2), "kv_lens": (40, 1)}, r"request 1: query longer than context \(q_len=2 > kv_len=1\)"),
+    ({"kv_lens": (40.5, 9)}, "request 0: kv_lens must hold ints, got 40.5"),
+    ({"q_lens": (1.0, 2.9)}, "request 0: q_lens must hold ints, got 1.0"),
 ])
 def test_inconsistent_metadata_is_named(change, message):
     with pytest.raises(ValueError, match=message):

@@ -45,7 +45,6 @@ keys of its request it may see; by default the causal ``kv_len - q_len + i + 1``
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -72,6 +71,7 @@ from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.dims import check_softmax_scale
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
+from mla_bench.lengths import check_lengths
 from mla_bench.metadata.reference import check_block_table, cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -471,7 +471,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                 kv_lens: Sequence[int], scale: float, visible_lens: torch.Tensor | None = None,
                 config: DecodeConfig | None = None) -> DecodePlan:
     """Validate, schedule and allocate for one decode step (see the module docstring)."""
-    q_lens, kv_lens = _lengths("q_lens", q_lens), _lengths("kv_lens", kv_lens)
+    q_lens, kv_lens = map(list, check_lengths(q_lens, kv_lens, queries_may_exceed_keys=visible_lens is not None))
     _check_supported(q, cache)
     device = q.device
     _check_batch(q, cache, block_table, q_lens, kv_lens)
@@ -829,12 +829,8 @@ def _check_supported(q: torch.Tensor, cache: PagedCache) -> None:
 def _check_batch(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: list[int],
                  kv_lens: list[int]) -> None:
     """Shapes, devices and the block table's contents: ValueError naming the problem."""
-    batch = len(q_lens)
-    if len(kv_lens) != batch or batch == 0:
-        raise ValueError(f"q_lens ({len(q_lens)}) and kv_lens ({len(kv_lens)}) must name the same, nonzero "
-                         f"number of requests")
-    if min(q_lens) < 0 or min(kv_lens) < 0:
-        raise ValueError("q_lens and kv_lens must be >= 0")
+    if not q_lens:
+        raise ValueError("q_lens and kv_lens must name at least one request")
     if sum(q_lens) != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but sum(q_lens) = {sum(q_lens)}")
     if q.stride(2) != 1:
@@ -851,26 +847,13 @@ def _check_batch(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, 
         raise ValueError("block_table must be contiguous in its last dimension")
 
 
-def _lengths(name: str, values: Sequence[int]) -> list[int]:
-    """Per-request lengths as ints; a float or a string is an error, not something to round."""
-    try:
-        return [operator.index(n) for n in values]
-    except TypeError:
-        raise ValueError(f"{name} must hold integers, got {list(values)!r}") from None
-
-
 def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list[int],
              device: torch.device) -> torch.Tensor:
     """Per query token, how many leading keys of its request it sees (validated when given). Without
-    ``visible_lens`` a request's new tokens are its last ``q_len`` keys, so a query longer than its context is an
-    error (a request of no context is padding and may carry queries: they see nothing)."""
+    ``visible_lens`` a request's new tokens are its last ``q_len`` keys (``plan_decode`` refuses a query longer than
+    its context then; a request of no context is padding and may carry queries: they see nothing)."""
     limits = [n for q, n in zip(q_lens, kv_lens) for _ in range(q)]
     if visible_lens is None:
-        longer = [b for b, (q, n) in enumerate(zip(q_lens, kv_lens)) if q > n > 0]
-        if longer:
-            b = longer[0]
-            raise ValueError(f"request {b}: q_len {q_lens[b]} > kv_len {kv_lens[b]}: the new tokens must be among "
-                             f"the request's keys (or pass visible_lens)")
         causal = [max(n - q + i + 1, 0) if n else 0 for q, n in zip(q_lens, kv_lens) for i in range(q)]
         return torch.tensor(causal, dtype=torch.int32, device=device)
     if visible_lens.dtype != torch.int32 or visible_lens.shape != (len(limits),) or visible_lens.device != device:

@@ -16,7 +16,7 @@ import torch
 from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
 from mla_bench.metadata.reference import allocate_block_table, cumulative, flat_token_slots
 from mla_bench.problem import Problem
-from mla_bench.workload import Workload
+from mla_bench.workload import Workload, derive_seed
 
 
 def local_count(positions: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
@@ -28,6 +28,12 @@ def local_count(positions: torch.Tensor, rank: int, world: int, interleave: int)
 
 def rank_of(positions: torch.Tensor, world: int, interleave: int) -> torch.Tensor:
     return (positions // interleave) % world
+
+
+def _page_generator(seed: int, rank: int) -> torch.Generator:
+    """The generator of rank ``rank``'s page permutation under workload seed ``seed``: a seed of its own per rank
+    (``seed * 1009 + rank + 1``, wrapped into the generator's range)."""
+    return torch.Generator().manual_seed(derive_seed(seed, rank + 1, stride=1009))
 
 
 @dataclass
@@ -56,7 +62,7 @@ def build_shard(problem: Problem, rank: int, world: int, interleave: int) -> Dcp
     meta, device = problem.meta, problem.device
     kv_lens = torch.tensor(meta.kv_lens, dtype=torch.int64)
     local_lens = local_count(kv_lens, rank, world, interleave).tolist()
-    gen = torch.Generator().manual_seed(problem.workload.seed * 1009 + rank + 1)
+    gen = _page_generator(problem.workload.seed, rank)
     block_table, num_blocks = allocate_block_table(local_lens, meta.page_size, gen)
     local_slots = flat_token_slots(block_table, local_lens, meta.page_size).to(device)
     rows = []
@@ -83,7 +89,7 @@ def synthetic_shard(workload: Workload, rank: int, device: torch.device) -> tupl
         raise ValueError(f"synthetic_shard draws bf16 caches only, not {workload.layout}")
     world, interleave, page = workload.dcp_world, workload.dcp_interleave, workload.page_size
     local_lens = local_count(torch.tensor(workload.kv_lens), rank, world, interleave).tolist()
-    gen = torch.Generator().manual_seed(workload.seed * 1009 + rank + 1)
+    gen = _page_generator(workload.seed, rank)
     block_table, num_blocks = allocate_block_table(local_lens, page, gen)
     data = torch.randn(num_blocks * page, LATENT_DIM, device=device, dtype=torch.bfloat16)
     cache = PagedCache(get_layout("bf16"), data.view(torch.uint8).view(num_blocks, page, -1))

@@ -1,0 +1,46 @@
+"""Per-request lengths (``q_lens``, ``kv_lens``): the one rule set that ``Workload``, the reference and the Triton
+decode plan check them by, so that a request mix one of them takes is not refused, or rounded, by another.
+
+The rules: as many kv_lens as q_lens, each an integer of any type ``operator.index`` takes (Python or numpy ints;
+not bools, floats or strings), none negative, and no query longer than its context unless the caller allows it
+(a DCP shard holds only part of a request's keys: ``visible_lens`` says which each query sees). A request with
+kv_len 0 is padding and may carry queries. What only one caller needs (a nonempty batch, a mode's own rules,
+the block table's capacity) stays with that caller.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+
+def check_lengths(q_lens: Any, kv_lens: Any,
+                  queries_may_exceed_keys: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``q_lens`` and ``kv_lens`` as tuples of Python ints, checked by the rules above: ValueError naming the
+    request and its values."""
+    q_lens, kv_lens = _ints("q_lens", q_lens), _ints("kv_lens", kv_lens)
+    if len(q_lens) != len(kv_lens):
+        raise ValueError(f"q_lens has {len(q_lens)} requests but kv_lens has {len(kv_lens)}")
+    for i, (q, kv) in enumerate(zip(q_lens, kv_lens)):
+        if q < 0 or kv < 0:
+            raise ValueError(f"request {i}: lengths must be >= 0, got q_len={q}, kv_len={kv}")
+        if q > kv > 0 and not queries_may_exceed_keys:
+            raise ValueError(f"request {i}: query longer than context (q_len={q} > kv_len={kv})")
+    return q_lens, kv_lens
+
+
+def _ints(name: str, values: Any) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints; a bool, a float or a string is an error, not something to round."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a sequence of ints, got {values!r}")
+    return tuple(_int(name, i, value) for i, value in enumerate(values))
+
+
+def _int(name: str, index: int, value: Any) -> int:
+    """Request ``index``'s entry of ``name`` as a Python int (``operator.index``, which takes ``True`` as 1: no)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"request {index}: {name} must hold ints, got {value!r}")

@@ -1,0 +1,97 @@
+"""Per-request lengths: Workload, the reference and the Triton decode plan take and refuse the same ones, alike.
+
+They used to check by three rule sets: plan_decode took a bool as a length and named neither the request of a
+negative length nor the counts of a mismatch; Workload and the reference refused numpy ints that plan_decode took.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from impls.triton.decode import plan_decode
+from mla_bench.problem import build_problem
+from mla_bench.workload import Workload
+from reference.absorbed import latent_mqa
+
+
+def random_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
+    """A valid decode mix of 2-5 requests, a padding request (no context, one query) among them now and then."""
+    kv_lens = [rng.choice([0, rng.randint(1, 70)]) for _ in range(rng.randint(2, 5))]
+    return [rng.randint(1, min(kv, 4)) if kv else 1 for kv in kv_lens], kv_lens
+
+
+def plan(q_lens, kv_lens, visible_lens=None, problem_q_lens=(1, 2)):
+    """plan_decode of the lengths given over a decode problem of ``problem_q_lens`` tokens (up to 40 keys each)."""
+    problem = build_problem(Workload(mode="decode", q_lens=problem_q_lens, kv_lens=(40,) * len(problem_q_lens),
+                                     page_size=16, seed=random.randrange(100)))
+    return plan_decode(problem.q, problem.cache, problem.meta.block_table, q_lens, kv_lens, problem.scale,
+                       visible_lens)
+
+
+CALLERS = {
+    "workload": lambda q_lens, kv_lens: Workload(mode="decode", q_lens=q_lens, kv_lens=kv_lens),
+    "reference": lambda q_lens, kv_lens: latent_mqa(torch.randn(3, 2, 576, dtype=torch.float64),
+                                                    torch.randn(10, 576, dtype=torch.float64), q_lens, kv_lens, 0.1),
+    "plan_decode": plan,
+}
+
+
+def negative(rng, q_lens, kv_lens, i):
+    kv_lens[i] = -rng.randint(1, 9)
+    return rf"request {i}: lengths must be >= 0, got q_len={q_lens[i]}, kv_len={kv_lens[i]}$"
+
+
+def longer_query(rng, q_lens, kv_lens, i):
+    kv_lens[i] = rng.randint(1, 9)
+    q_lens[i] = kv_lens[i] + rng.randint(1, 3)
+    return rf"request {i}: query longer than context \(q_len={q_lens[i]} > kv_len={kv_lens[i]}\)$"
+
+
+def float_length(rng, q_lens, kv_lens, i):
+    kv_lens[i] += 0.5 + rng.randint(0, 3)
+    return rf"request {i}: kv_lens must hold ints, got {kv_lens[i]}$"
+
+
+def bool_length(rng, q_lens, kv_lens, i):
+    q_lens[i] = True
+    return rf"request {i}: q_lens must hold ints, got True$"
+
+
+def count_mismatch(rng, q_lens, kv_lens, i):
+    kv_lens.append(rng.randint(1, 9))
+    return rf"q_lens has {len(q_lens)} requests but kv_lens has {len(kv_lens)}$"
+
+
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("plant", [negative, longer_query, float_length, bool_length, count_mismatch])
+def test_bad_lengths_are_refused_alike_naming_the_request(plant, caller):
+    rng = random.Random()
+    q_lens, kv_lens = random_lengths(rng)
+    message = plant(rng, q_lens, kv_lens, rng.randrange(len(q_lens)))
+    with pytest.raises(ValueError, match=message):
+        CALLERS[caller](tuple(q_lens), tuple(kv_lens))
+
+
+def test_numpy_lengths_are_taken_as_ints():
+    q_lens, kv_lens = random_lengths(random.Random())
+    workload = Workload(mode="decode", q_lens=np.array(q_lens), kv_lens=[np.int32(n) for n in kv_lens])
+    assert workload.q_lens == tuple(q_lens) and workload.kv_lens == tuple(kv_lens)
+    assert all(type(n) is int for n in workload.q_lens + workload.kv_lens)  # noqa: E721 - JSON needs Python ints
+    problem = build_problem(workload)
+    q, kv = problem.q.double(), torch.randn(sum(kv_lens), 576, dtype=torch.float64)
+    for got, want in zip(latent_mqa(q, kv, np.array(q_lens), np.array(kv_lens), 0.1),
+                         latent_mqa(q, kv, q_lens, kv_lens, 0.1)):
+        assert torch.equal(got, want)
+
+
+def test_only_a_shard_may_have_queries_longer_than_its_keys():
+    """With ``visible_lens`` (a DCP shard's keys) plan_decode takes q_len > kv_len; without, it is refused."""
+    kv = random.randint(1, 8)
+    with pytest.raises(ValueError, match=rf"request 1: query longer than context \(q_len={kv + 1} > kv_len={kv}\)"):
+        plan((1, kv + 1), (9, kv), problem_q_lens=(1, kv + 1))
+    visible = torch.tensor([9, *range(1, kv + 1), kv], dtype=torch.int32)
+    assert plan((1, kv + 1), (9, kv), visible, problem_q_lens=(1, kv + 1)).visible is visible
