@@ -74,7 +74,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 # ---- run ----------------------------------------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run suites over impls, write ``run.json`` (and ``report.html``), print the summary; 0 only if all passed."""
+    """Run suites over impls, write ``run.json`` (and ``report.html``), print the summary; 0 only if all passed and
+    every impl named (not ``all``) was tested on something."""
     from mla_bench.device import prepare
 
     try:
@@ -82,9 +83,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _usage_error(str(exc))
     from mla_bench.registry import ImplNotInstalled
-    from mla_bench.runner import run_selection, select_run
+    from mla_bench.runner import run_selection, select_run, untested_impls
     from mla_bench.results import save_run
-    from reports.console import failures_table, summary_table
+    from reports.console import failures_table, summary_table, untested_text
     from reports.hidden_costs import hidden_cost_table
     from suites.capability import print_capability_matrix
 
@@ -108,12 +109,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     failures = failures_table(run)
     if failures is not None:
         console.print(failures)
+    untested = untested_impls(selection, run)
+    for impl, reasons in untested.items():
+        console.print(untested_text(impl, reasons))
     console.print(f"results: {path}")
     if not args.no_report:
         from reports.html import write_report
 
         console.print(f"report:  {write_report(run, out / 'report.html')}")
-    return 0 if run.ok else 1
+    return 0 if run.ok and not untested else 1
 
 
 def _run_options(args: argparse.Namespace, device):
@@ -213,13 +217,16 @@ def cmd_gate(args: argparse.Namespace) -> int:
     baseline, run = _load(args.baseline), _load(args.run)
     if baseline is None or run is None:
         return 2
-    findings = gate(baseline, run, GateLimits(args.error_slack, args.latency_slack, args.noise_factor))
+    findings = gate(baseline, run, GateLimits(args.error_slack, args.latency_slack, args.noise_factor,
+                                              args.allow_missing))
     if findings:
         console.print(gate_table(findings))
     fatal = [f for f in findings if f.fatal]
     compared = f"{count_compared(baseline, run)} of {len(run.results)} results compared against {args.baseline}"
     if fatal:
         console.print(Text(f"gate: FAILED, {len(fatal)} regression(s) ({compared})", style="bold red"))
+        if any(f.kind == "missing" for f in fatal):
+            console.print("a run meant to cover only part of the baseline passes --allow-missing")
         return 1
     console.print(Text(f"gate: passed ({compared})", style="green"))
     return 0
@@ -329,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allowed relative slowdown before noise is considered (default 0.10)")
     p.add_argument("--noise-factor", type=_gate_limit, default=3.0,
                    help="a slowdown must also exceed this many IQRs of the timings (default 3)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="results that passed in the baseline may be absent from the run (a run of part of it)")
     p.set_defaults(func=cmd_gate)
     return parser
 

@@ -39,6 +39,8 @@ _STDERR_TAIL = 4000
 # The command line's flag for each filter (RunContext field) that a suite may leave unapplied.
 _FLAGS = {"impls": "--impl", "modes": "--mode", "layouts": "--layout", "page_sizes": "--page-size",
           "sweep": "--sweep", "dcp_world": "--dcp"}
+# The filters that can leave a suite nothing to run (its other filters reshape workloads, never drop them all).
+_NARROWING = ("impls", "modes", "dcp_world")
 
 
 @dataclass
@@ -73,7 +75,9 @@ class Progress:
 @dataclass
 class Selection:
     """A run checked and ready: its device, impls and suites; ``results`` holds an ``error`` per named suite that
-    could not load, ``notes`` remarks for the user (suites skipped, filters a suite does not apply)."""
+    could not load, ``notes`` remarks for the user (suites skipped, filters a suite does not apply), ``counts``
+    each suite's workloads in this process (None where a suite cannot say), listed once for the check and the
+    progress bar."""
 
     options: RunOptions
     device: torch.device
@@ -81,6 +85,7 @@ class Selection:
     suites: list[tuple[str, Any]]
     results: list[Result]
     notes: list[str]
+    counts: list[int | None]
 
 
 def resolve_impls(specs: list[str]) -> list[ImplEntry]:
@@ -110,9 +115,10 @@ def select_run(options: RunOptions) -> Selection:
     suites, results = _select_suites(options.suites, notes)
     ctx = _context(options, device, entries, Progress())
     check_filters(ctx)
-    _check_not_emptied(suites, ctx)
-    notes += _unapplied_filter_notes(options, [name for name, _ in suites])
-    return Selection(options, device, entries, suites, results, notes)
+    counts = _counts(suites, ctx)
+    _check_not_emptied(options, suites, counts, ctx)
+    notes += _unapplied_filter_notes(options, suites)
+    return Selection(options, device, entries, suites, results, notes, counts)
 
 
 def execute(options: RunOptions, progress: Progress | None = None, notes: list[str] | None = None) -> Run:
@@ -133,7 +139,7 @@ def run_selection(selection: Selection, progress: Progress | None = None) -> Run
         results += _execute_workers(options, device, entries, [name for name, _ in suites], progress)
     else:
         ctx = _context(options, device, entries, progress)
-        progress.start(_total(suites, [ctx]))
+        progress.start(_total(selection.counts))
         for name, suite in suites:
             results += list(run_suite(name, suite, ctx))
     ceilings = {r.label: dict(r.metrics) for r in results if r.check == CEILINGS_CHECK}
@@ -148,6 +154,21 @@ def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
         yield from suite.run(ctx)
     except Exception:  # noqa: BLE001 - a broken suite must not stop the other suites
         yield Result(name, name, "error", label="(suite)", message=f"suite {name} crashed:\n{traceback.format_exc()}")
+
+
+def untested_impls(selection: Selection, run: Run) -> dict[str, Counter[str]]:
+    """The impls named explicitly (not ``all``) whose every result is ``unsupported``, each with how often each
+    reason (a result's one-line brief) was given. Such an impl was tested on nothing, which ``run.ok`` (unsupported
+    counts as ok) does not show. Under ``all``, peers that are not installed are expected to be unsupported; an impl
+    with no result at all (suites like metadata test our own parts) is not counted."""
+    if "all" in selection.options.impls:
+        return {}
+    untested = {}
+    for entry in selection.entries:
+        mine = [r for r in run.results if r.impl == entry.name]
+        if mine and all(r.status == "unsupported" for r in mine):
+            untested[entry.name] = Counter(r.brief for r in mine)
+    return untested
 
 
 def _select_suites(names: list[str], notes: list[str]) -> tuple[list[tuple[str, Any]], list[Result]]:
@@ -175,37 +196,52 @@ def _select_suites(names: list[str], notes: list[str]) -> tuple[list[tuple[str, 
     return chosen, results
 
 
-def _check_not_emptied(suites: list[tuple[str, Any]], ctx) -> None:
-    """ValueError, naming the filters, when no selected suite has a workload to run and ``--mode`` / ``--dcp``
-    emptied some. A suite that cannot list its workloads counts as having some; one that lists none on this device
-    even unfiltered (latency on a CPU, which says so in a result) was not emptied by them."""
+def _check_not_emptied(options: RunOptions, suites: list[tuple[str, Any]], counts: list[int | None], ctx) -> None:
+    """ValueError when no selected suite has a workload to run and the filters given (``_NARROWING``) emptied some,
+    naming the filters that did and the suites. A suite that cannot list its workloads (count None) counts as
+    having some; one that lists none even unfiltered (latency on a CPU, which says so in a result) was not emptied."""
     from suites.sweeps import sweep_of
 
-    if any(_workload_count(suite, ctx) != 0 for _, suite in suites):
+    if any(count != 0 for count in counts):
         return
-    unfiltered = dataclasses.replace(ctx, modes=[], dcp_world=None, dcp_interleave=1)
-    emptied = [name for name, suite in suites if _workload_count(suite, unfiltered)]
+    given = [name for name in _NARROWING if _given(options, name)]
+    emptied = _with_work(suites, _lifted(ctx, given))
     if not emptied:
         return
-    given = []
-    if ctx.modes:
-        given.append(f"--mode {','.join(ctx.modes)}")
-    if ctx.dcp_world:
-        given.append(f"--dcp {ctx.dcp_world}")
-    raise ValueError(f"nothing to run: {' with '.join(given)} selects no workload of the {sweep_of(ctx)} sweep "
-                     f"(suites {', '.join(emptied)})")
+    # The filters whose lifting alone gives a suite work; when none does alone, they empty it together.
+    culprits = [name for name in given if _with_work(emptied, _lifted(ctx, [name]))] or given
+    swept = [name for name, suite in emptied if "sweep" not in _unapplied(suite)]
+    own = [name for name, suite in emptied if "sweep" in _unapplied(suite)]
+    where = [f"of the {sweep_of(ctx)} sweep (suites {', '.join(swept)})"] if swept else []
+    where += [f"of suites {', '.join(own)}"] if own else []
+    flags = " with ".join(f"{_FLAGS[name]} {_value(options, name)}" for name in culprits)
+    raise ValueError(f"nothing to run: {flags} selects no workload {' nor '.join(where)}")
 
 
-def _unapplied_filter_notes(options: RunOptions, suite_names: list[str]) -> list[str]:
-    """One note per filter given that a selected suite does not apply (``suites.base.UNAPPLIED_FILTERS``), and
-    for ``--layout`` / ``--page-size`` when every mode given reads no cache (its workloads then take neither)."""
-    from suites.base import UNAPPLIED_FILTERS
+def _with_work(suites: list[tuple[str, Any]], ctx) -> list[tuple[str, Any]]:
+    """The suites that list some workload for ``ctx``."""
+    return [(name, suite) for name, suite in suites if _workload_count(suite, ctx)]
 
+
+def _lifted(ctx, filters: list[str]):
+    """``ctx`` without the ``_NARROWING`` filters named: every discoverable impl, every mode, no DCP."""
+    changes: dict[str, Any] = {}
+    if "impls" in filters:
+        changes["impls"] = resolve_impls(["all"])
+    if "modes" in filters:
+        changes["modes"] = []
+    if "dcp_world" in filters:
+        changes.update(dcp_world=None, dcp_interleave=1)
+    return dataclasses.replace(ctx, **changes)
+
+
+def _unapplied_filter_notes(options: RunOptions, suites: list[tuple[str, Any]]) -> list[str]:
+    """One note per filter given that a selected suite does not apply (its ``unapplied_filters``), and for
+    ``--layout`` / ``--page-size`` when every mode given reads no cache (its workloads then take neither)."""
     notes = []
     for name, flag in _FLAGS.items():
-        value = getattr(options, name)
-        unapplied = [suite for suite in suite_names if name in UNAPPLIED_FILTERS.get(suite, ())]
-        if value and value != ["all"] and unapplied:
+        unapplied = [suite_name for suite_name, suite in suites if name in _unapplied(suite)]
+        if _given(options, name) and unapplied:
             notes.append(f"note: {flag} is not applied by suite(s) {', '.join(unapplied)}")
     if options.modes and not any(Mode(mode).uses_cache for mode in options.modes):
         for name in ("layouts", "page_sizes"):
@@ -213,6 +249,23 @@ def _unapplied_filter_notes(options: RunOptions, suite_names: list[str]) -> list
                 notes.append(f"note: {_FLAGS[name]} is not applied to the workloads of --mode "
                              f"{','.join(options.modes)}: they read no cache")
     return notes
+
+
+def _unapplied(suite: Any) -> tuple[str, ...]:
+    """The filters ``suite`` does not apply (``Suite.unapplied_filters``; none when it does not say)."""
+    return getattr(suite, "unapplied_filters", ())
+
+
+def _given(options: RunOptions, name: str) -> bool:
+    """Whether the filter ``name`` narrows the run (``--impl all`` does not)."""
+    value = getattr(options, name)
+    return bool(value) and not (isinstance(value, list) and "all" in value)
+
+
+def _value(options: RunOptions, name: str) -> str:
+    """The filter ``name`` as given on the command line, e.g. ``decode,prefill``."""
+    value = getattr(options, name)
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _context(options: RunOptions, device: torch.device, entries: list[ImplEntry], progress: Progress,
@@ -229,18 +282,14 @@ def _runs_in_shard(suite: Any, shard: int) -> bool:
     return shard == 0 or getattr(suite, "shardable", False)
 
 
-def _total(suites: list[tuple[str, Any]], contexts: list) -> int | None:
-    """Workload steps to come over ``contexts`` (one per worker job), or None if a suite cannot say."""
-    total = 0
-    for ctx in contexts:
-        for _, suite in suites:
-            if not _runs_in_shard(suite, ctx.shard):
-                continue
-            count = _workload_count(suite, ctx)
-            if count is None:
-                return None
-            total += count
-    return total
+def _counts(suites: list[tuple[str, Any]], ctx) -> list[int | None]:
+    """Each suite's workload count for ``ctx`` (None where it cannot say); 0 for one that skips ctx's shard."""
+    return [_workload_count(suite, ctx) if _runs_in_shard(suite, ctx.shard) else 0 for _, suite in suites]
+
+
+def _total(counts: list[int | None]) -> int | None:
+    """The workload steps to come, or None if a suite cannot say."""
+    return None if None in counts else sum(counts)
 
 
 def _workload_count(suite: Any, ctx) -> int | None:
@@ -273,7 +322,7 @@ def _execute_workers(options: RunOptions, device: torch.device, entries: list[Im
     suites = [(name, load_suite(name)) for name in suite_names]
     contexts = [_context(options, device, group, progress, shard, len(slots))
                 for shard in jobs for group in groups]
-    progress.start(_total(suites, contexts))
+    progress.start(_total([count for ctx in contexts for count in _counts(suites, ctx)]))
     collected: dict[tuple[int, int], list[Result]] = {}
     lock = threading.Lock()
 

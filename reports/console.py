@@ -45,6 +45,19 @@ def failures_table(run: Run, limit: int = 20) -> Table | None:
     return table
 
 
+def untested_text(impl: str, reasons: Counter, limit: int = 3, width: int = 160) -> Text:
+    """Why ``impl``, named on the command line, was tested on nothing: its ``limit`` most common distinct reasons
+    for ``unsupported`` with their counts, one line of at most ``width`` characters each."""
+    text = Text(f"error: {impl} was tested on nothing: all {sum(reasons.values())} of its results are unsupported",
+                style="bold red")
+    for reason, count in reasons.most_common(limit):
+        line = reason if len(reason) <= width else reason[:width - 3] + "..."
+        text.append(f"\n  {count}x {line}")
+    if len(reasons) > limit:
+        text.append(f"\n  ... and {len(reasons) - limit} more")
+    return text
+
+
 def compare_table(a: Run, b: Run, title: str = "A -> B") -> Table:
     """Each result of either run: status in A and B, and its headline number (accuracy: kernel rel_l2,
     latency: median ms) with the change."""

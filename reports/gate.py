@@ -6,13 +6,16 @@ A finding is fatal when:
 - several results of the run, or of the baseline, share one key: which of them counts is ambiguous;
 - a result fails or errors in the run but passed, was unsupported or was absent in the baseline: a new failure;
 - a result passed in the baseline and is unsupported in the run: a case lost its coverage;
+- results that passed in the baseline are absent from the run (one finding per suite and impl, saying why: the
+  impl is not installed here, did not run, or the workloads were not run): coverage lost, unless
+  ``allow_missing`` (a run meant to cover part of the baseline: another sweep, filters, a machine without a peer);
 - an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
   (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
   noise_factor * max(IQR of either))``; latencies are compared only when both runs ran on the same GPU model.
 
-Results that failed in both runs, failed results now unsupported, passed results missing from the run, and
-incomparable latencies are reported but not fatal.
+Results that failed in both runs, failed results now unsupported, allowed missing results and incomparable latencies
+are reported but not fatal.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from mla_bench.results import Result, Run
 from reports.pairing import duplicates, pair, same_gpu
 
 BAD = ("failed", "error")
+MISSING_SHOWN = 3  # workload labels a missing finding names
 # Error metrics and the Tolerance field that bounds each.
 ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "cos_diff", "lse_max_abs": "lse_abs"}
 
@@ -44,6 +48,7 @@ class GateLimits:
     error_slack: float = 0.25
     latency_slack: float = 0.10
     noise_factor: float = 3.0
+    allow_missing: bool = False  # results that passed in the baseline may be absent from the run
 
 
 def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Finding]:
@@ -60,7 +65,7 @@ def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Fin
                                 False))
     for _, base, new in pair(baseline, run):
         findings += _compare(base, new, limits, compare_latency)
-    return findings
+    return findings + _missing(baseline, run, limits.allow_missing)
 
 
 def count_compared(baseline: Run, run: Run) -> int:
@@ -81,9 +86,7 @@ def _duplicates(run: Run, which: str) -> list[Finding]:
 def _compare(base: Result | None, new: Result | None, limits: GateLimits, compare_latency: bool) -> list[Finding]:
     """The findings of one result: its status against the baseline's, then its metrics where both passed."""
     if new is None:
-        if base is not None and base.status == "passed":
-            return [_finding("missing", base, "passed in the baseline, absent from this run", False)]
-        return []
+        return []  # absent from the run: see _missing
     if new.status in BAD:
         if base is None or base.status not in BAD:
             was = "absent from" if base is None else f"{base.status} in"
@@ -101,6 +104,36 @@ def _compare(base: Result | None, new: Result | None, limits: GateLimits, compar
     if new.suite == "latency" and compare_latency:
         found += _latency(base, new, limits)
     return found
+
+
+def _missing(baseline: Run, run: Run, allowed: bool) -> list[Finding]:
+    """One finding per suite and impl whose results that passed in the baseline are absent from ``run``, naming
+    a few of their workloads and why they are absent; fatal unless ``allowed``."""
+    absent: dict[tuple[str, str], list[Result]] = {}
+    for _, base, new in pair(baseline, run):
+        if new is None and base.status == "passed":
+            absent.setdefault((base.suite, base.impl or ""), []).append(base)
+    findings = []
+    for (suite, impl), group in absent.items():
+        shown = ", ".join(r.label for r in group[:MISSING_SHOWN])
+        more = f" and {len(group) - MISSING_SHOWN} more" if len(group) > MISSING_SHOWN else ""
+        findings.append(Finding("missing", suite, impl, f"{shown}{more}", f"{len(group)} result(s) that passed in "
+                                f"the baseline are absent from this run: {_why_absent(run, suite, impl)}",
+                                not allowed))
+    return findings
+
+
+def _why_absent(run: Run, suite: str, impl: str) -> str:
+    """Why the run has none of some results of ``impl`` in ``suite``, as far as the run file tells."""
+    mine = [r for r in run.results if (r.impl or "") == impl]
+    refusal = next((r.message for r in mine if r.message.startswith("not installed")), None)
+    if refusal:
+        return f"{impl} is {refusal.splitlines()[0]}"
+    if not any(r.suite == suite for r in run.results):
+        return f"suite {suite} did not run"
+    if impl and not any(r.suite == suite for r in mine):
+        return f"{impl} did not run in suite {suite}"
+    return "their workloads did not run (another sweep, preset, seed or filters)"
 
 
 def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:

@@ -35,22 +35,16 @@ class RunContext:
     dcp_interleave: int = 1
 
 
-# The RunContext filters a suite does not apply (a suite not listed applies them all), so the runner can say so
-# when they are given: equivalence and metadata run their own checks, only the sweep's suites take sweep and DCP.
-UNAPPLIED_FILTERS: dict[str, tuple[str, ...]] = {
-    "roundtrip": ("modes", "sweep", "dcp_world"),
-    "metadata": ("impls", "modes", "layouts", "sweep", "dcp_world"),
-    "equivalence": ("impls", "modes", "layouts", "page_sizes", "sweep", "dcp_world"),
-    "placement": ("sweep", "dcp_world"),
-}
-
-
 class Suite(Protocol):
     """A named generator of Results. A suite that splits its workloads with ``suites.sweeps.shard`` sets
     ``shardable = True`` (the runner then runs it on every GPU); others run once, on the first worker.
-    A suite may define ``workloads(ctx)`` so the progress bar knows its length."""
+    A suite may define ``workloads(ctx)``, the units of work ``run`` goes through (one progress step each), so the
+    progress bar knows its length and the runner can refuse filters that leave it nothing to run.
+    ``unapplied_filters`` names the ``RunContext`` filters the suite does not apply (none when absent), so the runner
+    can say so when they are given."""
 
     name: str
+    unapplied_filters: tuple[str, ...] = ()
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
         """Yield one Result per check."""

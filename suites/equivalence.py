@@ -92,8 +92,29 @@ def pair_tolerance(dtype: str, inherent: ErrorMetrics) -> Tolerance:
                      cos_diff=4 * k.cos_diff + inherent.cos_diff, lse_abs=2 * k.lse_abs + inherent.lse_max_abs)
 
 
+# The impls whose names select each check with ``--impl`` (when no impl is named, every check runs).
+CHECK_IMPLS: dict[str, set[str]] = {
+    "absorbed == mha": {"triton_prefill", *DENSE_DECODE_IMPLS},
+    "chunked == unchunked": {"triton_chunked_prefill", "triton_prefill"},
+    "dcp == single rank": {"triton_dcp"},
+    "sparse(all) == dense": {"triton_sparse", "triton_sparse_ragged"},
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One Result of the suite: ``check`` filed under ``impl`` and ``workload``, whose other side runs ``other``."""
+
+    check: str
+    impl: str
+    workload: Workload
+    other: Workload
+
+
 class EquivalenceSuite:
     name = SUITE
+    # --impl picks which checks run (CHECK_IMPLS); the checks bring their own shapes.
+    unapplied_filters = ("modes", "layouts", "page_sizes", "sweep", "dcp_world")
 
     def __init__(self, dcp_worlds: tuple[int, ...] = (2, 3), dcp_interleaves: tuple[int, ...] = (1, 2),
                  mccs: tuple[int, ...] | None = None) -> None:
@@ -101,76 +122,79 @@ class EquivalenceSuite:
         self.dcp_interleaves = dcp_interleaves
         self.mccs = mccs
 
-    def run(self, ctx: RunContext) -> Iterator[Result]:
+    def workloads(self, ctx: RunContext) -> list[Comparison]:
+        """The comparisons ``run`` makes: those of the checks whose impls are named (all when none is)."""
         shapes = CPU_SHAPES if ctx.device.type == "cpu" else GPU_SHAPES
         if ctx.preset:
             shapes = replace(shapes, preset=ctx.preset)
+        every = [*self._absorbed_vs_mha(shapes, ctx.seed), *self._chunked_vs_unchunked(shapes, ctx.seed),
+                 *self._dcp_vs_single_rank(shapes, ctx.seed), *self._sparse_vs_dense(shapes, ctx.seed)]
         wanted = {entry.name for entry in ctx.impls}
+        return [c for c in every if not wanted or wanted & CHECK_IMPLS[c.check]]
+
+    def run(self, ctx: RunContext) -> Iterator[Result]:
         memo: dict[str, Pair] = {}
-        checks: list[tuple[set[str], Callable[[], Iterator[Result]]]] = [
-            ({"triton_prefill", *DENSE_DECODE_IMPLS}, lambda: self._absorbed_vs_mha(ctx, shapes, memo)),
-            ({"triton_chunked_prefill", "triton_prefill"}, lambda: self._chunked_vs_unchunked(ctx, shapes, memo)),
-            ({"triton_dcp"}, lambda: self._dcp_vs_single_rank(ctx, shapes, memo)),
-            ({"triton_sparse", "triton_sparse_ragged"}, lambda: self._sparse_vs_dense(ctx, shapes, memo)),
-        ]
-        for impls, check in checks:
-            if not wanted or wanted & impls:
-                yield from check()
+        for comparison in self.workloads(ctx):
+            ctx.progress(f"{SUITE}: {comparison.check} {comparison.workload.label}")
+            yield _compare(comparison, ctx.device, memo)
 
-    # ---- checks -------------------------------------------------------------------------------------------------
-    def _absorbed_vs_mha(self, ctx: RunContext, shapes: Shapes, memo: dict) -> Iterator[Result]:
-        for q_lens, kv_lens in shapes.absorbed:
-            common = dict(preset=shapes.preset, page_size=shapes.page_size, seed=ctx.seed)
-            decode = Workload(Mode.DECODE, q_lens, kv_lens, **common)
-            prefill = Workload(Mode.PREFILL, q_lens, kv_lens, **common)
-            ctx.progress(f"{SUITE}: absorbed == mha {decode.label}")
-            yield _paired("absorbed == mha", decode, "triton_prefill", lambda decode=decode, prefill=prefill: (
-                Side("triton_prefill", build_problem(prefill, ctx.device), _impl_runner("triton_prefill")),
-                Side(_dense_decode_impl(), build_problem(decode, ctx.device), _impl_runner(_dense_decode_impl()),
-                     _up_project)), memo)
+    # ---- comparisons --------------------------------------------------------------------------------------------
+    def _absorbed_vs_mha(self, shapes: Shapes, seed: int) -> list[Comparison]:
+        common = dict(preset=shapes.preset, page_size=shapes.page_size, seed=seed)
+        return [Comparison("absorbed == mha", "triton_prefill", Workload(Mode.DECODE, q_lens, kv_lens, **common),
+                           Workload(Mode.PREFILL, q_lens, kv_lens, **common)) for q_lens, kv_lens in shapes.absorbed]
 
-    def _chunked_vs_unchunked(self, ctx: RunContext, shapes: Shapes, memo: dict) -> Iterator[Result]:
+    def _chunked_vs_unchunked(self, shapes: Shapes, seed: int) -> list[Comparison]:
         q_lens, kv_lens = shapes.chunked
         total, page = sum(kv - q for q, kv in zip(q_lens, kv_lens)), shapes.page_size
         mccs = self.mccs or sorted({1 if total < 64 else page // 2, page - 1, page + 1, total})
-        common = dict(preset=shapes.preset, page_size=page, seed=ctx.seed)
+        common = dict(preset=shapes.preset, page_size=page, seed=seed)
         prefill = Workload(Mode.PREFILL, q_lens, kv_lens, **common)
-        for mcc in mccs:
-            chunked = Workload(Mode.CHUNKED_PREFILL, q_lens, kv_lens, chunk_size=mcc, **common)
-            ctx.progress(f"{SUITE}: chunked == unchunked {chunked.label}")
-            yield _paired("chunked == unchunked", chunked, "triton_chunked_prefill", lambda chunked=chunked: (
-                Side("triton_chunked_prefill", build_problem(chunked, ctx.device),
-                     _impl_runner("triton_chunked_prefill")),
-                Side("triton_prefill", build_problem(prefill, ctx.device), _impl_runner("triton_prefill"))), memo)
+        return [Comparison("chunked == unchunked", "triton_chunked_prefill",
+                           Workload(Mode.CHUNKED_PREFILL, q_lens, kv_lens, chunk_size=mcc, **common), prefill)
+                for mcc in mccs]
 
-    def _dcp_vs_single_rank(self, ctx: RunContext, shapes: Shapes, memo: dict) -> Iterator[Result]:
+    def _dcp_vs_single_rank(self, shapes: Shapes, seed: int) -> list[Comparison]:
         q_lens, kv_lens = shapes.dcp
+        out = []
         for world in self.dcp_worlds:
             for interleave in self.dcp_interleaves:
                 w = Workload(Mode.DCP, q_lens, kv_lens, preset=shapes.preset, page_size=shapes.page_size,
-                             dcp_world=world, dcp_interleave=interleave, seed=ctx.seed)
-                ctx.progress(f"{SUITE}: dcp == single rank {w.label}")
-                if ctx.device.type == "cuda" and torch.cuda.device_count() < world:
-                    yield Result(SUITE, "dcp == single rank", "unsupported", "triton_dcp", w.to_dict(), w.label,
-                                 message=f"W={world} needs {world} GPUs, {torch.cuda.device_count()} visible")
-                    continue
-                yield _paired("dcp == single rank", w, "triton_dcp", lambda w=w: (
-                    Side(f"triton_dcp W={w.dcp_world}", build_problem(w, ctx.device), _dcp_runner()),
-                    Side("triton_dcp W=1", build_problem(w.replace(dcp_world=1, dcp_interleave=1), ctx.device),
-                         _dcp_runner())), memo)
+                             dcp_world=world, dcp_interleave=interleave, seed=seed)
+                out.append(Comparison("dcp == single rank", "triton_dcp", w, w.replace(dcp_world=1, dcp_interleave=1)))
+        return out
 
-    def _sparse_vs_dense(self, ctx: RunContext, shapes: Shapes, memo: dict) -> Iterator[Result]:
+    def _sparse_vs_dense(self, shapes: Shapes, seed: int) -> list[Comparison]:
         q_lens, kv_lens = shapes.sparse
-        common = dict(preset=shapes.preset, page_size=shapes.page_size, seed=ctx.seed)
+        common = dict(preset=shapes.preset, page_size=shapes.page_size, seed=seed)
         decode = Workload(Mode.DECODE, q_lens, kv_lens, **common)
         mode = Mode.SPARSE_DECODE if max(q_lens) == 1 else Mode.SPARSE_PREFILL
-        for impl, transform in (("triton_sparse", "paged"), ("triton_sparse_ragged", "ragged")):
-            sparse = Workload(mode, q_lens, kv_lens, topk=max(kv_lens), index_transform=transform, **common)
-            ctx.progress(f"{SUITE}: sparse(all) == dense {sparse.label}")
-            yield _paired("sparse(all) == dense", sparse, impl, lambda sparse=sparse, impl=impl: (
-                Side(impl, build_problem(sparse, ctx.device), _impl_runner(impl)),
-                Side(_dense_decode_impl(), build_problem(decode, ctx.device), _impl_runner(_dense_decode_impl()))),
-                memo)
+        return [Comparison("sparse(all) == dense", impl, Workload(mode, q_lens, kv_lens, topk=max(kv_lens),
+                                                                  index_transform=transform, **common), decode)
+                for impl, transform in (("triton_sparse", "paged"), ("triton_sparse_ragged", "ragged"))]
+
+
+def _compare(c: Comparison, device: torch.device, memo: dict[str, Pair]) -> Result:
+    """The Result of one comparison (a DCP check over more ranks than GPUs is ``unsupported``)."""
+    world = c.workload.dcp_world
+    if c.check == "dcp == single rank" and device.type == "cuda" and torch.cuda.device_count() < world:
+        return Result(SUITE, c.check, "unsupported", c.impl, c.workload.to_dict(), c.workload.label,
+                      message=f"W={world} needs {world} GPUs, {torch.cuda.device_count()} visible")
+    return _paired(c.check, c.workload, c.impl, lambda: _sides(c, device), memo)
+
+
+def _sides(c: Comparison, device: torch.device) -> tuple[Side, Side]:
+    """The two sides of ``c`` in the order they are compared (built when the comparison runs: building may raise)."""
+    mine, other = build_problem(c.workload, device), build_problem(c.other, device)
+    if c.check == "absorbed == mha":  # filed under the decode workload, with MHA's prefill as the first side
+        dense = _dense_decode_impl()
+        return (Side("triton_prefill", other, _impl_runner("triton_prefill")),
+                Side(dense, mine, _impl_runner(dense), _up_project))
+    if c.check == "dcp == single rank":
+        return (Side(f"triton_dcp W={c.workload.dcp_world}", mine, _dcp_runner()),
+                Side("triton_dcp W=1", other, _dcp_runner()))
+    reference = "triton_prefill" if c.check == "chunked == unchunked" else _dense_decode_impl()
+    return Side(c.impl, mine, _impl_runner(c.impl)), Side(reference, other, _impl_runner(reference))
 
 
 def _up_project(latent: torch.Tensor, problem: Problem) -> torch.Tensor:

@@ -226,6 +226,7 @@ class MetadataSuite:
     """Fast metadata builders against the reference builders (``builders`` defaults to all of them)."""
 
     name = "metadata"
+    unapplied_filters = ("impls", "modes", "layouts", "sweep", "dcp_world")  # builders of ours, per page size
 
     def __init__(self, builders: tuple[Builder, ...] = BUILDERS) -> None:
         self.builders = builders

@@ -166,19 +166,23 @@ class PlacementSuite:
     ``reps`` timed steps per impl and workload (default 5 on CUDA, 1 on the CPU, where times are only indicative)."""
 
     name = SUITE
+    unapplied_filters = ("sweep", "dcp_world")  # its own workloads (``default_workloads``), not the sweep's
 
     def __init__(self, workloads: Iterable[Workload] | None = None,
                  builders: Iterable[MetadataBuilder] = METADATA_BUILDERS, reps: int | None = None) -> None:
-        self.workloads = None if workloads is None else list(workloads)
+        self.given = None if workloads is None else list(workloads)
         self.builders = tuple(builders)
         self.reps = reps
 
+    def workloads(self, ctx: RunContext) -> list[Workload]:
+        """The workloads ``run`` measures: those given, else the defaults for the device after the run's filters."""
+        if self.given is not None:
+            return self.given
+        return select_workloads(default_workloads(ctx.device, ctx.preset or DEFAULT_PRESET, ctx.seed), ctx)
+
     def run(self, ctx: RunContext) -> Iterator[Result]:
-        workloads = self.workloads
-        if workloads is None:
-            workloads = select_workloads(default_workloads(ctx.device, ctx.preset or DEFAULT_PRESET, ctx.seed), ctx)
         impls = [self._load(entry) for entry in ctx.impls]
-        for w in workloads:
+        for w in self.workloads(ctx):
             ctx.progress(w.label)
             try:
                 problem = build_problem(w, ctx.device)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from mla_bench.cli import main
 from mla_bench.results import Result, Run, load_run, save_run
+from reports.console import untested_text
 
 TESTS = Path(__file__).parent
 
@@ -140,6 +143,9 @@ def test_dcp_flags_refuse_non_positive_values(flag, capsys):
     (["--impl", "nosuchmod:Foo"], "nosuchmod:Foo: cannot import nosuchmod"),
     (["--preset", "tiny", "--sweep", "gpu-quick"], "sweep gpu-quick takes the presets deepseek-v3"),
     (["--dcp-interleave", "4"], "--dcp-interleave applies to decode context parallel runs only"),
+    (["--suite", "placement", "--mode", "dcp"], "nothing to run: --mode dcp selects no workload of suites placement"),
+    (["--suite", "equivalence", "--impl", "planted_impls:PlainDecode"],
+     "nothing to run: --impl planted_impls:PlainDecode selects no workload of suites equivalence"),
 ])
 def test_bad_run_options_are_usage_errors_before_anything_runs(tmp_path, capsys, args, message):
     out = tmp_path / "out"
@@ -189,3 +195,31 @@ def test_a_filter_that_is_not_applied_gets_a_note_on_stderr(tmp_path, capsys):
                    "--no-report")
     assert code == 0
     assert "note: --layout is not applied to the workloads of --mode prefill" in capsys.readouterr().err
+
+
+def test_a_named_impl_tested_on_nothing_exits_1_with_its_reasons(tmp_path, capsys):
+    code, path = _run(tmp_path, "decode-only", "--impl", "planted_impls:PlainDecode,torch_eager", "--mode",
+                      "prefill,sparse_decode", "--no-report")
+    out = capsys.readouterr().out
+    assert code == 1 and "error: plain_decode was tested on nothing: all" in out and "torch_eager was" not in out
+    refused = [r for r in load_run(path).results if r.impl == "plain_decode"]
+    assert refused and {r.status for r in refused} == {"unsupported"}
+    for reason, count in Counter(r.brief for r in refused).most_common():
+        assert f"{count}x {reason}" in out and "unsupported mode" in reason
+    code, _ = _run(tmp_path, "latency", "--impl", "torch_eager", "--suite", "latency", "--no-report")
+    assert code == 1 and "1x latency is measured on CUDA devices only" in capsys.readouterr().out
+    code, _ = _run(tmp_path, "all", "--impl", "all", "--suite", "latency", "--no-report")  # peers may be absent
+    assert code == 0 and "tested on nothing" not in capsys.readouterr().out
+
+
+def test_the_reasons_of_an_untested_impl_are_the_three_most_common_on_one_line_each():
+    rng = random.Random()
+    counts = rng.sample(range(1, 50), 5)
+    reasons = Counter({f"reason {i} " + "x" * rng.randint(100, 400): n for i, n in enumerate(counts)})
+    lines = untested_text("some_impl", reasons).plain.splitlines()
+    assert lines[0] == f"error: some_impl was tested on nothing: all {sum(counts)} of its results are unsupported"
+    top = reasons.most_common(3)
+    assert [line.split("x ", 1)[0].strip() for line in lines[1:4]] == [str(n) for _, n in top]
+    assert all(line.strip().split("x ", 1)[1] in (reason, reason[:157] + "...")
+               for line, (reason, _) in zip(lines[1:4], top))
+    assert all(len(line) <= 170 for line in lines) and lines[4:] == ["  ... and 2 more"]

@@ -69,9 +69,32 @@ def test_latency_is_compared_only_on_the_same_gpu_model():
     assert _fatal(_run(_lat(0.1), gpu=None), _run(_lat(0.5), gpu=None)) == []
 
 
-def test_missing_results_are_reported_not_fatal():
-    findings = gate(_run(_acc(label="a"), _acc(label="b")), _run(_acc(label="a")))
-    assert [(f.kind, f.label, f.fatal) for f in findings] == [("missing", "b", False)]
+def test_results_that_passed_and_are_absent_are_fatal_unless_allowed():
+    base = _run(_acc(label="a"), *[_acc(label=f"b{i}") for i in range(5)], _acc(label="c", status="failed"))
+    findings = gate(base, _run(_acc(label="a")))
+    assert [(f.kind, f.fatal) for f in findings] == [("missing", True)]  # one finding for the impl, not five
+    assert findings[0].label == "b0, b1, b2 and 2 more" and findings[0].message.startswith("5 result(s)")
+    assert "workloads did not run" in findings[0].message  # the absent failed result "c" is no coverage lost
+    assert _fatal(base, _run(_acc(label="a")), allow_missing=True) == []
+
+
+def test_a_missing_finding_says_why_the_results_are_absent():
+    base = _run(_acc(impl="peer", label="a"), _acc(label="a"), _lat(0.1))
+    not_installed = Result("accuracy", "accuracy", "unsupported", impl="peer", label="(all workloads)",
+                           message="not installed: No module named 'peer_kernels'\ntraceback")
+    whys = {f.impl: f.message for f in gate(base, _run(_acc(label="a"), not_installed, _lat(0.1)))}
+    assert whys["peer"].endswith("peer is not installed: No module named 'peer_kernels'")
+    whys = {(f.suite, f.impl): f.message for f in gate(base, _run(_acc(label="a")))}
+    assert whys[("accuracy", "peer")].endswith("peer did not run in suite accuracy")
+    assert whys[("latency", "k")].endswith("suite latency did not run")
+
+
+def test_the_gate_command_hints_at_allow_missing(tmp_path, capsys):
+    base = save_run(_run(_acc(label="a"), _acc(label="b")), tmp_path / "b")
+    run = save_run(_run(_acc(label="a")), tmp_path / "r")
+    assert main(["gate", "--baseline", str(base), str(run)]) == 1
+    assert "--allow-missing" in capsys.readouterr().out
+    assert main(["gate", "--baseline", str(base), str(run), "--allow-missing"]) == 0
 
 
 def test_an_unusable_tolerance_in_a_file_does_not_crash_the_gate():
@@ -87,7 +110,7 @@ def test_a_gate_that_compares_nothing_fails():
     nothing = [_run(), _run(_acc(label="a", seed=1), _acc(label="b", seed=1))]  # no results; another seed
     for baseline, run in [(base, nothing[0]), (base, nothing[1]), (_run(), base)]:
         assert count_compared(baseline, run) == 0
-        assert [f.kind for f in _fatal(baseline, run)] == ["nothing compared"]
+        assert [f.kind for f in _fatal(baseline, run, allow_missing=True)] == ["nothing compared"]
     # Results unsupported in both runs (an impl not installed on either machine) compare nothing either.
     refused = _run(_acc(status="unsupported"))
     assert [f.kind for f in _fatal(refused, refused)] == ["nothing compared"]

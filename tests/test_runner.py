@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
 
 import planted_impls as planted
-from mla_bench.runner import Progress, RunOptions, execute, select_run
+from mla_bench.results import Result, Run
+from mla_bench.runner import Progress, RunOptions, execute, select_run, untested_impls
+from suites.accuracy import AccuracySuite
 from suites.registry import SUITES
 
 CORRECT = ["planted_impls:PlainDecode", "planted_impls:PlainSparse"]
@@ -112,6 +115,14 @@ def test_a_bad_filter_is_refused_before_anything_runs():
     (dict(modes=["prefill"], dcp_world=2), "nothing to run: --mode prefill with --dcp 2 selects no workload of the "
                                            "tiny sweep (suites accuracy)"),
     (dict(suites=["accuracy", "latency"], modes=["prefill"], dcp_world=2), "tiny sweep (suites accuracy)"),
+    (dict(suites=["placement"], modes=["dcp"]), "nothing to run: --mode dcp selects no workload of suites placement"),
+    (dict(suites=["placement"], modes=["sparse_prefill", "chunked_prefill"], dcp_world=2),
+     "nothing to run: --mode sparse_prefill,chunked_prefill selects no workload of suites placement"),
+    (dict(suites=["accuracy", "placement"], modes=["chunked_prefill"], dcp_world=2),
+     "--mode chunked_prefill with --dcp 2 selects no workload of the tiny sweep (suites accuracy) nor of suites "
+     "placement"),
+    (dict(suites=["equivalence"], impls=["planted_impls:PlainDecode"], modes=["decode"]),
+     "nothing to run: --impl planted_impls:PlainDecode selects no workload of suites equivalence"),
 ])
 def test_selections_that_cannot_run_are_value_errors(options, message):
     with pytest.raises(ValueError) as info:
@@ -120,17 +131,50 @@ def test_selections_that_cannot_run_are_value_errors(options, message):
 
 
 def test_a_suite_with_no_workloads_on_this_device_or_one_that_ignores_modes_keeps_a_run_going():
-    """Latency lists no workload on a CPU even unfiltered (it reports that in a result); metadata ignores --mode."""
-    for suites in (["latency"], ["accuracy", "metadata"]):
+    """Latency lists no workload on a CPU even unfiltered (it reports that in a result); metadata ignores --mode,
+    placement --dcp."""
+    for suites in (["latency"], ["accuracy", "metadata"], ["placement"]):
         selection = select_run(RunOptions(impls=["torch_eager"], suites=suites, device="cpu", preset="tiny",
                                           modes=["prefill"], dcp_world=2))
         assert [name for name, _ in selection.suites] == suites
 
 
+@pytest.mark.parametrize("suite, options", [("placement", dict(modes=["prefill"])),
+                                            ("equivalence", dict(impls=["triton_sparse"]))])
+def test_placement_and_equivalence_list_the_steps_they_run(suite, options):
+    progress = Recorder()
+    run = execute(RunOptions(**{"impls": ["torch_eager"], "suites": [suite], "device": "cpu", "preset": "tiny",
+                                **options}), progress)
+    assert progress.total == len(progress.labels) > 0 and run.results
+
+
+def test_the_notes_read_the_filters_each_suite_declares_it_does_not_apply(monkeypatch):
+    monkeypatch.setattr(AccuracySuite, "unapplied_filters", ("page_sizes",), raising=False)
+    notes = select_run(RunOptions(impls=["torch_eager"], device="cpu", preset="tiny", modes=["decode"],
+                                  page_sizes=[random.randint(1, 64)])).notes
+    assert notes == ["note: --page-size is not applied by suite(s) accuracy"]
+
+
+def test_untested_impls_are_the_named_ones_whose_every_result_is_unsupported():
+    rng = random.Random()
+    reasons = {f"plain_decode: unsupported mode m{rng.randint(1, 10 ** 6)}-{i}": rng.randint(1, 5) for i in range(4)}
+    results = [Result("accuracy", "accuracy", "unsupported", impl="plain_decode", label=f"w{k}",
+                      message=f"{reason}\nthe rest of the message") for reason, n in reasons.items() for k in range(n)]
+    results += [Result("accuracy", "accuracy", status, impl="torch_eager", label=status, message="m")
+                for status in ("unsupported", "passed")]
+    results.append(Result("metadata", "max_qo_len", "passed", label="ps16"))  # no impl: our own builders
+    run = Run(environment={}, results=rng.sample(results, len(results)))
+    named = select_run(RunOptions(impls=["torch_eager", "planted_impls:PlainDecode", "planted_impls:PlainSparse"],
+                                  device="cpu", preset="tiny"))
+    untested = untested_impls(named, run)
+    assert untested == {"plain_decode": Counter(reasons)}  # plain_sparse has no result at all: not counted
+    assert untested_impls(select_run(RunOptions(impls=["all"], device="cpu", preset="tiny")), run) == {}
+
+
 def test_filters_a_suite_does_not_apply_get_one_note_each():
     notes = select_run(RunOptions(impls=["torch_eager"], suites=["accuracy", "equivalence", "metadata"],
                                   device="cpu", preset="tiny", modes=["prefill"], layouts=["fp8_ds_mla"])).notes
-    assert notes == ["note: --impl is not applied by suite(s) equivalence, metadata",
+    assert notes == ["note: --impl is not applied by suite(s) metadata",  # equivalence: it picks the checks
                      "note: --mode is not applied by suite(s) equivalence, metadata",
                      "note: --layout is not applied by suite(s) equivalence, metadata",
                      "note: --layout is not applied to the workloads of --mode prefill: they read no cache"]
