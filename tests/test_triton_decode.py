@@ -1048,7 +1048,7 @@ def test_clusters_the_gpu_cannot_hold_at_once_fall_back_to_the_merge_kernel(monk
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size: 0)
+    monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size, shared: 0)
     problem = build_problem(workload("bf16", 64, CLUSTER_CASES[0][1], heads=16, seed=3), device)
     impl = Configured(_narrow(16, num_splits=2))
     assert impl.plan(problem).cluster == 1
@@ -1081,13 +1081,39 @@ def test_a_straddled_batch_runs_cut_into_clusters_by_default_on_hopper(layout, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout, mix", [
+    ("fp8_e4m3", ((1,) * 52, (512,) * 52)), ("fp8_e4m3", ((1,) * 32, (4096,) * 32)), ("bf16", STRADDLED),
+    ("fp8_ds_mla", ((1,) * 64, (4096,) * 64)),
+], ids=["fp8-e4m3-pairs", "fp8-e4m3-fours", "bf16-fours", "fp8-ds-mla-pairs"])
+def test_a_cluster_launch_keeps_one_program_to_a_multiprocessor_on_hopper(layout, mix):
+    """A cluster launch asks for more than half a multiprocessor's shared memory, so that no two of its programs
+    share one, and the plan keeps clusters only where they all fit so: decode_rs_fp8 of fp8_e4m3 is small enough
+    for two, and 32 groups of four splits ran two to a multiprocessor on an H100 (62.6 us against 40.0)."""
+    device = torch.device("cuda")
+    if not common.has_wgmma(device):
+        pytest.skip("needs a Hopper GPU (compute capability 9)")
+    plan = TritonDecode().plan(build_problem(workload(layout, 64, mix, heads=16, seed=7), device))
+    half = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor // 2
+    programs = plan.work.shape[0]
+    if plan.cluster > 1:
+        compiled = decode._launch_split(plan, warmup=True)
+        shared = compiled.packed_metadata[2]
+        assert compiled.packed_metadata[1] == plan.cluster and shared > half
+        assert decode._clusters_resident(compiled, plan.cluster, shared) * plan.cluster >= programs
+    if decode._sm_count(device) == 132 and mix[0] == (1,) * 32:  # 30 clusters of 4 fit one to a multiprocessor
+        assert plan.cluster == 1
+    verdict = judge(TritonDecode(), build_problem(workload(layout, 64, mix, heads=16, seed=8), device))
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.gpu
 def test_a_cut_into_clusters_the_gpu_cannot_hold_falls_back_to_the_balanced_cut(monkeypatch):
     """Where no cut's clusters fit, the plan is the balanced cut and its merge kernel, not the cut (whose splits
     would then also wait for the merge kernel)."""
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size: 0)
+    monkeypatch.setattr(decode, "_clusters_resident", lambda compiled, size, shared: 0)
     problem = build_problem(workload("bf16", 64, STRADDLED, heads=16, seed=6), device)
     plan = TritonDecode().plan(problem)
     balanced = build_schedule(list(STRADDLED[0]), list(STRADDLED[1]), 16, plan.config.block_m, plan.config.block_n,

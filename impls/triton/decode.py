@@ -740,10 +740,14 @@ def _cluster_size(schedule: Schedule, config: DecodeConfig, layout: str) -> int:
 def _prepare_clusters(plan: DecodePlan) -> None:
     """Compile the split kernel for ``plan.cluster`` and mark the compiled kernel for cluster launches: Triton's
     launcher launches ``num_ctas`` times the grid in clusters of ``num_ctas``, which a kernel compiled for one CTA
-    does not otherwise ask for (its ``CLUSTER`` specialization is only ever launched so). Where the GPU cannot hold
-    all the clusters at once (a second wave would double the time; an H100 holds 66 of 2 but 30 of 4 such
-    programs), or where the compiled kernel's launch tuple is not the ``(num_warps, num_ctas, shared)`` this was
-    written for (another Triton), ``plan.cluster`` falls back to 1: the merge kernel. Nothing to do where it is 1."""
+    does not otherwise ask for (its ``CLUSTER`` specialization is only ever launched so). A cluster launch asks for
+    more than half a multiprocessor's shared memory (``_one_program_per_sm``): the schedule gives each program a
+    multiprocessor, and a kernel small enough for two (decode_rs_fp8 of fp8_e4m3) was otherwise placed two to a
+    multiprocessor where the clusters did not fit one to each (H100, 16 heads b32 ctx4096 fp8_e4m3 in clusters of 4:
+    62.6 us against 40.0 through the merge kernel). Where the GPU cannot hold all the clusters at once so (a second
+    wave would double the time; an H100 holds 66 of 2 but 30 of 4), or where the compiled kernel's launch tuple is
+    not the ``(num_warps, num_ctas, shared)`` this was written for (another Triton), ``plan.cluster`` falls back to
+    1: the merge kernel. Nothing to do where it is 1."""
     if plan.cluster == 1:
         return
     kernel = _gluon_split(plan.config, plan.cache.layout.name)
@@ -752,20 +756,27 @@ def _prepare_clusters(plan: DecodePlan) -> None:
         return
     compiled = _launch_split(plan, warmup=True)
     meta = compiled.metadata
-    as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, meta.shared)
+    shared = _one_program_per_sm(meta.shared, plan.q.device)
+    as_compiled, clustered = (meta.num_warps, meta.num_ctas, meta.shared), (meta.num_warps, plan.cluster, shared)
     if (compiled.packed_metadata not in (as_compiled, clustered)
-            or _clusters_resident(compiled, plan.cluster) * plan.cluster < plan.work.shape[0]):
+            or _clusters_resident(compiled, plan.cluster, shared) * plan.cluster < plan.work.shape[0]):
         plan.cluster = 1
         return
     compiled.packed_metadata = clustered
 
 
-def _clusters_resident(compiled, size: int) -> int:
-    """How many clusters of ``size`` programs of the compiled kernel the GPU runs at once (the driver's
-    occupancy query, through Triton's utilities)."""
+def _one_program_per_sm(shared: int, device: torch.device) -> int:
+    """Shared memory bytes for a launch of a kernel that uses ``shared``, enough that no two of its programs fit one
+    multiprocessor (more than half of it)."""
+    return max(shared, torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor // 2 + 1)
+
+
+def _clusters_resident(compiled, size: int, shared: int) -> int:
+    """How many clusters of ``size`` programs of the compiled kernel, launched with ``shared`` bytes of shared
+    memory, the GPU runs at once (the driver's occupancy query, through Triton's utilities; it also sets the
+    kernel's dynamic shared memory limit to ``shared``, which the launch then asks for)."""
     compiled._init_handles()
-    return triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, compiled.metadata.shared,
-                                                                           size)
+    return triton.runtime.driver.active.utils.cuOccupancyMaxActiveClusters(compiled.function, shared, size)
 
 
 def poison_decode(plan: DecodePlan) -> None:
