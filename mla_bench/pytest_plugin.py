@@ -6,6 +6,8 @@
 - ``--mla-device`` (auto, cpu, cuda, cuda:N): where they run. On CPU, ``TRITON_INTERPRET=1`` is set at
   configure time, before any test module imports a Triton kernel.
 - Tests marked ``gpu`` are skipped with a reason where CUDA is absent.
+- An impl named with ``--mla-impl`` whose every conformance test run was skipped (it refused or did not declare
+  them all) fails the session: it was tested on nothing, which pytest alone reports as a success.
 - Fixtures: ``mla_device``, ``mla_impl`` (parametrized over the chosen impls), ``cuda_timer`` (a CUDA-event
   clock for pytest-benchmark: ``benchmark.pedantic(...)`` after ``@pytest.mark.benchmark(timer=...)``, or
   ``mla_bench.timing.cuda_event_timer`` directly).
@@ -50,6 +52,40 @@ def pytest_configure(config) -> None:
         config._mla_device = prepare(config.getoption("mla_device"))  # TRITON_INTERPRET on CPU, before imports
     except ValueError as exc:
         raise pytest.UsageError(f"--mla-device: {exc}") from None
+    if config.getoption("mla_impl"):
+        config.pluginmanager.register(ConformanceCoverage(config.getoption("mla_impl")), "mla-bench-coverage")
+
+
+class ConformanceCoverage:
+    """Which impls named with ``--mla-impl`` ran a conformance test that was not skipped; the session fails when one
+    had conformance tests and all were skipped (deselected tests do not count: the user chose those)."""
+
+    def __init__(self, named: list[str]) -> None:
+        self.named = set(named)
+        self.impl_of: dict[str, str] = {}  # a conformance test's node id -> its impl's name
+        self.tested: set[str] = set()
+
+    def pytest_collection_finish(self, session) -> None:
+        for item in session.items:
+            case = getattr(item, "callspec", None) and item.callspec.params.get("conformance_case")
+            if case and (case[0].name in self.named or case[0].target in self.named):
+                self.impl_of[item.nodeid] = case[0].name
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.nodeid in self.impl_of and not report.skipped and (report.when == "call" or report.failed):
+            self.tested.add(self.impl_of[report.nodeid])
+
+    def untested(self) -> list[str]:
+        return sorted(set(self.impl_of.values()) - self.tested)
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if self.untested() and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        for name in self.untested():
+            terminalreporter.write_line(f"mla-bench: {name} was tested on nothing: every conformance test of it was "
+                                        "skipped (-rs shows why)", red=True, bold=True)
 
 
 def pytest_runtest_setup(item) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -76,6 +77,8 @@ class Capabilities:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", frozenset(Mode(m) for m in self.modes))
+        if not self.modes:
+            raise ValueError("Capabilities.modes is empty: an impl declares at least one mode it runs")
         for name, allowed in (("dtypes", DTYPES), ("query_len_kinds", QUERY_LEN_KINDS),
                               ("index_transforms", INDEX_TRANSFORMS)):
             unknown = set(getattr(self, name)) - set(allowed)
@@ -200,7 +203,8 @@ class ImplEntry:
 
 
 def load_class(target: str) -> type[Impl]:
-    """Import ``module:Class`` and check that it is an Impl."""
+    """Import ``module:Class`` and check that it is an Impl with a ``name`` and ``Capabilities``. ValueError names
+    what is wrong (also an exception other than ImportError raised while importing the module)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"an impl target is 'module:Class', got {target!r}")
@@ -208,9 +212,19 @@ def load_class(target: str) -> type[Impl]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
-    cls = getattr(module, attr, None)
+    except Exception as exc:  # noqa: BLE001 - the impl's module is broken: a refusal that says so, with the trace
+        raise ValueError(f"{target}: importing {module_name} raised {type(exc).__name__}: {exc}\n"
+                         f"{''.join(traceback.format_exception(exc))}") from exc
+    if not hasattr(module, attr):
+        raise ValueError(f"{target}: module {module_name} has no attribute {attr!r}")
+    cls = getattr(module, attr)
     if not (isinstance(cls, type) and issubclass(cls, Impl)):
         raise ValueError(f"{target} is not an Impl subclass")
+    if not (isinstance(getattr(cls, "name", None), str) and cls.name):
+        raise ValueError(f"{target}: the class attribute 'name' must be a non-empty string")
+    if not isinstance(getattr(cls, "capabilities", None), Capabilities):
+        raise ValueError(f"{target}: the class attribute 'capabilities' must be a Capabilities, "
+                         f"got {type(getattr(cls, 'capabilities', None)).__name__}")
     return cls
 
 
@@ -231,5 +245,5 @@ def resolve(spec: str) -> ImplEntry:
         return entries[spec]
     if ":" in spec:
         cls = load_class(spec)
-        return ImplEntry(getattr(cls, "name", spec), spec, "path", cls)
+        return ImplEntry(cls.name, spec, "path", cls)
     raise ValueError(f"unknown impl {spec!r}; known: {', '.join(sorted(entries))} (or give module:Class)")

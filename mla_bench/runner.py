@@ -89,13 +89,14 @@ class Selection:
 
 
 def resolve_impls(specs: list[str]) -> list[ImplEntry]:
-    """Impl entries by name or ``module:Class``; ``all`` is every discoverable impl. ValueError for none, or for
-    two impls of one name (their results would share keys)."""
+    """Impl entries by name or ``module:Class``; ``all`` is every discoverable impl, and those given beside it
+    (``all,mypkg:MyMLA``) are added. ValueError for none, or for two impls of one name (their results would share
+    keys)."""
     if not specs:
         raise ValueError("no impl given: name impls, module:Class, or 'all'")
-    if "all" in specs:
-        return [entry for _, entry in sorted(discover().items())]
-    entries = [resolve(spec) for spec in specs]
+    entries = [entry for _, entry in sorted(discover().items())] if "all" in specs else []
+    known = {entry.name for entry in entries}
+    entries += [resolve(spec) for spec in specs if spec != "all" and spec not in known]
     twice = [name for name, count in Counter(e.name for e in entries).items() if count > 1]
     if twice:
         targets = ", ".join(e.target for e in entries if e.name == twice[0])
@@ -157,14 +158,15 @@ def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
 
 
 def untested_impls(selection: Selection, run: Run) -> dict[str, Counter[str]]:
-    """The impls named explicitly (not ``all``) whose every result is ``unsupported``, each with how often each
-    reason (a result's one-line brief) was given. Such an impl was tested on nothing, which ``run.ok`` (unsupported
-    counts as ok) does not show. Under ``all``, peers that are not installed are expected to be unsupported; an impl
-    with no result at all (suites like metadata test our own parts) is not counted."""
-    if "all" in selection.options.impls:
-        return {}
+    """The impls named explicitly (not through ``all``) whose every result is ``unsupported``, each with how often
+    each reason (a result's one-line brief) was given. Such an impl was tested on nothing, which ``run.ok``
+    (unsupported counts as ok) does not show. Under ``all``, peers that are not installed are expected to be
+    unsupported; an impl with no result at all (suites like metadata test our own parts) is not counted."""
+    named = set(selection.options.impls) - {"all"}
     untested = {}
     for entry in selection.entries:
+        if entry.name not in named and _spec(entry) not in named:
+            continue
         mine = [r for r in run.results if r.impl == entry.name]
         if mine and all(r.status == "unsupported" for r in mine):
             untested[entry.name] = Counter(r.brief for r in mine)

@@ -4,6 +4,9 @@ The verdict's status is ``unsupported`` (refused at plan time, with the reason),
 past planning, with the traceback), ``failed`` (a tolerance broken; each violation named) or ``passed``.
 Quantized layouts get two error reports: ``kernel`` (against the reference on the dequantized cache, judged
 by the kernel tolerance) and ``e2e`` (against the original values, judged by the layout's e2e tolerance).
+``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
+neither ``plan`` nor ``run`` may write into the problem's tensors (queries, cache pages, metadata): one that does
+``failed``, naming them, and they are restored for the next impl.
 """
 
 from __future__ import annotations
@@ -51,7 +54,62 @@ class References:
 
 
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
-    """Run ``impl`` on ``problem`` and judge its output."""
+    """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
+    if refs is None and impl.refusal(problem) is None:
+        refs = References.of(problem)  # before the impl runs, so that its writes cannot move the reference
+    saved = {name: (tensor, tensor.clone()) for name, tensor in input_tensors(problem).items()}
+    verdict = _judge(impl, problem, refs)
+    changed = _restore_changed(saved)
+    if not changed:
+        return verdict
+    violation = f"wrote into its inputs: {', '.join(changed)} (restored for the next impl)"
+    if verdict.status == "error":
+        return Verdict("error", message=f"{verdict.message}\n{violation}")
+    return Verdict("failed", verdict.kernel, verdict.e2e, verdict.violations + [violation])
+
+
+def input_tensors(problem: Problem) -> dict[str, torch.Tensor]:
+    """The problem's tensors an impl reads, by name: ``q``, ``cache.data``, ``meta.block_table``, ..."""
+    owners = {"": problem, "meta.": problem.meta, "cache.": problem.cache}
+    return {prefix + name: value for prefix, owner in owners.items() if owner is not None
+            for name, value in vars(owner).items() if isinstance(value, torch.Tensor)}
+
+
+def _restore_changed(saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """The tensors whose bits differ from their saved copies (named with how many elements), restored."""
+    changed = []
+    for name, (tensor, copy) in saved.items():
+        differ = int((_bits(tensor) != _bits(copy)).sum())
+        if differ:
+            tensor.copy_(copy)
+            changed.append(f"{name} ({differ} elements)")
+    return changed
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` viewed as integers of its element size (NaN poison compares equal to itself)."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def check_outputs(result: object, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run``'s result as ``(out, lse)``; ValueError unless it is two tensors on the problem's device with ``out``
+    in the problem's dtype (the comparison is in float64: a bf16 answer can pass a float32 problem's tolerance, and a
+    float32 answer hides the rounding a bf16 caller gets)."""
+    if not (isinstance(result, (tuple, list)) and len(result) == 2
+            and all(isinstance(t, torch.Tensor) for t in result)):
+        parts = f" of ({', '.join(type(x).__name__ for x in result)})" if isinstance(result, (tuple, list)) else ""
+        raise ValueError(f"run must return (out, lse), two tensors; it returned a {type(result).__name__}{parts}")
+    out, lse = result
+    if out.dtype != problem.dtype:
+        raise ValueError(f"out is {out.dtype} {list(out.shape)}; the problem's dtype is {problem.dtype}")
+    for name, tensor in (("out", out), ("lse", lse)):
+        if tensor.device.type != problem.device.type or problem.device.index not in (None, tensor.device.index):
+            raise ValueError(f"{name} is on {tensor.device}; the problem is on {problem.device}")
+    return out, lse
+
+
+def _judge(impl: Impl, problem: Problem, refs: References | None) -> Verdict:
+    """Plan, run and compare (``judge`` without the check of the inputs)."""
     try:
         plan = impl.plan(problem)
     except UnsupportedConfig as exc:
@@ -60,7 +118,7 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
         return Verdict("error", message=traceback.format_exc())
     try:
         impl.poison(plan)
-        out, lse = impl.run(plan)
+        out, lse = check_outputs(impl.run(plan), problem)
         if problem.device.type == "cuda":
             torch.cuda.synchronize(problem.device)
         refs = refs or References.of(problem)

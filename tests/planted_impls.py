@@ -107,6 +107,19 @@ class LastQueryLenAsMax(PlainDecode):
         return min(problem.meta.q_lens[b], problem.meta.q_lens[-1])
 
 
+class WritesOutputIntoQuery(PlainDecode):
+    """Stores its output in the first 512 columns of the queries and returns that view (an in-place kernel reusing
+    the query buffer): the answer is right, but the caller's queries are overwritten."""
+
+    name = "planted_writes_output_into_query"
+
+    def run(self, p):
+        out, lse = super().run(p)
+        view = p.q[..., :NOPE_DIM]
+        view.copy_(out)
+        return view, lse
+
+
 class PlainSparse(Impl):
     """Sparse top-k over the paged bf16 cache with PAGED indices (physical slots, -1 invalid)."""
 
@@ -178,4 +191,5 @@ class SlowerTorchEager(TorchEager):
         return super().run(plan)
 
 
-PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex]
+PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex,
+                WritesOutputIntoQuery]

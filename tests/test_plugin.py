@@ -46,6 +46,16 @@ THIRD_PARTY = textwrap.dedent('''
                         out[t] = (torch.softmax(scores, -1) @ k[: kv_len - q_len + i + 1, :512]).to(p.q.dtype)
                     t += 1
             return out, lse
+
+    class CudaOnly(MyMLA):
+        name = "my_cuda_only"
+        capabilities = Capabilities(modes={"decode"}, devices=frozenset({"cuda"}))
+
+    class Broken(MyMLA):
+        name = "my_broken"
+
+        def __init__(self):
+            raise RuntimeError("my_broken found no CUDA context")
 ''')
 
 
@@ -65,10 +75,11 @@ def _outcomes(junit: Path) -> dict[str, Counter]:
 
 @pytest.fixture(scope="module")
 def conformance(tmp_path_factory) -> dict[str, Counter]:
-    """One pytest session over the third-party impl, the correct twins and every planted bug."""
+    """One pytest session over the third-party impl, one whose constructor raises, the correct twins and every
+    planted bug."""
     work = tmp_path_factory.mktemp("third_party")
     (work / "mypkg.py").write_text(THIRD_PARTY)
-    impls = ["mypkg:MyMLA", "planted_impls:PlainDecode", "planted_impls:PlainSparse", "torch_eager"]
+    impls = ["mypkg:Broken", "mypkg:MyMLA", "planted_impls:PlainDecode", "planted_impls:PlainSparse", "torch_eager"]
     impls += [f"planted_impls:{cls.__name__}" for cls in planted_impls.PLANTED_BUGS]
     args = [sys.executable, "-m", "pytest", "--pyargs", "suites", "-m", "conformance", "-q", "-p", "no:cacheprovider",
             f"--junitxml={work / 'junit.xml'}"] + [f"--mla-impl={impl}" for impl in impls]
@@ -88,9 +99,33 @@ def test_a_third_party_impl_passes_and_its_refusals_are_skipped_with_reasons(con
         assert conformance[twin]["passed"] >= 2 and conformance[twin]["failed"] == 0, twin
 
 
+def test_an_impl_whose_constructor_raises_fails_one_test_and_the_other_impls_still_run(conformance):
+    assert conformance["my_broken"] == Counter(failed=1), conformance["my_broken"]
+    assert conformance["my_mla"]["passed"] == 7
+
+
 @pytest.mark.parametrize("bug", planted_impls.PLANTED_BUGS, ids=lambda cls: cls.name)
 def test_every_planted_bug_is_flagged_by_the_conformance_suite(conformance, bug):
     assert conformance[bug.name]["failed"] >= 1, conformance[bug.name]
+
+
+def test_a_named_impl_whose_every_conformance_test_is_skipped_fails_the_session(tmp_path):
+    """An impl tested on nothing (here: it declares CUDA only, the session runs on the CPU) is not a success; an
+    impl that passed beside it is not named, and a user's deselection (-k) is no skip."""
+    (tmp_path / "mypkg.py").write_text(THIRD_PARTY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+    def session(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "suites", "-m", "conformance", "-q",
+                               "-p", "no:cacheprovider", "--mla-device=cpu", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    done = session("--mla-impl=mypkg:CudaOnly", "--mla-impl=mypkg:MyMLA", "-k", "decode and bf16 and not ps1")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "my_cuda_only was tested on nothing" in done.stdout and "my_mla was tested" not in done.stdout
+    assert " failed" not in done.stdout.splitlines()[-1], done.stdout[-500:]  # nothing failed: only skipped
+    done = session("--mla-impl=mypkg:MyMLA", "--mla-impl=mypkg:CudaOnly", "-k", "my_mla and decode and bf16")
+    assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
 
 
 def test_gpu_marked_tests_skip_on_cpu_with_the_reason(tmp_path):

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 import planted_impls as planted
+from mla_bench.registry import ImplNotInstalled, discover
 from mla_bench.results import Result, Run
 from mla_bench.runner import Progress, RunOptions, execute, select_run, untested_impls
 from suites.accuracy import AccuracySuite
@@ -53,6 +54,19 @@ def test_a_raising_impl_is_an_error_with_its_traceback_and_the_others_still_run(
     errors = [r for r in run.results if r.impl == "planted_raises" and r.status == "error"]
     assert errors and "Traceback" in errors[0].message and "planted failure inside run" in errors[0].message
     assert statuses["torch_eager"]["passed"] >= 5 and not statuses["torch_eager"]["error"]
+
+
+def test_an_impl_writing_into_its_inputs_fails_naming_them_and_the_next_impl_gets_the_inputs_back():
+    """The impls of a run share each workload's problem: one that overwrites the queries must not pass, nor make the
+    correct impl judged after it fail."""
+    run = execute(RunOptions(impls=["planted_impls:WritesOutputIntoQuery", "planted_impls:PlainDecode"], device="cpu",
+                             preset="tiny", modes=["decode"], seed=random.randint(1, 10 ** 6)))
+    statuses = _statuses(run)
+    assert statuses["plain_decode"]["passed"] >= 5 and set(statuses["plain_decode"]) <= {"passed", "unsupported"}
+    planted_results = [r for r in run.results if r.impl == planted.WritesOutputIntoQuery.name]
+    assert all(r.status in ("failed", "unsupported") for r in planted_results)
+    assert statuses[planted.WritesOutputIntoQuery.name]["failed"] == statuses["plain_decode"]["passed"]
+    assert all("wrote into its inputs: q (" in r.message for r in planted_results if r.status == "failed")
 
 
 def test_isolate_turns_a_hard_crash_into_an_error_result():
@@ -169,6 +183,19 @@ def test_untested_impls_are_the_named_ones_whose_every_result_is_unsupported():
     untested = untested_impls(named, run)
     assert untested == {"plain_decode": Counter(reasons)}  # plain_sparse has no result at all: not counted
     assert untested_impls(select_run(RunOptions(impls=["all"], device="cpu", preset="tiny")), run) == {}
+
+
+def test_impls_given_beside_all_are_added_and_an_untested_one_is_reported():
+    """``--impl all,mypkg:MyMLA`` tests the user's impl with every discoverable one (it was silently dropped)."""
+    selection = select_run(RunOptions(impls=["all", "planted_impls:PlainDecode", "torch_eager"], device="cpu",
+                                      preset="tiny"))
+    names = [entry.name for entry in selection.entries]
+    assert sorted(names) == sorted([*discover(), "plain_decode"])
+    results = [Result("accuracy", "accuracy", "unsupported", impl=name, label=f"w{random.random()}", message="m")
+               for name in names]
+    assert set(untested_impls(selection, Run(environment={}, results=results))) == {"plain_decode", "torch_eager"}
+    with pytest.raises(ImplNotInstalled, match="cannot import nosuchmod"):
+        select_run(RunOptions(impls=["all", "nosuchmod:MyMLA"], device="cpu", preset="tiny"))
 
 
 def test_filters_a_suite_does_not_apply_get_one_note_each():

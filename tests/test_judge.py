@@ -1,0 +1,126 @@
+"""The judge's contract: ``run`` returns two tensors on the problem's device, ``out`` in the problem's dtype, and
+leaves the problem's tensors as they were (one that writes into them fails, naming them, and they are restored);
+a broken impl class is refused when it is resolved, naming what is wrong."""
+
+from __future__ import annotations
+
+import random
+import textwrap
+
+import pytest
+import torch
+
+import planted_impls as planted
+from mla_bench.problem import build_problem
+from mla_bench.registry import Capabilities, resolve
+from mla_bench.workload import Workload
+from suites.judge import judge
+
+
+def _problem(dtype: str = "bfloat16"):
+    """A decode problem of fresh random inputs, with an empty request and spare (poisoned) pages."""
+    return build_problem(Workload(mode="decode", q_lens=(1, 2, 1), kv_lens=(37, 50, 0), page_size=16, dtype=dtype,
+                                  seed=random.randint(1, 10 ** 6)))
+
+
+class Bends(planted.PlainDecode):
+    """The right answer, then ``bend(problem, out, lse)``: what a mistaken kernel returns or does."""
+
+    name = "bends"
+
+    def __init__(self, bend=lambda p, out, lse: (out, lse)):
+        self.bend = bend
+
+    def run(self, p):
+        return self.bend(p, *super().run(p))
+
+
+def _spare_page(p) -> int:
+    """A page no request reads."""
+    page = p.meta.page_size
+    used = {int(p.meta.block_table[b, i]) for b, n in enumerate(p.meta.kv_lens) for i in range(-(-n // page))}
+    return min(set(range(p.cache.num_blocks)) - used)
+
+
+@pytest.mark.parametrize("dtype, bend, message", [
+    ("bfloat16", lambda p, out, lse: out, "run must return (out, lse), two tensors; it returned a Tensor"),
+    ("bfloat16", lambda p, out, lse: None, "it returned a NoneType"),
+    ("bfloat16", lambda p, out, lse: (out, lse, None), "it returned a tuple of (Tensor, Tensor, NoneType)"),
+    ("bfloat16", lambda p, out, lse: (out.float(), lse),
+     "out is torch.float32 [4, 4, 512]; the problem's dtype is torch.bfloat16"),
+    ("float32", lambda p, out, lse: (out.bfloat16(), lse),
+     "out is torch.bfloat16 [4, 4, 512]; the problem's dtype is torch.float32"),
+    ("bfloat16", lambda p, out, lse: (out, lse.to("meta")), "lse is on meta; the problem is on cpu"),
+], ids=["only-out", "none", "three", "float32-out", "bf16-out", "lse-elsewhere"])
+def test_outputs_that_break_the_contract_are_errors_naming_the_breach(dtype, bend, message):
+    problem = _problem(dtype)
+    assert judge(Bends(), problem).status == "passed"
+    verdict = judge(Bends(bend), problem)
+    assert verdict.status == "error" and message in verdict.message, verdict.message
+
+
+def _write_q(p, out, lse):
+    p.q[0, 0, :3] += 1
+
+
+def _write_spare_page(p, out, lse):
+    p.cache.data[_spare_page(p)].fill_(7)
+
+
+def _shuffle_block_table(p, out, lse):
+    p.meta.block_table[1] = p.meta.block_table[1].flip(0)
+
+
+@pytest.mark.parametrize("name, write", [("q", _write_q), ("cache.data", _write_spare_page),
+                                         ("meta.block_table", _shuffle_block_table)])
+def test_an_impl_writing_into_its_inputs_fails_naming_them_and_they_are_restored(name, write):
+    problem = _problem()
+    inputs = lambda: (problem.q, problem.cache.data, problem.meta.block_table)  # noqa: E731
+    before = [tensor.clone() for tensor in inputs()]
+    verdict = judge(Bends(lambda p, out, lse: write(p, out, lse) or (out, lse)), problem)
+    assert verdict.status == "failed" and verdict.violations == [
+        v for v in verdict.violations if v.startswith(f"wrote into its inputs: {name} (")], verdict.violations
+    assert all(torch.equal(tensor, saved) for tensor, saved in zip(inputs(), before))
+    assert judge(planted.PlainDecode(), problem).status == "passed"
+
+
+BROKEN = textwrap.dedent('''
+    from mla_bench.registry import Capabilities, Impl
+
+    class NoName(Impl):
+        capabilities = Capabilities(modes={"decode"})
+
+        def plan(self, problem):
+            return problem
+
+        def run(self, plan):
+            return None
+
+    class NoCapabilities(NoName):
+        name = "no_capabilities"
+        capabilities = None
+''')
+
+
+@pytest.mark.parametrize("attr, message", [
+    ("NoName", "the class attribute 'name' must be a non-empty string"),
+    ("NoCapabilities", "the class attribute 'capabilities' must be a Capabilities, got NoneType"),
+    ("Absent", "has no attribute 'Absent'"),
+])
+def test_a_broken_impl_class_is_refused_when_resolved_naming_what_is_wrong(tmp_path, monkeypatch, attr, message):
+    module = f"user_impls_{random.randint(0, 10 ** 9)}"
+    (tmp_path / f"{module}.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        resolve(f"{module}:{attr}")
+
+
+def test_a_module_that_raises_on_import_is_refused_with_its_error_and_capabilities_must_declare_a_mode(
+        tmp_path, monkeypatch):
+    module = f"user_impls_{random.randint(0, 10 ** 9)}"
+    (tmp_path / f"{module}.py").write_text("raise RuntimeError('no driver found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=f"importing {module} raised RuntimeError: no driver found"):
+        resolve(f"{module}:MyMLA")
+    with pytest.raises(ValueError, match="Capabilities.modes is empty"):
+        Capabilities(modes=frozenset())
