@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +47,9 @@ class Result:
         if not isinstance(self.metrics, dict) or not isinstance(self.details, dict):
             raise ValueError("Result.metrics and Result.details must be objects")
         for key, value in self.metrics.items():
-            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"Result.metrics[{key!r}] must be a number, got {value!r}")
+            if not isinstance(key, str) or not _is_number(value):
+                raise ValueError(f"Result.metrics[{key!r}] must be a number (in a float's range), got "
+                                 f"{reprlib.repr(value)}")
 
     @property
     def ok(self) -> bool:
@@ -132,7 +135,7 @@ class Run:
         if data.get("format") != RUN_FORMAT:
             raise RunFileError(f"not an mla-bench run file (format is {data.get('format')!r}, "
                                f"expected {RUN_FORMAT!r})")
-        if data.get("version") != RUN_VERSION:
+        if isinstance(data.get("version"), bool) or data.get("version") != RUN_VERSION:
             raise RunFileError(f"unsupported run file version {data.get('version')!r} (this mla-bench reads "
                                f"version {RUN_VERSION})")
         unknown = set(data) - {"format", "version", "created", "command", "environment", "ceilings", "results"}
@@ -147,10 +150,7 @@ class Run:
         if not isinstance(environment, dict) or not all(
                 isinstance(v, (str, int, float, bool)) or v is None for v in environment.values()):
             raise RunFileError("'environment' must be an object of strings, numbers, booleans or nulls")
-        ceilings = data.get("ceilings", {})
-        if not isinstance(ceilings, dict) or not all(
-                isinstance(c, dict) and all(_is_number(v) for v in c.values()) for c in ceilings.values()):
-            raise RunFileError("'ceilings' must map device names to objects of numbers")
+        ceilings = _parse_ceilings(data.get("ceilings", {}))
         results = data.get("results")
         if not isinstance(results, list):
             raise RunFileError("'results' must be a list")
@@ -163,8 +163,19 @@ class Run:
         return cls(environment=environment, results=parsed, ceilings=ceilings, created=created, command=command)
 
 
+def _parse_ceilings(value: Any) -> dict[str, dict[str, float]]:
+    """The ceilings with non-finite numbers (saved as strings) restored; ``RunFileError`` unless they map device
+    names to objects of numbers."""
+    if isinstance(value, dict) and all(isinstance(c, dict) for c in value.values()):
+        decoded = {device: {k: _decode_number(v) for k, v in c.items()} for device, c in value.items()}
+        if all(_is_number(v) for c in decoded.values() for v in c.values()):
+            return decoded
+    raise RunFileError("'ceilings' must map device names to objects of numbers")
+
+
 def save_run(run: Run, path: str | Path) -> Path:
-    """Write ``run`` as strict JSON (non-finite numbers in details become strings)."""
+    """Write ``run`` as strict JSON (non-finite numbers become strings; ``load_run`` restores those of metrics and
+    ceilings)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _json_safe(run.to_dict())
@@ -181,8 +192,10 @@ def load_run(path: str | Path) -> Run:
         raise RunFileError(f"{path}: cannot read ({exc})") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise RunFileError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RunFileError(f"{path}: not valid JSON (nested too deeply)") from None
     try:
         return Run.from_dict(data)
     except RunFileError as exc:
@@ -190,7 +203,10 @@ def load_run(path: str | Path) -> Run:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or float (not a bool) that converts to a float: JSON integers may be of any size."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, float) or abs(value) <= sys.float_info.max
 
 
 def _json_safe(value: Any) -> Any:

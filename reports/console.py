@@ -1,10 +1,13 @@
 """Rich tables for the terminal: a run's summary and failures, the deltas of two runs, the gate's findings.
 
-Strings from results go in as ``Text`` (never markup), so a crafted name cannot restyle the terminal output.
+Strings from results go in through ``plain``: ``Text``, never markup, with control characters shown escaped, so a
+crafted name can neither restyle the table nor send escape sequences to the terminal.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter
 
 from rich.table import Table
@@ -12,9 +15,15 @@ from rich.text import Text
 
 from mla_bench.results import STATUSES, Run
 from reports.gate import Finding
-from reports.pairing import headline, pair
+from reports.pairing import duplicates, headline, pair, same_gpu
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "unsupported": "yellow", "error": "bold red"}
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but newline and tab: ESC starts terminal sequences
+
+
+def plain(value: object, style: str = "") -> Text:
+    """``value`` as Text for a table: never parsed as markup, control characters written as ``\\xNN``."""
+    return Text(CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value)), style=style)
 
 
 def summary_table(run: Run) -> Table:
@@ -26,7 +35,7 @@ def summary_table(run: Run) -> Table:
     for column in ("suite", "impl", *STATUSES):
         table.add_column(column, justify="left" if column in ("suite", "impl") else "right")
     for (suite, impl), count in sorted(counts.items()):
-        table.add_row(Text(suite), Text(impl), *[Text(str(count[s]), style=STATUS_STYLE[s] if count[s] else "dim")
+        table.add_row(plain(suite), plain(impl), *[Text(str(count[s]), style=STATUS_STYLE[s] if count[s] else "dim")
                                                for s in STATUSES])
     return table
 
@@ -40,19 +49,19 @@ def failures_table(run: Run, limit: int = 20) -> Table | None:
     for column in ("status", "suite", "impl", "workload", "message"):
         table.add_column(column, overflow="fold")
     for r in bad[:limit]:
-        table.add_row(Text(r.status, style=STATUS_STYLE[r.status]), Text(r.suite), Text(r.impl or ""),
-                      Text(r.label), Text(r.brief[:200]))
+        table.add_row(Text(r.status, style=STATUS_STYLE[r.status]), plain(r.suite), plain(r.impl or ""),
+                      plain(r.label), plain(r.brief[:200]))
     return table
 
 
 def untested_text(impl: str, reasons: Counter, limit: int = 3, width: int = 160) -> Text:
     """Why ``impl``, named on the command line, was tested on nothing: its ``limit`` most common distinct reasons
     for ``unsupported`` with their counts, one line of at most ``width`` characters each."""
-    text = Text(f"error: {impl} was tested on nothing: all {sum(reasons.values())} of its results are unsupported",
-                style="bold red")
+    text = plain(f"error: {impl} was tested on nothing: all {sum(reasons.values())} of its results are unsupported",
+                 style="bold red")
     for reason, count in reasons.most_common(limit):
         line = reason if len(reason) <= width else reason[:width - 3] + "..."
-        text.append(f"\n  {count}x {line}")
+        text.append(plain(f"\n  {count}x {line}"))
     if len(reasons) > limit:
         text.append(f"\n  ... and {len(reasons) - limit} more")
     return text
@@ -60,20 +69,36 @@ def untested_text(impl: str, reasons: Counter, limit: int = 3, width: int = 160)
 
 def compare_table(a: Run, b: Run, title: str = "A -> B") -> Table:
     """Each result of either run: status in A and B, and its headline number (accuracy: kernel rel_l2,
-    latency: median ms) with the change."""
-    table = Table(title=title)
-    for column in ("suite", "impl", "workload", "status A", "status B", "metric", "A", "B", "change"):
+    latency: median ms) with the change; latency changes only between runs on the same GPU model. The caption
+    says what the table could not show."""
+    table = Table(title=plain(title))
+    for column in ("suite: check", "impl", "workload", "status A", "status B", "metric", "A", "B", "change"):
         table.add_column(column, overflow="fold", justify="right" if column in ("A", "B", "change") else "left")
-    for (suite, _, impl, _), ra, rb in pair(a, b):
-        any_result = rb or ra
+    other_gpu = not same_gpu(a, b)
+    withheld = 0
+    for (suite, check, impl, _), ra, rb in pair(a, b):
         va, vb = headline(ra), headline(rb)
-        change = ""
-        if va is not None and vb is not None:
-            change = f"{(vb - va) / va:+.1%}" if va else ("0" if vb == va else "new nonzero")
+        change = _change(va, vb)
+        if suite == "latency" and other_gpu and change:
+            change, withheld = "other GPU", withheld + 1
         metric = {"accuracy": "kernel.rel_l2", "latency": "run_ms"}.get(suite, "")
-        table.add_row(Text(suite), Text(impl), Text(any_result.label), _status(ra), _status(rb), metric,
-                      _number(va), _number(vb), change)
+        table.add_row(plain(suite if check == suite else f"{suite}: {check}"), plain(impl), plain((rb or ra).label),
+                      _status(ra), _status(rb), metric, _number(va), _number(vb), change)
+    notes = [f"{withheld} latency change(s) not shown: A ran on GPU {a.environment.get('gpu')!r}, B on "
+             f"{b.environment.get('gpu')!r}"] if withheld else []
+    notes += [f"{name} has {len(groups)} key(s) shared by several results: only the last of each is shown"
+              for name, groups in (("A", duplicates(a)), ("B", duplicates(b))) if groups]
+    table.caption = plain("; ".join(notes)) if notes else None
     return table
+
+
+def _change(a: float | None, b: float | None) -> str:
+    """B relative to A, only where both are finite and A is positive (from 0: "0" or "new nonzero")."""
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return ""
+    if a == 0:
+        return "0" if b == 0 else "new nonzero"
+    return f"{(b - a) / a:+.1%}" if a > 0 else ""
 
 
 def gate_table(findings: list[Finding]) -> Table:
@@ -81,8 +106,8 @@ def gate_table(findings: list[Finding]) -> Table:
     for column in ("", "kind", "suite", "impl", "workload", "message"):
         table.add_column(column, overflow="fold")
     for f in sorted(findings, key=lambda f: not f.fatal):
-        table.add_row(Text("FAIL", style="bold red") if f.fatal else Text("note", style="yellow"), Text(f.kind),
-                      Text(f.suite), Text(f.impl), Text(f.label), Text(f.message))
+        table.add_row(Text("FAIL", style="bold red") if f.fatal else Text("note", style="yellow"), plain(f.kind),
+                      plain(f.suite), plain(f.impl), plain(f.label), plain(f.message))
     return table
 
 

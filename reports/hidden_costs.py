@@ -7,12 +7,14 @@ syncs, allocations, then the verdicts of the placement rules checked on the same
 from __future__ import annotations
 
 import html
+import math
 from collections import defaultdict
 from typing import Iterable
 
 from rich.table import Table
 
 from mla_bench.results import Result
+from reports.console import plain
 
 SUITE = "placement"
 COLUMNS = ("impl", "workload", "status", "plan ms", "run ms", "launches", "h2d", "d2h", "d2d", "syncs",
@@ -38,7 +40,7 @@ def hidden_cost_rows(results: Iterable[Result]) -> list[list[str]]:
     for r in results:
         if r.check != "hidden_cost" or r.status == "unsupported":  # refusals are in the summary, not costs
             continue
-        m = r.metrics
+        m = defaultdict(lambda: math.nan, r.metrics)  # a file may lack a metric: shown as nan
         if r.status != "passed":
             rows.append([r.impl or "", r.label, r.status] + [""] * 8 + [r.message.splitlines()[-1] if r.message
                                                                       else ""])
@@ -58,7 +60,7 @@ def hidden_cost_table(results: Iterable[Result], title: str = "Hidden costs per 
         table.add_column(column, overflow="fold", justify="right" if column.endswith(("ms", "launches", "syncs"))
                          else "left")
     for row in hidden_cost_rows(results):
-        table.add_row(*row)
+        table.add_row(*map(plain, row))
     return table
 
 

@@ -113,8 +113,18 @@ def _summary(run: Run) -> str:
         counts[(r.suite, r.impl or "(bench)")][r.status] += 1
     rows = [[esc(suite), esc(impl)] + [_num(count[s]) if not count[s] else f'<td class="{s} num">{count[s]}</td>'
                                       for s in STATUSES] for (suite, impl), count in sorted(counts.items())]
-    verdict = "all supported checks passed" if run.ok else "some checks FAILED or errored"
-    return f"<h2>Summary</h2><p><b>{verdict}</b></p>" + _table(["suite", "impl", *STATUSES], rows)
+    return f"<h2>Summary</h2><p><b>{_verdict(run)}</b></p>" + _table(["suite", "impl", *STATUSES], rows)
+
+
+def _verdict(run: Run) -> str:
+    """The run in one phrase; a run that tested nothing does not read as passed."""
+    if not run.results:
+        return "this run has no results"
+    if not run.ok:
+        return "some checks FAILED or errored"
+    if all(r.status == "unsupported" for r in run.results):
+        return f"nothing was tested: all {len(run.results)} results are unsupported"
+    return "all supported checks passed"
 
 
 def _environment(run: Run) -> str:

@@ -2,7 +2,10 @@
 context length with the copy ceiling, and the roofline.
 
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot, no global backend). Labels come from results
-files: ``_text`` escapes ``$`` so a crafted name is drawn as typed, never parsed as math text.
+files: ``_text`` escapes ``$`` so a crafted name is drawn as typed, never parsed as math text. Numbers too:
+a value a log axis cannot draw (NaN, inf, <= 0, outside ``LOG_RANGE``) is written uncoloured in its heatmap cell,
+a latency result with no drawable point is counted in its figure's note, and a bandwidth that cannot be drawn
+leaves a gap in its line: none is drawn as another value.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from matplotlib.figure import Figure
 from mla_bench.results import Result, Run
 
 MAX_IMPLS_PER_FIGURE = 12
+LOG_RANGE = (1e-200, 1e200)  # matplotlib's log-axis ticks overflow near the ends of the float range
 
 
 @dataclass
@@ -38,6 +42,18 @@ def _text(value: object, limit: int = 60) -> str:
     text = str(value)
     text = text if len(text) <= limit else text[:limit - 3] + "..."
     return text.replace("$", r"\$")
+
+
+def _loggable(value: float | None) -> bool:
+    """A number a log axis can draw: positive, within ``LOG_RANGE`` (not None, NaN, inf, 0, negative, 1e300)."""
+    return value is not None and LOG_RANGE[0] <= value <= LOG_RANGE[1]
+
+
+def _worst(old: float | None, new: float) -> float:
+    """The worse of two errors of one cell (``old`` None while it is empty); NaN is the worst."""
+    if old is None:
+        return new
+    return math.nan if math.isnan(old) or math.isnan(new) else max(old, new)
 
 
 def _png(fig: Figure) -> bytes:
@@ -79,15 +95,14 @@ def error_heatmaps(run: Run) -> list[Plot]:
                      layout="constrained")
         axes = fig.subplots(1, 2, squeeze=True)
         for ax, kind in zip(axes, ("kernel", "e2e")):
-            grid = [[math.nan] * len(contexts) for _ in layouts]
+            grid: list[list[float | None]] = [[None] * len(contexts) for _ in layouts]
             failed = set()
             for r in results:
                 value = r.metrics.get(f"{kind}.rel_l2")
-                if not isinstance(value, (int, float)):
+                if value is None:
                     continue
                 cell = (layouts.index(_layout(r)), contexts.index(_context(r)))
-                old = grid[cell[0]][cell[1]]
-                grid[cell[0]][cell[1]] = value if math.isnan(old) else max(old, value)
+                grid[cell[0]][cell[1]] = _worst(grid[cell[0]][cell[1]], value)
                 if r.status == "failed":
                     failed.add(cell)
             _heatmap(ax, grid, layouts, contexts, failed)
@@ -97,31 +112,42 @@ def error_heatmaps(run: Run) -> list[Plot]:
     return plots
 
 
-def _heatmap(ax, grid: list[list[float]], rows: list[str], cols: list[int], failed: set) -> None:
-    finite = [v for row in grid for v in row if not math.isnan(v) and v > 0]
+def _heatmap(ax, grid: list[list[float | None]], rows: list[str], cols: list[int], failed: set) -> None:
+    """Colour the loggable errors; write every value in its cell (NaN, inf, 0 and negatives uncoloured)."""
+    finite = [v for row in grid for v in row if _loggable(v)]
     low, high = (min(finite), max(finite)) if finite else (1e-8, 1.0)
     if high <= low:
         high = low * 10
-    shown = [[v if not math.isnan(v) and v > 0 else math.nan for v in row] for row in grid]
+    shown = [[v if _loggable(v) else math.nan for v in row] for row in grid]
     norm = LogNorm(vmin=low, vmax=high)
     ax.imshow(shown, aspect="auto", cmap="viridis", norm=norm)
     ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=45)
     ax.set_yticks(range(len(rows)), [_text(r) for r in rows])
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
-            if math.isnan(value):
+            if value is None:
                 continue
             text = f"{value:.1e}" + (" FAIL" if (i, j) in failed else "")
-            bright = value > 0 and float(norm(value)) > 0.55  # viridis turns yellow: dark text there
+            dark = not _loggable(value) or float(norm(value)) > 0.55  # a blank cell, or viridis' yellow end
             ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                    color="red" if (i, j) in failed else ("black" if bright else "white"),
+                    color="red" if (i, j) in failed else ("black" if dark else "white"),
                     fontweight="bold" if (i, j) in failed else "normal")
 
 
 # ---- latency -------------------------------------------------------------------------------------------------------
+def _passed_latency(run: Run) -> list[Result]:
+    return [r for r in run.results if r.suite == "latency" and r.status == "passed" and r.impl]
+
+
 def _latency_results(run: Run) -> list[Result]:
-    return [r for r in run.results if r.suite == "latency" and r.status == "passed" and r.impl
-            and r.metrics.get("run_ms", 0) > 0 and _context(r) is not None]
+    """The passed latency results a log-log plot can draw: a loggable median and context."""
+    return [r for r in _passed_latency(run) if _loggable(r.metrics.get("run_ms")) and _loggable(_context(r))]
+
+
+def _note_left_out(fig: Figure, left_out: int, why: str) -> None:
+    """Say in the figure how many passed latency results it does not draw: a silent gap would read as complete."""
+    if left_out:
+        fig.suptitle(f"{left_out} passed latency result(s) not drawn: {why}", color="firebrick")
 
 
 def _series_key(r: Result) -> tuple[str, str]:
@@ -155,11 +181,13 @@ def latency_plots(run: Run) -> list[Plot]:
         axes[2 * (unused // cols) + 1][unused % cols].set_visible(False)
     for i, panel in enumerate(names):
         top, bottom = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
+        bottom.sharex(top)  # the contexts of the panel, even where no bandwidth is finite
         for line, items in sorted(panels[panel].items()):
             items = sorted(items, key=_context)
             xs = [_context(r) for r in items]
             top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_text(line))
-            bottom.plot(xs, [r.metrics.get("gbps", math.nan) for r in items], marker="o", label=_text(line))
+            gbps = [r.metrics.get("gbps") for r in items]  # a gap where absent, NaN, inf, <= 0 or absurd
+            bottom.plot(xs, [g if _loggable(g) else math.nan for g in gbps], marker="o", label=_text(line))
         if copy:
             bottom.axhline(copy, color="black", linestyle="--", label=f"copy ceiling {copy:.0f} GB/s")
         top.set_title(_text(f"{panel}: latency (median)"))
@@ -172,39 +200,54 @@ def latency_plots(run: Run) -> list[Plot]:
             ax.set_xlabel("context length (tokens)")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
+    _note_left_out(fig, len(_passed_latency(run)) - len(results), "no positive finite median or context")
     return [Plot("latency", "Latency and bandwidth against context length", _png(fig))]
 
 
 def roofline(run: Run) -> list[Plot]:
     """Achieved TFLOP/s against arithmetic intensity, under min(copy bandwidth x intensity, matmul rate)."""
-    results = [r for r in _latency_results(run) if r.metrics.get("bytes") and r.metrics.get("flops")]
+    points = [(r.impl, point) for r in _latency_results(run) if (point := _roofline_point(r))]
     copy, matmul = _ceiling(run, "copy_gbps"), _ceiling(run, "matmul_tflops")
-    if not results:
+    if not points:
         return []
     fig = Figure(figsize=(8, 5.5), layout="constrained")
     ax = fig.subplots()
-    by_impl: dict[str, list[Result]] = defaultdict(list)
-    for r in results:
-        by_impl[r.impl].append(r)
-    intensities = [r.metrics["flops"] / r.metrics["bytes"] for r in results]
+    by_impl: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for impl, point in points:
+        by_impl[impl].append(point)
+    intensities = [x for _, (x, _) in points]
     if copy and matmul:
-        lo, hi = min(intensities) / 2, max(max(intensities) * 2, matmul * 1e3 / copy * 4)
-        xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
-        ax.plot(xs, [min(copy * x / 1e3, matmul) for x in xs], color="black",
+        lo = max(min(intensities) / 2, LOG_RANGE[0])
+        hi = min(max(max(intensities) * 2, matmul * 1e3 / copy * 4), LOG_RANGE[1])
+        line = [(x, min(copy * x / 1e3, matmul)) for x in (lo * (hi / lo) ** (i / 100) for i in range(101))]
+        line = [(x, y) for x, y in line if _loggable(y)]
+        ax.plot([x for x, _ in line], [y for _, y in line], color="black",
                 label=f"roofline: copy {copy:.0f} GB/s, bf16 matmul {matmul:.0f} TFLOP/s")
     for impl, items in sorted(by_impl.items())[:MAX_IMPLS_PER_FIGURE]:
-        ax.scatter([r.metrics["flops"] / r.metrics["bytes"] for r in items],
-                   [r.metrics["flops"] / (r.metrics["run_ms"] * 1e-3) / 1e12 for r in items], label=_text(impl))
+        ax.scatter([x for x, _ in items], [y for _, y in items], label=_text(impl))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("Roofline (ceilings measured in this run)")
+    shown = "" if len(by_impl) <= MAX_IMPLS_PER_FIGURE else f", first {MAX_IMPLS_PER_FIGURE} of {len(by_impl)} impls"
+    ax.set_title(f"Roofline (ceilings measured in this run{shown})")
+    _note_left_out(fig, len(_passed_latency(run)) - len(points), "no positive finite median, context, bytes, "
+                   "FLOPs or intensity")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     return [Plot("roofline", "Roofline", _png(fig))]
 
 
+def _roofline_point(r: Result) -> tuple[float, float] | None:
+    """(FLOP/byte, TFLOP/s) of a drawable latency result, or None when its numbers give no loggable point."""
+    flops, nbytes = r.metrics.get("flops"), r.metrics.get("bytes")
+    if not (_loggable(flops) and _loggable(nbytes)):
+        return None
+    x, y = flops / nbytes, flops / (r.metrics["run_ms"] * 1e-3) / 1e12
+    return (x, y) if _loggable(x) and _loggable(y) else None
+
+
 def _ceiling(run: Run, name: str) -> float | None:
-    values = [c.get(name) for c in run.ceilings.values() if isinstance(c.get(name), (int, float))]
+    """The first device's ceiling ``name`` that a log axis can draw (a file may hold NaN, 0 or negatives)."""
+    values = [c.get(name) for c in run.ceilings.values() if _loggable(c.get(name))]
     return float(values[0]) if values else None

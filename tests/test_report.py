@@ -4,16 +4,22 @@ renders in headless Chromium with every plot loaded."""
 from __future__ import annotations
 
 import html.parser
+import io
+import math
 import re
 import shutil
 import subprocess
 
 import pytest
+from rich.console import Console
 
 from mla_bench.hidden_costs import COST_METRICS
 from mla_bench.results import Result, Run, load_run, save_run
+from reports.console import compare_table, failures_table, gate_table, summary_table
+from reports.gate import Finding
+from reports.hidden_costs import hidden_cost_rows, hidden_cost_table
 from reports.html import render, write_report
-from reports.plots import all_plots
+from reports.plots import MAX_IMPLS_PER_FIGURE, _ceiling, all_plots, error_heatmaps, roofline
 
 EVIL = '<script>alert(1)</script>"><img src=x onerror=alert(2)><iframe src="http://evil.example/">$\\alpha$'
 ALLOWED_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "code", "b", "table", "tr",
@@ -133,3 +139,122 @@ def test_report_renders_in_chromium_with_every_plot_loaded(tmp_path):
     subprocess.run([_chromium(), *flags, "--window-size=1400,3000", f"--screenshot={shot}", report.as_uri()],
                    capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 20_000
+
+
+# ---- odd numbers and odd runs: a correct report or a visible gap, never a crash or a silently wrong figure ----------
+def _figures(monkeypatch) -> list:
+    """Capture the figures the plots render (their PNG bytes are not inspectable)."""
+    import reports.plots as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figures.append(fig) or b"png")
+    return figures
+
+
+@pytest.mark.parametrize("step", [1, 2])  # every result, or every other one (odd values among ordinary ones)
+@pytest.mark.parametrize("metric", ["run_ms", "gbps", "bytes", "flops", "kernel.rel_l2"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -1.0, 1e300])
+def test_odd_metric_values_still_render(metric, value, step):
+    run = rich_run()
+    for r in [r for r in run.results if metric in r.metrics][::step]:
+        r.metrics[metric] = value
+    page = render(run, all_plots(run))
+    assert "Latency, bandwidth" in page and "Error heatmaps" in page
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -5.0, 1e300])
+def test_odd_ceilings_are_not_drawn(value):
+    run = rich_run()
+    run.ceilings = {"H100": {"copy_gbps": value, "matmul_tflops": value}}
+    assert _ceiling(run, "copy_gbps") is None  # was drawn as "copy ceiling nan GB/s" (or crashed the roofline)
+    render(run, all_plots(run))
+
+
+def test_heatmap_writes_nan_and_zero_errors_visibly(monkeypatch):
+    """A NaN error is the cell's worst (not lost to a finite one, not shown as 'no result'); uncoloured cells
+    (NaN, 0) get dark text, not white on white."""
+    figures = _figures(monkeypatch)
+    run = rich_run()
+    first = [r for r in run.results if r.suite == "accuracy" and r.impl == "alpha"]
+    first[0].metrics["kernel.rel_l2"] = 0.0
+    first[1].metrics["kernel.rel_l2"] = math.nan
+    twin = Result(**{**vars(first[1]), "metrics": {"kernel.rel_l2": 0.5}})  # same cell, finite, after the NaN
+    run.results.append(twin)
+    error_heatmaps(run)
+    texts = {t.get_text(): t.get_color() for t in figures[0].axes[0].texts}
+    assert texts["nan"] == "black" and texts["0.0e+00"] == "black"
+    assert "5.0e-01" not in texts
+
+
+def test_latency_figures_say_what_they_leave_out(monkeypatch):
+    figures = _figures(monkeypatch)
+    run = rich_run()
+    latency = [r for r in run.results if r.suite == "latency"]
+    latency[0].metrics["run_ms"] = math.nan
+    latency[1].metrics["flops"] = 0
+    all_plots(run)
+    notes = {fig.get_suptitle() for fig in figures}
+    assert "1 passed latency result(s) not drawn: no positive finite median or context" in notes
+    assert any(n.startswith("2 passed latency result(s) not drawn") for n in notes)  # the roofline
+
+
+def test_roofline_title_says_when_impls_are_left_out(monkeypatch):
+    figures = _figures(monkeypatch)
+    run = Run(environment={}, results=[_latency(f"impl{i:02}", 4096, 0.01) for i in range(MAX_IMPLS_PER_FIGURE + 3)])
+    roofline(run)
+    assert f"first {MAX_IMPLS_PER_FIGURE} of {MAX_IMPLS_PER_FIGURE + 3} impls" in figures[0].axes[0].get_title()
+
+
+def test_hidden_cost_row_without_its_metrics():
+    rows = hidden_cost_rows([Result("placement", "hidden_cost", "passed", impl="x", label="w")])
+    assert rows[0][:4] == ["x", "w", "passed", "nan"]
+
+
+@pytest.mark.parametrize("results, verdict", [
+    ([], "this run has no results"),
+    ([Result("latency", "latency", "unsupported", impl="x", message="no CUDA")] * 2,
+     "nothing was tested: all 2 results are unsupported"),
+])
+def test_a_run_that_tested_nothing_does_not_read_as_passed(results, verdict):
+    assert f"<b>{verdict}</b>" in render(Run(environment={}, results=results), [])
+
+
+def _printed(renderable) -> str:
+    out = io.StringIO()
+    Console(file=out, width=400, force_terminal=False).print(renderable)
+    return out.getvalue()
+
+
+def test_compare_withholds_latency_changes_across_gpus_and_odd_ratios():
+    a, b = rich_run(), rich_run()
+    b.environment["gpu"] = "NVIDIA H200"
+    acc_b = [r for r in b.results if r.suite == "accuracy"]
+    acc_b[0].metrics["kernel.rel_l2"] = math.nan
+    [r for r in a.results if r.suite == "accuracy"][1].metrics["kernel.rel_l2"] = -1.0
+    lines = _printed(compare_table(a, b)).splitlines()
+    latency = [line for line in lines if "│ latency" in line]
+    assert latency and all("other GPU" in line and "%" not in line for line in latency)
+    assert any("latency change(s) not shown: A ran on GPU 'NVIDIA H100" in line for line in lines)
+    accuracy = [line for line in lines if "│ accuracy" in line]
+    assert "nan" in accuracy[0] and "%" not in accuracy[0]  # was "+nan%"
+    assert "%" not in accuracy[1]  # A negative: no meaningful ratio
+
+
+def test_compare_names_the_check_and_notes_duplicates():
+    run = rich_run()
+    run.results.append(run.results[0])
+    text = _printed(compare_table(run, rich_run()))
+    assert "placement: graph_safe" in text  # several checks of one workload were indistinguishable rows
+    assert "A has 1 key(s) shared by several results" in text
+
+
+def test_console_tables_send_no_terminal_escapes():
+    evil = "\x1b[2J\x1b]0;owned\x07[bold red]x[/]"
+    run = rich_run(evil)
+    for r in run.results:
+        r.status = "failed"
+    findings = [Finding("new failure", evil, evil, evil, evil, True)]
+    for table in (compare_table(run, rich_run(), title=f"a{evil}.json -> b.json"), failures_table(run),
+                  summary_table(run), gate_table(findings), hidden_cost_table(run.results)):
+        text = _printed(table)
+        assert "\x1b" not in text and "\\x1b[2J" in text and "[bold red]x[/]" in text

@@ -36,6 +36,14 @@ def test_round_trip_keeps_everything_including_non_finite_metrics(tmp_path):
     assert metrics["kernel.lse_max_abs"] == float("inf") and math.isnan(metrics["odd"])
 
 
+def test_non_finite_ceilings_round_trip(tmp_path):
+    """save_run writes a non-finite ceiling as a string (strict JSON); load_run restores it, as for metrics."""
+    run = _run()
+    run.ceilings = {"H100": {"copy_gbps": float("nan"), "matmul_tflops": float("inf")}}
+    loaded = load_run(save_run(run, tmp_path / "run.json"))
+    assert math.isnan(loaded.ceilings["H100"]["copy_gbps"]) and loaded.ceilings["H100"]["matmul_tflops"] == math.inf
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "bad.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -66,6 +74,12 @@ def _valid() -> dict:
     (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "__class__": "x"}]},
      "unknown result fields"),
     (_valid() | {"command": "rm -rf /"}, "'command'"),
+    (_valid() | {"version": True}, "unsupported run file version True"),  # True == 1 in Python
+    ('{"format": "mla-bench-run", "results": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"version": ' + "9" * 5000 + "}", "not valid JSON"),  # Python refuses to parse an int of > 4300 digits
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "metrics": {"x": 10 ** 400}}]},
+     "results[0]: Result.metrics['x'] must be a number"),  # no float holds it: the report would crash
+    (_valid() | {"ceilings": {"H100": {"copy_gbps": 10 ** 400}}}, "'ceilings'"),
 ])
 def test_corrupt_or_foreign_files_get_a_clear_error(tmp_path, data, message):
     path = _write(tmp_path, data)
