@@ -60,6 +60,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                "lse"]
     for column in columns:
         table.add_column(column, overflow="fold")
+    broken = 0
     for name, entry in sorted(discover().items()):
         try:
             summary = entry.load().capabilities.summary()
@@ -67,9 +68,15 @@ def cmd_list(args: argparse.Namespace) -> int:
             table.add_row(Text(name), Text(entry.origin), Text.assemble(("not installed", "yellow"), f": {exc}"),
                           *[""] * (len(columns) - 3))
             continue
+        except Exception as exc:  # noqa: BLE001 - a broken impl is listed as such, the others still are
+            broken += 1
+            table.add_row(Text(name), Text(entry.origin), Text.assemble(("cannot load", "bold red"),
+                                                                        f": {str(exc).splitlines()[0]}"),
+                          *[""] * (len(columns) - 3))
+            continue
         table.add_row(Text(name), Text(entry.origin), *[Text(summary[c]) for c in columns[2:]])
     console.print(table)
-    return 0
+    return 1 if broken else 0
 
 
 # ---- run ----------------------------------------------------------------------------------------------------------
@@ -130,8 +137,8 @@ def _run_options(args: argparse.Namespace, device):
     return RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device),
                       preset=args.preset or ("tiny" if tiny else None), modes=_split(args.mode),
                       layouts=_split(args.layout), page_sizes=args.page_size or [], seed=args.seed, sweep=args.sweep,
-                      devices=args.devices or [], isolate=args.isolate, dcp_world=args.dcp,
-                      dcp_interleave=args.dcp_interleave)
+                      devices=args.devices or [], isolate=args.isolate, stall_timeout=args.stall_timeout,
+                      dcp_world=args.dcp, dcp_interleave=args.dcp_interleave)
 
 
 def _make_dir(path: Path) -> str | None:
@@ -183,15 +190,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     if run is None:
         return 2
     target = Path(args.output) if args.output else Path(args.run).with_name("report.html")
-    problem = _report_target_problem(target)
+    problem = _report_target_problem(target, Path(args.run))
     if problem:
         return _usage_error(problem)
-    console.print(f"report: {write_report(run, target)}")
+    try:
+        console.print(f"report: {write_report(run, target)}")
+    except OSError as exc:  # a path the checks could not foresee (/proc, a full disk)
+        return _usage_error(f"cannot write the report at {target}: {exc.strerror or exc}")
     return 0
 
 
-def _report_target_problem(path: Path) -> str | None:
+def _report_target_problem(path: Path, run_path: Path) -> str | None:
     """Why the report (and its PNGs beside it) cannot be written at ``path``, or None; checked before writing."""
+    if path.resolve() == run_path.resolve():
+        return f"{path} is the run file itself; give the report another name with -o"
     if path.is_dir():
         return f"{path} is a directory; give the report's file name, e.g. {path / 'report.html'}"
     if path.exists() and not os.access(path, os.W_OK):
@@ -307,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=_int_list(minimum=0),
                    help="shard workloads over these GPUs, one worker process each (e.g. 0,1,2,3)")
     p.add_argument("--isolate", action="store_true", help="run each impl in its own process (crashes become errors)")
+    p.add_argument("--stall-timeout", type=float, metavar="SECONDS",
+                   help="with --isolate or --devices: kill a worker that sends no progress or result for this long "
+                        "(counted from its start, so allow for its imports and CUDA start-up) and give its impls an "
+                        "error naming the workload it hung on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dcp", type=_positive_int, metavar="W",
                    help="run the decode workloads as decode context parallel over W processes (gloo on CPU, NCCL "

@@ -3,7 +3,8 @@
 In-process is the default. ``isolate`` runs each impl in its own worker, so a hard crash (an illegal memory
 access, an abort) becomes an ``error`` Result for that impl instead of the end of the run. ``devices`` shards
 the workloads of shardable suites over GPUs, one worker per GPU (``CUDA_VISIBLE_DEVICES`` set to it); other
-suites run once, on the first worker. On CPU, ``devices`` gives that many CPU workers.
+suites run once, on the first worker. On CPU, ``devices`` gives that many CPU workers. ``stall_timeout`` kills a
+worker that sends nothing for that many seconds (a hung impl), which also ends as an ``error`` Result per impl.
 
 A worker is this module run as ``python -m mla_bench.runner``: it reads its job (JSON) on stdin and writes
 JSON lines (progress, results, done) on a private copy of stdout; anything the impls print goes to stderr,
@@ -15,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -58,6 +61,7 @@ class RunOptions:
     sweep: str | None = None
     devices: list[int] = field(default_factory=list)
     isolate: bool = False
+    stall_timeout: float | None = None
     dcp_world: int | None = None
     dcp_interleave: int = 1
 
@@ -110,6 +114,7 @@ def select_run(options: RunOptions) -> Selection:
     given as ``module:Class`` whose module cannot be imported raises ``ImplNotInstalled``."""
     from suites.sweeps import check_filters
 
+    _check_stall_timeout(options)
     device = pick_device(options.device)
     entries = resolve_impls(options.impls)
     notes: list[str] = []
@@ -171,6 +176,17 @@ def untested_impls(selection: Selection, run: Run) -> dict[str, Counter[str]]:
         if mine and all(r.status == "unsupported" for r in mine):
             untested[entry.name] = Counter(r.brief for r in mine)
     return untested
+
+
+def _check_stall_timeout(options: RunOptions) -> None:
+    """ValueError unless ``stall_timeout`` is unset, or a finite number of seconds > 0 for a run in workers."""
+    if options.stall_timeout is None:
+        return
+    if not (options.isolate or options.devices):
+        raise ValueError("--stall-timeout needs --isolate or --devices: a hang in this process cannot be "
+                         "interrupted, only a worker process can be killed")
+    if not 0 < options.stall_timeout < math.inf:
+        raise ValueError(f"--stall-timeout must be a number of seconds > 0, got {options.stall_timeout}")
 
 
 def _select_suites(names: list[str], notes: list[str]) -> tuple[list[tuple[str, Any]], list[Result]]:
@@ -343,18 +359,23 @@ def _execute_workers(options: RunOptions, device: torch.device, entries: list[Im
 
 
 def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
-    """Run one job in a fresh interpreter; a worker that dies yields an ``error`` Result per impl of the job."""
+    """Run one job in a fresh interpreter; a worker that dies, or stalls past the job's ``stall_timeout``, yields an
+    ``error`` Result per impl of the job."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
     if job["visible_device"] is not None and job["device"] == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(job["visible_device"])
     results, last, done = [], "(before the first workload)", False
+    limit = job["options"]["stall_timeout"]
     with tempfile.TemporaryFile(mode="w+") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "mla_bench.runner"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
+        watchdog = _Watchdog(proc, limit) if limit else None
         proc.stdin.write(json.dumps(job))
         proc.stdin.close()
         for line in proc.stdout:
+            if watchdog:
+                watchdog.heard()
             try:
                 message = json.loads(line)
             except json.JSONDecodeError:
@@ -367,16 +388,46 @@ def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
             elif message.get("done"):
                 done = True
         code = proc.wait()
+        if watchdog:
+            watchdog.stop()
         stderr.seek(0)
         tail = stderr.read()[-_STDERR_TAIL:]
     if code == 0 and done:
         return results
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if watchdog and watchdog.stalled:
+        how = f"made no progress for {limit:g} s (--stall-timeout) and was killed"
+    else:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     for name in job["names"]:
         results.append(Result("run", "worker", "error", impl=name, label=last,
                               message=f"the worker running {name} {how} during '{last}' "
                                       f"(shard {job['shard']} of {job['shards']}).\nstderr tail:\n{tail}"))
     return results
+
+
+class _Watchdog:
+    """Kills ``proc`` once ``limit`` seconds pass without ``heard()``, counted from its creation (the worker's
+    start)."""
+
+    def __init__(self, proc: subprocess.Popen, limit: float) -> None:
+        self.proc, self.limit, self.last, self.stalled = proc, limit, time.monotonic(), False
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def heard(self) -> None:
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.last + self.limit - time.monotonic()):
+            if time.monotonic() - self.last >= self.limit:
+                self.stalled = True
+                self.proc.kill()
+                return
 
 
 def _worker_main() -> int:

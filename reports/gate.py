@@ -9,6 +9,9 @@ A finding is fatal when:
 - results that passed in the baseline are absent from the run (one finding per suite and impl, saying why: the
   impl is not installed here, did not run, or the workloads were not run): coverage lost, unless
   ``allow_missing`` (a run meant to cover part of the baseline: another sweep, filters, a machine without a peer);
+- a passed result lacks a gated metric (error metrics, NaN/Inf count, latency median and IQR) that the baseline's
+  passed result has, or holds a value no measurement gives (not finite, negative, a median <= 0): it would pass
+  every comparison below;
 - an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
   (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
@@ -28,6 +31,7 @@ from reports.pairing import duplicates, pair, same_gpu
 
 BAD = ("failed", "error")
 MISSING_SHOWN = 3  # workload labels a missing finding names
+LATENCY_METRICS = ("run_ms", "run_ms_iqr")
 # Error metrics and the Tolerance field that bounds each.
 ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "cos_diff", "lse_max_abs": "lse_abs"}
 
@@ -100,6 +104,9 @@ def _compare(base: Result | None, new: Result | None, limits: GateLimits, compar
                          base.status == "passed")]
     if base is None or base.status != "passed":
         return []
+    found = _unusable_metrics(base, new)
+    if found:
+        return found
     found = _accuracy(base, new, limits)
     if new.suite == "latency" and compare_latency:
         found += _latency(base, new, limits)
@@ -134,6 +141,23 @@ def _why_absent(run: Run, suite: str, impl: str) -> str:
     if impl and not any(r.suite == suite for r in mine):
         return f"{impl} did not run in suite {suite}"
     return "their workloads did not run (another sweep, preset, seed or filters)"
+
+
+def _gated(name: str) -> bool:
+    """Whether the gate compares metric ``name`` (``kind.rel_l2``, ``kind.nonfinite_mismatch``, ``run_ms``...)."""
+    return name.partition(".")[2] in (*ERROR_BOUNDS, "nonfinite_mismatch") or name in LATENCY_METRICS
+
+
+def _unusable_metrics(base: Result, new: Result) -> list[Finding]:
+    """A fatal finding per gated metric of the baseline's passed result that ``new`` (passed too) lacks, and per
+    gated metric of ``new`` that no measurement gives: a NaN, an infinity, a negative value, a median of 0 or less.
+    Either would pass every comparison (a missing metric is not compared; -1 is below any threshold)."""
+    found = [_finding("metric missing", new, f"{name} is in the baseline's result, not in this run's", True)
+             for name in base.metrics if _gated(name) and name not in new.metrics]
+    for name, value in new.metrics.items():
+        if _gated(name) and not (math.isfinite(value) and value >= 0 and (name != "run_ms" or value > 0)):
+            found.append(_finding("impossible value", new, f"{name} is {value!r}: no measurement gives that", True))
+    return found
 
 
 def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:

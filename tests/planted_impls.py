@@ -8,6 +8,7 @@ so a flagged planted impl is flagged for its bug, not for the harness.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -161,6 +162,15 @@ class AbortsInRun(PlainDecode):
 
     def run(self, p):
         os.abort()
+
+
+class HangsInRun(PlainDecode):
+    """Never returns from ``run`` (a split-K spin-wait that never ends): for the ``--stall-timeout`` test only."""
+
+    name = "planted_hangs"
+
+    def run(self, p):
+        time.sleep(3600)
 
 
 class RaisesInRun(PlainDecode):

@@ -96,6 +96,17 @@ def test_list_and_list_layouts(capsys):
     assert "torch_eager" in capsys.readouterr().out
 
 
+def test_list_shows_a_broken_impl_as_such_and_exits_1(monkeypatch, capsys):
+    from mla_bench import registry
+
+    broken = registry.ImplEntry("my_broken", "planted_impls:NoSuchClass", "entry point (mypkg)")
+    known = registry.discover()
+    monkeypatch.setattr(registry, "discover", lambda: {**known, "my_broken": broken})
+    assert main(["list"]) == 1
+    out = capsys.readouterr().out
+    assert "cannot load" in out and "NoSuchClass" in out and "torch_eager" in out
+
+
 def test_console_script_flags_every_planted_bug_with_exit_code_1(tmp_path):
     """The installed ``mla-bench`` in a fresh process (TRITON_INTERPRET set there, impls from PYTHONPATH)."""
     import planted_impls
@@ -118,7 +129,8 @@ def test_help_lists_the_options(argv, capsys):
         main(argv)
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert ("--isolate" in out and "--devices" in out) if argv[0] == "run" else "--baseline" in out
+    assert ("--isolate" in out and "--devices" in out and "--stall-timeout" in out) if argv[0] == "run" \
+        else "--baseline" in out
 
 
 @pytest.mark.parametrize("flag", [["--dcp", "0"], ["--dcp", "2", "--dcp-interleave", "-1"]])
@@ -146,6 +158,10 @@ def test_dcp_flags_refuse_non_positive_values(flag, capsys):
     (["--suite", "placement", "--mode", "dcp"], "nothing to run: --mode dcp selects no workload of suites placement"),
     (["--suite", "equivalence", "--impl", "planted_impls:PlainDecode"],
      "nothing to run: --impl planted_impls:PlainDecode selects no workload of suites equivalence"),
+    (["--stall-timeout", "5"], "--stall-timeout needs --isolate or --devices: a hang in this process cannot be "
+                               "interrupted"),
+    (["--isolate", "--stall-timeout", "-1"], "--stall-timeout must be a number of seconds > 0, got -1.0"),
+    (["--devices", "0", "--stall-timeout", "inf"], "--stall-timeout must be a number of seconds > 0, got inf"),
 ])
 def test_bad_run_options_are_usage_errors_before_anything_runs(tmp_path, capsys, args, message):
     out = tmp_path / "out"
@@ -161,6 +177,7 @@ def test_bad_run_options_are_usage_errors_before_anything_runs(tmp_path, capsys,
     (["--page-size", "-4"], "argument --page-size: values must be >= 1"),
     (["--devices", "a,b"], "argument --devices: expected comma-separated ints"),
     (["--devices=-1"], "argument --devices: values must be >= 0"),
+    (["--stall-timeout", "5s"], "argument --stall-timeout: invalid float value: '5s'"),
 ])
 def test_unparsable_or_out_of_range_numbers_are_argparse_errors(args, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -188,6 +205,23 @@ def test_report_to_a_directory_or_an_unwritable_place_is_refused_and_writes_noth
         assert main(["report", str(run), "-o", str(target)]) == 2
         assert message in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["dir", "file", "run", "run.json"]
+    before = run.read_bytes()
+    assert main(["report", str(run), "-o", str(tmp_path / "run" / ".." / "run" / "run.json")]) == 2
+    assert "is the run file itself" in capsys.readouterr().out and run.read_bytes() == before
+
+
+def test_a_report_the_file_system_refuses_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import reports.html
+
+    run = save_run(Run(environment={}, results=[Result("accuracy", "accuracy", "passed", impl="x", label="w")]),
+                   tmp_path / "run.json")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reports.html, "write_report", full_disk)
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 2
+    assert "cannot write the report" in capsys.readouterr().out
 
 
 def test_a_filter_that_is_not_applied_gets_a_note_on_stderr(tmp_path, capsys):

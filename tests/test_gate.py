@@ -61,6 +61,24 @@ def test_latency_slowdown_beyond_noise_is_fatal():
     assert [f.kind for f in _fatal(base, _run(_lat(0.170, iqr=0.020)))] == ["latency"]
 
 
+def test_a_passed_result_without_its_gated_metrics_or_with_impossible_ones_is_fatal():
+    base = _run(_acc(label="a"), _lat(0.100, label="b"))
+    stripped = _run(_acc(label="a"), _lat(0.100, label="b"))
+    stripped.results[0].metrics = {}
+    del stripped.results[1].metrics["run_ms"]
+    assert sorted((f.kind, f.label) for f in _fatal(base, stripped)) == [("metric missing", "a"),
+                                                                        ("metric missing", "a"),
+                                                                        ("metric missing", "b")]
+    for value in (-1.0, float("nan"), float("inf")):
+        found = _fatal(base, _run(_acc(label="a", rel=value), _lat(value, label="b")))
+        assert [(f.kind, f.label) for f in found] == [("impossible value", "a"), ("impossible value", "b")], value
+    assert [f.kind for f in _fatal(base, _run(_acc(label="a", nonfinite=float("nan")), _lat(0.0, label="b")))] \
+        == ["impossible value", "impossible value"]
+    unmeasured = _run(_acc(label="a"), _lat(0.100, label="b"))
+    unmeasured.results[0].metrics = {"kernel.rel_l2": 2e-3, "kernel.nonfinite_mismatch": 0, "extra": -5.0}
+    assert _fatal(base, unmeasured) == []  # metrics the gate does not compare may be anything
+
+
 def test_latency_is_compared_only_on_the_same_gpu_model():
     base = _run(_lat(0.100), gpu="NVIDIA H200")
     findings = gate(base, _run(_lat(0.500), gpu="NVIDIA H100 80GB HBM3"))

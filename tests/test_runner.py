@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -79,6 +81,21 @@ def test_isolate_turns_a_hard_crash_into_an_error_result():
     assert statuses["torch_eager"]["passed"] >= 5 and not statuses["torch_eager"]["error"]
 
 
+def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_and_the_others_run_on():
+    """A worker starts up (imports torch, sends its first message) in about 1 s on this CPU; 5 s leaves room."""
+    threads = threading.active_count()
+    start = time.monotonic()
+    run = execute(RunOptions(impls=["planted_impls:HangsInRun", "planted_impls:PlainDecode"], device="cpu",
+                             preset="tiny", modes=["decode"], isolate=True, stall_timeout=5))
+    assert time.monotonic() - start < 30
+    hung = [r for r in run.results if r.impl == "planted_hangs"]
+    assert [r.status for r in hung] == ["error"] and hung[0].label.startswith("decode tiny")
+    assert f"made no progress for 5 s (--stall-timeout) and was killed during '{hung[0].label}'" in hung[0].message
+    statuses = _statuses(run)
+    assert statuses["plain_decode"]["passed"] >= 5 and set(statuses["plain_decode"]) <= {"passed", "unsupported"}
+    assert threading.active_count() == threads  # the watchdogs are gone
+
+
 def test_sharding_over_workers_gives_the_same_results_as_one_process():
     options = dict(impls=["torch_eager"], device="cpu", preset="tiny", modes=["prefill", "dcp"])
     single = execute(RunOptions(**options))
@@ -137,6 +154,9 @@ def test_a_bad_filter_is_refused_before_anything_runs():
      "placement"),
     (dict(suites=["equivalence"], impls=["planted_impls:PlainDecode"], modes=["decode"]),
      "nothing to run: --impl planted_impls:PlainDecode selects no workload of suites equivalence"),
+    (dict(stall_timeout=5), "--stall-timeout needs --isolate or --devices: a hang in this process cannot be"),
+    (dict(stall_timeout=0, isolate=True), "--stall-timeout must be a number of seconds > 0, got 0"),
+    (dict(stall_timeout=float("nan"), devices=[0]), "--stall-timeout must be a number of seconds > 0, got nan"),
 ])
 def test_selections_that_cannot_run_are_value_errors(options, message):
     with pytest.raises(ValueError) as info:
