@@ -57,7 +57,8 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
     if refs is None and impl.refusal(problem) is None:
         refs = References.of(problem)  # before the impl runs, so that its writes cannot move the reference
-    saved = {name: (tensor, tensor.clone()) for name, tensor in input_tensors(problem).items()}
+    saved = {name: (owner, attr, tensor, tensor.clone())
+             for name, (owner, attr, tensor) in input_tensors(problem).items()}
     verdict = _judge(impl, problem, refs)
     changed = _restore_changed(saved)
     if not changed:
@@ -68,17 +69,22 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
     return Verdict("failed", verdict.kernel, verdict.e2e, verdict.violations + [violation])
 
 
-def input_tensors(problem: Problem) -> dict[str, torch.Tensor]:
-    """The problem's tensors an impl reads, by name: ``q``, ``cache.data``, ``meta.block_table``, ..."""
+def input_tensors(problem: Problem) -> dict[str, tuple[object, str, torch.Tensor]]:
+    """The problem's tensors an impl reads, by name (``q``, ``cache.data``, ``meta.block_table``, ...), each with
+    the object and attribute that hold it."""
     owners = {"": problem, "meta.": problem.meta, "cache.": problem.cache}
-    return {prefix + name: value for prefix, owner in owners.items() if owner is not None
+    return {prefix + name: (owner, name, value) for prefix, owner in owners.items() if owner is not None
             for name, value in vars(owner).items() if isinstance(value, torch.Tensor)}
 
 
-def _restore_changed(saved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
-    """The tensors whose bits differ from their saved copies (named with how many elements), restored."""
+def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Tensor]]) -> list[str]:
+    """The tensors an impl rebound to others or whose bits differ from their saved copies (named with how many
+    elements), restored."""
     changed = []
-    for name, (tensor, copy) in saved.items():
+    for name, (owner, attr, tensor, copy) in saved.items():
+        if getattr(owner, attr) is not tensor:
+            setattr(owner, attr, tensor)
+            changed.append(f"{name} (rebound)")
         differ = int((_bits(tensor) != _bits(copy)).sum())
         if differ:
             tensor.copy_(copy)

@@ -71,8 +71,13 @@ def _shuffle_block_table(p, out, lse):
     p.meta.block_table[1] = p.meta.block_table[1].flip(0)
 
 
+def _rebind_q(p, out, lse):
+    p.q = p.q.clone()
+    p.q[0, 0, :3] += 1
+
+
 @pytest.mark.parametrize("name, write", [("q", _write_q), ("cache.data", _write_spare_page),
-                                         ("meta.block_table", _shuffle_block_table)])
+                                         ("meta.block_table", _shuffle_block_table), ("q", _rebind_q)])
 def test_an_impl_writing_into_its_inputs_fails_naming_them_and_they_are_restored(name, write):
     problem = _problem()
     inputs = lambda: (problem.q, problem.cache.data, problem.meta.block_table)  # noqa: E731
