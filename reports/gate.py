@@ -57,8 +57,9 @@ class GateLimits:
 
 def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Finding]:
     """Every finding of ``run`` against ``baseline``; the gate passes when none is fatal."""
+    pairs = [(base, new) for _, base, new in pair(baseline, run)]
     findings = _duplicates(baseline, "baseline") + _duplicates(run, "run")
-    if not count_compared(baseline, run):
+    if not _compared(pairs):
         findings.append(Finding("nothing compared", "", "", "", f"none of the run's {len(run.results)} results "
                                 f"pairs with one of the baseline's {len(baseline.results)} (same suite, check, impl "
                                 "and workload, seed included) other than ones unsupported in both", True))
@@ -67,16 +68,21 @@ def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Fin
         findings.append(Finding("not compared", "latency", "", "", "latency not compared: baseline GPU "
                                 f"{baseline.environment.get('gpu')!r}, run GPU {run.environment.get('gpu')!r}",
                                 False))
-    for _, base, new in pair(baseline, run):
+    for base, new in pairs:
         findings += _compare(base, new, limits, compare_latency)
-    return findings + _missing(baseline, run, limits.allow_missing)
+    return findings + _missing(pairs, run, limits.allow_missing)
 
 
 def count_compared(baseline: Run, run: Run) -> int:
     """How many results of ``run`` the gate compares: those that pair with a result of ``baseline``, unless both
     are unsupported (two refusals, e.g. of an impl not installed, compare nothing)."""
+    return _compared([(base, new) for _, base, new in pair(baseline, run)])
+
+
+def _compared(pairs: list[tuple[Result | None, Result | None]]) -> int:
+    """``count_compared`` over the paired results of two runs."""
     return sum(base is not None and new is not None and not base.status == new.status == "unsupported"
-               for _, base, new in pair(baseline, run))
+               for base, new in pairs)
 
 
 def _duplicates(run: Run, which: str) -> list[Finding]:
@@ -113,11 +119,12 @@ def _compare(base: Result | None, new: Result | None, limits: GateLimits, compar
     return found
 
 
-def _missing(baseline: Run, run: Run, allowed: bool) -> list[Finding]:
-    """One finding per suite and impl whose results that passed in the baseline are absent from ``run``, naming
-    a few of their workloads and why they are absent; fatal unless ``allowed``."""
+def _missing(pairs: list[tuple[Result | None, Result | None]], run: Run, allowed: bool) -> list[Finding]:
+    """One finding per suite and impl whose results that passed in the baseline are absent from ``run`` (``pairs``:
+    the two runs' paired results), naming a few of their workloads and why they are absent; fatal unless
+    ``allowed``."""
     absent: dict[tuple[str, str], list[Result]] = {}
-    for _, base, new in pair(baseline, run):
+    for base, new in pairs:
         if new is None and base.status == "passed":
             absent.setdefault((base.suite, base.impl or ""), []).append(base)
     findings = []

@@ -55,8 +55,6 @@ class References:
 
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
-    if refs is None and impl.refusal(problem) is None:
-        refs = References.of(problem)  # before the impl runs, so that its writes cannot move the reference
     saved = {name: (owner, attr, tensor, tensor.clone())
              for name, (owner, attr, tensor) in input_tensors(problem).items()}
     verdict = _judge(impl, problem, refs)
@@ -123,11 +121,11 @@ def _judge(impl: Impl, problem: Problem, refs: References | None) -> Verdict:
     except Exception:  # noqa: BLE001 - any crash of an impl is a result, not a bench failure
         return Verdict("error", message=traceback.format_exc())
     try:
+        refs = refs or References.of(problem)  # before run: what run writes into its inputs cannot move it
         impl.poison(plan)
         out, lse = check_outputs(impl.run(plan), problem)
         if problem.device.type == "cuda":
             torch.cuda.synchronize(problem.device)
-        refs = refs or References.of(problem)
         caps = impl.capabilities
         lse = normalize_lse(lse, caps.lse_base, caps.empty_lse)
         kernel = compare(out, lse, refs.cache.out, refs.cache.lse)
