@@ -4,7 +4,8 @@ In-process is the default. ``isolate`` runs each impl in its own worker, so a ha
 access, an abort) becomes an ``error`` Result for that impl instead of the end of the run. ``devices`` shards
 the workloads of shardable suites over GPUs, one worker per GPU (``CUDA_VISIBLE_DEVICES`` set to it); other
 suites run once, on the first worker. On CPU, ``devices`` gives that many CPU workers. ``stall_timeout`` kills a
-worker that sends nothing for that many seconds (a hung impl), which also ends as an ``error`` Result per impl.
+worker that sends nothing for that many seconds (a hung impl), with every process it started (a DCP run's ranks),
+which also ends as an ``error`` Result per impl.
 
 A worker is this module run as ``python -m mla_bench.runner``: it reads its job (JSON) on stdin and writes
 JSON lines (progress, results, done) on a private copy of stdout; anything the impls print goes to stderr,
@@ -426,8 +427,40 @@ class _Watchdog:
         while not self._stopped.wait(self.last + self.limit - time.monotonic()):
             if time.monotonic() - self.last >= self.limit:
                 self.stalled = True
-                self.proc.kill()
+                _kill_tree(self.proc.pid)
                 return
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. Its descendants are found first, while the tree still links them
+    (a killed worker's DCP ranks would otherwise live on, holding their GPUs); where there is no ``/proc``, only
+    ``pid``."""
+    doomed = [pid] + _descendants(pid)
+    for each in doomed:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already, or its pid taken by another user's process
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids below ``pid`` in the process tree, read from ``/proc/<pid>/stat`` (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue  # /proc/self and the like
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone since the listing
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        below = children.get(queue.pop(), [])
+        found += below
+        queue += below
+    return found
 
 
 def _worker_main() -> int:

@@ -8,6 +8,8 @@ so a flagged planted impl is flagged for its bug, not for the harness.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -165,11 +167,17 @@ class AbortsInRun(PlainDecode):
 
 
 class HangsInRun(PlainDecode):
-    """Never returns from ``run`` (a split-K spin-wait that never ends): for the ``--stall-timeout`` test only."""
+    """Never returns from ``run`` (a split-K spin-wait that never ends), with a child process that never ends either
+    (as a DCP run's ranks, blocked in a collective): for the ``--stall-timeout`` test only. The child's pid goes to
+    the file named by ``$PLANTED_HANG_CHILD_PIDFILE``, where the test looks for it."""
 
     name = "planted_hangs"
 
     def run(self, p):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        if os.environ.get("PLANTED_HANG_CHILD_PIDFILE"):
+            with open(os.environ["PLANTED_HANG_CHILD_PIDFILE"], "w") as pidfile:
+                pidfile.write(str(child.pid))
         time.sleep(3600)
 
 

@@ -81,19 +81,38 @@ def test_isolate_turns_a_hard_crash_into_an_error_result():
     assert statuses["torch_eager"]["passed"] >= 5 and not statuses["torch_eager"]["error"]
 
 
-def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_and_the_others_run_on():
-    """A worker starts up (imports torch, sends its first message) in about 1 s on this CPU; 5 s leaves room."""
+def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_with_its_children_and_the_others_run_on(
+        tmp_path, monkeypatch):
+    """A worker starts up (imports torch, sends its first message) in about 1 s on this CPU; 5 s leaves room. The
+    hung impl's child process (a DCP rank, say) is killed with it."""
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setenv("PLANTED_HANG_CHILD_PIDFILE", str(pidfile))
     threads = threading.active_count()
     start = time.monotonic()
     run = execute(RunOptions(impls=["planted_impls:HangsInRun", "planted_impls:PlainDecode"], device="cpu",
                              preset="tiny", modes=["decode"], isolate=True, stall_timeout=5))
     assert time.monotonic() - start < 30
+    assert _ends_within(int(pidfile.read_text()), seconds=5)
     hung = [r for r in run.results if r.impl == "planted_hangs"]
     assert [r.status for r in hung] == ["error"] and hung[0].label.startswith("decode tiny")
     assert f"made no progress for 5 s (--stall-timeout) and was killed during '{hung[0].label}'" in hung[0].message
     statuses = _statuses(run)
     assert statuses["plain_decode"]["passed"] >= 5 and set(statuses["plain_decode"]) <= {"passed", "unsupported"}
     assert threading.active_count() == threads  # the watchdogs are gone
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone, or a zombie no one reaped, within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_sharding_over_workers_gives_the_same_results_as_one_process():
