@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from reports.console import COMPARE_ROWS
 
 
 class _Console:
@@ -217,24 +218,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
     a, b = _load(args.a), _load(args.b)
     if a is None or b is None:
         return 2
-    console.print(compare_table(a, b, title=Text(f"{args.a} -> {args.b}").plain))
+    limit = args.rows or len(a.results) + len(b.results)
+    console.print(compare_table(a, b, title=Text(f"{args.a} -> {args.b}").plain, limit=limit))
     return 0
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
     """Exit 1 when the run regresses against the baseline (see reports.gate), else 0."""
     from reports.console import gate_table
-    from reports.gate import GateLimits, count_compared, gate
+    from reports.gate import GateLimits, gate
 
     baseline, run = _load(args.baseline), _load(args.run)
     if baseline is None or run is None:
         return 2
-    findings = gate(baseline, run, GateLimits(args.error_slack, args.latency_slack, args.noise_factor,
-                                              args.allow_missing))
-    if findings:
-        console.print(gate_table(findings))
-    fatal = [f for f in findings if f.fatal]
-    compared = f"{count_compared(baseline, run)} of {len(run.results)} results compared against {args.baseline}"
+    outcome = gate(baseline, run, GateLimits(args.error_slack, args.latency_slack, args.noise_factor,
+                                             args.allow_missing))
+    if outcome.findings:
+        console.print(gate_table(outcome.findings))
+    fatal = outcome.fatal
+    compared = f"{outcome.compared} of {len(run.results)} results compared against {args.baseline}"
     if fatal:
         console.print(Text(f"gate: FAILED, {len(fatal)} regression(s) ({compared})", style="bold red"))
         if any(f.kind == "missing" for f in fatal):
@@ -255,11 +257,17 @@ def _load(path: str):
 
 
 # ---- parser -------------------------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
-    return value
+def _int_from(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+    return parse
 
 
 def _gate_limit(text: str) -> float:
@@ -324,10 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(counted from its start, so allow for its imports and CUDA start-up) and give its impls an "
                         "error naming the workload it hung on")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dcp", type=_positive_int, metavar="W",
+    p.add_argument("--dcp", type=_int_from(1), metavar="W",
                    help="run the decode workloads as decode context parallel over W processes (gloo on CPU, NCCL "
                         "over W GPUs); with --impl all, the DCP impl")
-    p.add_argument("--dcp-interleave", type=_positive_int, default=1, metavar="I",
+    p.add_argument("--dcp-interleave", type=_int_from(1), default=1, metavar="I",
                    help="with --dcp: token t lives on rank (t // I) %% W")
     p.add_argument("--out", help="directory for run.json and report.html (default results/<time>-<device>)")
     p.add_argument("--no-report", action="store_true", help="write run.json only")
@@ -341,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="table of the differences between two runs")
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--rows", type=_int_from(0), default=COMPARE_ROWS,
+                   help=f"list every result of runs this size or smaller, else every failure and regression and "
+                        f"the largest other changes up to this many rows (default {COMPARE_ROWS}; 0: every result)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("gate", help="fail (exit 1) when a run regresses against a baseline")

@@ -13,9 +13,9 @@ from collections import Counter
 from rich.table import Table
 from rich.text import Text
 
-from mla_bench.results import STATUSES, Run
-from reports.gate import Finding
-from reports.pairing import duplicates, headline, pair, same_gpu
+from mla_bench.results import STATUSES, Result, Run
+from reports.gate import BAD, Finding, GateLimits
+from reports.pairing import HEADLINE, duplicates, headline, pair, same_gpu
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "unsupported": "yellow", "error": "bold red"}
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but newline and tab: ESC starts terminal sequences
@@ -67,38 +67,91 @@ def untested_text(impl: str, reasons: Counter, limit: int = 3, width: int = 160)
     return text
 
 
-def compare_table(a: Run, b: Run, title: str = "A -> B") -> Table:
-    """Each result of either run: status in A and B, and its headline number (accuracy: kernel rel_l2,
-    latency: median ms) with the change; latency changes only between runs on the same GPU model. The caption
-    says what the table could not show."""
-    table = Table(title=plain(title))
-    for column in ("suite: check", "impl", "workload", "status A", "status B", "metric", "A", "B", "change"):
-        table.add_column(column, overflow="fold", justify="right" if column in ("A", "B", "change") else "left")
+COMPARE_ROWS = 200  # a comparison of more results lists what changed first and counts what it leaves out
+NOTABLE = GateLimits().latency_slack  # a headline that moved by more than this fraction (10%) changed
+# What happened to a result from A to B (``_kind``), in the order a long comparison shows them.
+KINDS = ("new failure", "regression", "still failing", "failure not rerun", "fixed", "changed", "unchanged")
+ALWAYS_SHOWN = KINDS[:5]  # never left out, however many
+KIND_STYLE = {"new failure": "bold red", "regression": "red", "still failing": "red", "fixed": "green"}
+
+
+def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_ROWS) -> Table:
+    """Status in A and B and the headline number (accuracy: kernel rel_l2, latency: median ms) with its change;
+    latency changes only between runs on the same GPU model. Up to ``limit`` results: every one, in run order.
+    More: every failure, error and regression (``_kind``), then the other changes, largest first, up to ``limit``
+    rows; unchanged results are counted. The caption says what the table could not show."""
     other_gpu = not same_gpu(a, b)
-    withheld = 0
+    rows, withheld = [], 0
     for (suite, check, impl, _), ra, rb in pair(a, b):
         va, vb = headline(ra), headline(rb)
-        change = _change(va, vb)
+        relative, change = _relative(va, vb), _change(va, vb)
         if suite == "latency" and other_gpu and change:
-            change, withheld = "other GPU", withheld + 1
-        metric = {"accuracy": "kernel.rel_l2", "latency": "run_ms"}.get(suite, "")
-        table.add_row(plain(suite if check == suite else f"{suite}: {check}"), plain(impl), plain((rb or ra).label),
+            relative, change, withheld = None, "other GPU", withheld + 1
+        rows.append((_kind(ra, rb, relative), abs(relative or 0.0), suite, check, impl, ra, rb, va, vb, change))
+    notes = []
+    summarized = len(rows) > limit
+    if summarized:
+        kinds = Counter(row[0] for row in rows)
+        rows.sort(key=lambda row: (KINDS.index(row[0]), -row[1]))  # stable: run order among equals
+        room = max(limit - sum(kinds[k] for k in ALWAYS_SHOWN), 0)
+        shown_changes = min(kinds["changed"], room)
+        rows = [row for row in rows if row[0] in ALWAYS_SHOWN] + [row for row in rows if row[0] == "changed"][:room]
+        notes.append(f"{sum(kinds.values())} results: " + ", ".join(f"{k} {kinds[k]}" for k in ALWAYS_SHOWN)
+                     + f", changed {kinds['changed']} ({shown_changes} shown, largest first), unchanged "
+                     f"{kinds['unchanged']} (within {NOTABLE:.0%} or not compared; not shown)")
+    table = Table(title=plain(title))
+    columns = ("suite: check", "impl", "workload", "status A", "status B", "metric", "A", "B", "change")
+    for column in ("what",) * summarized + columns:
+        table.add_column(column, overflow="fold", justify="right" if column in ("A", "B", "change") else "left")
+    for kind, _, suite, check, impl, ra, rb, va, vb, change in rows:
+        metric = HEADLINE.get(suite, "")
+        table.add_row(*[Text(kind, style=KIND_STYLE.get(kind, ""))] * summarized,
+                      plain(suite if check == suite else f"{suite}: {check}"), plain(impl), plain((rb or ra).label),
                       _status(ra), _status(rb), metric, _number(va), _number(vb), change)
-    notes = [f"{withheld} latency change(s) not shown: A ran on GPU {a.environment.get('gpu')!r}, B on "
-             f"{b.environment.get('gpu')!r}"] if withheld else []
+    if withheld:
+        notes.append(f"{withheld} latency change(s) not shown: A ran on GPU {a.environment.get('gpu')!r}, B on "
+                     f"{b.environment.get('gpu')!r}")
     notes += [f"{name} has {len(groups)} key(s) shared by several results: only the last of each is shown"
               for name, groups in (("A", duplicates(a)), ("B", duplicates(b))) if groups]
     table.caption = plain("; ".join(notes)) if notes else None
     return table
 
 
+def _kind(ra: Result | None, rb: Result | None, relative: float | None) -> str:
+    """What happened to a result from A to B: a new failure (failed or errored in B only), a regression (passed
+    in A, unsupported or absent in B; or its headline over ``NOTABLE`` worse), still failing, a failure not rerun
+    (absent from B), fixed, changed (another status, or the headline over ``NOTABLE`` better) or unchanged."""
+    bad_a, bad_b = ra is not None and ra.status in BAD, rb is not None and rb.status in BAD
+    if bad_b:
+        return "still failing" if bad_a else "new failure"
+    if bad_a:
+        return "fixed" if rb is not None else "failure not rerun"
+    lost = ra is not None and ra.status == "passed" and (rb is None or rb.status != "passed")
+    if lost or (relative is not None and relative > NOTABLE):
+        return "regression"
+    if ra is None or rb is None or ra.status != rb.status or (relative is not None and relative < -NOTABLE):
+        return "changed"
+    return "unchanged"
+
+
+def _relative(a: float | None, b: float | None) -> float | None:
+    """B's headline relative to A's, where A is finite and not negative; inf where B is NaN or inf, or nonzero
+    after A's 0 (worse without measure)."""
+    if a is None or b is None or not math.isfinite(a) or a < 0:
+        return None
+    if not math.isfinite(b) or (a == 0 and b != 0):
+        return math.inf
+    return 0.0 if a == 0 else (b - a) / a
+
+
 def _change(a: float | None, b: float | None) -> str:
-    """B relative to A, only where both are finite and A is positive (from 0: "0" or "new nonzero")."""
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+    """B relative to A, only where both are finite and A is not negative (from 0: "0" or "new nonzero")."""
+    relative = _relative(a, b)
+    if relative is None or not math.isfinite(b):
         return ""
     if a == 0:
         return "0" if b == 0 else "new nonzero"
-    return f"{(b - a) / a:+.1%}" if a > 0 else ""
+    return f"{relative:+.1%}"
 
 
 def gate_table(findings: list[Finding]) -> Table:

@@ -55,11 +55,27 @@ class GateLimits:
     allow_missing: bool = False  # results that passed in the baseline may be absent from the run
 
 
-def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Finding]:
+@dataclass
+class GateOutcome:
+    """The gate's findings, and how many results of the run it compared against the baseline: those that pair with
+    one of the baseline's, unless both are unsupported (two refusals, e.g. of an impl not installed, compare
+    nothing)."""
+
+    findings: list[Finding]
+    compared: int
+
+    @property
+    def fatal(self) -> list[Finding]:
+        return [f for f in self.findings if f.fatal]
+
+
+def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> GateOutcome:
     """Every finding of ``run`` against ``baseline``; the gate passes when none is fatal."""
     pairs = [(base, new) for _, base, new in pair(baseline, run)]
+    compared = sum(base is not None and new is not None and not base.status == new.status == "unsupported"
+                   for base, new in pairs)
     findings = _duplicates(baseline, "baseline") + _duplicates(run, "run")
-    if not _compared(pairs):
+    if not compared:
         findings.append(Finding("nothing compared", "", "", "", f"none of the run's {len(run.results)} results "
                                 f"pairs with one of the baseline's {len(baseline.results)} (same suite, check, impl "
                                 "and workload, seed included) other than ones unsupported in both", True))
@@ -70,19 +86,7 @@ def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> list[Fin
                                 False))
     for base, new in pairs:
         findings += _compare(base, new, limits, compare_latency)
-    return findings + _missing(pairs, run, limits.allow_missing)
-
-
-def count_compared(baseline: Run, run: Run) -> int:
-    """How many results of ``run`` the gate compares: those that pair with a result of ``baseline``, unless both
-    are unsupported (two refusals, e.g. of an impl not installed, compare nothing)."""
-    return _compared([(base, new) for _, base, new in pair(baseline, run)])
-
-
-def _compared(pairs: list[tuple[Result | None, Result | None]]) -> int:
-    """``count_compared`` over the paired results of two runs."""
-    return sum(base is not None and new is not None and not base.status == new.status == "unsupported"
-               for base, new in pairs)
+    return GateOutcome(findings + _missing(pairs, run, limits.allow_missing), compared)
 
 
 def _duplicates(run: Run, which: str) -> list[Finding]:

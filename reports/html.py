@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Iterable
 
 from mla_bench.results import STATUSES, Result, Run
+from reports.gate import BAD
 from reports.hidden_costs import hidden_cost_html
-from reports.plots import Plot, all_plots
+from reports.plots import Plot, all_plots, layout_name
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+FULL_ROWS = 100  # a pass/fail matrix or latency table of more workloads is summarized: thousands are unreadable
 SHORT = {"passed": "pass", "failed": "FAIL", "unsupported": "n/a", "error": "ERROR"}
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
@@ -139,7 +141,8 @@ def _environment(run: Run) -> str:
 
 
 def _matrices(run: Run) -> list[str]:
-    """A pass/fail matrix (workload x impl) per suite and check, for results that name an impl."""
+    """A pass/fail matrix (workload x impl) per suite and check, for results that name an impl; one of more than
+    ``FULL_ROWS`` workloads is summarized (``_summarized_matrix``)."""
     groups: dict[tuple[str, str], list[Result]] = defaultdict(list)
     for r in run.results:
         if r.impl and "capab" not in r.check.lower():
@@ -150,12 +153,63 @@ def _matrices(run: Run) -> list[str]:
            '<p class="muted">hover a cell for its message; pass / FAIL / n/a (unsupported) / ERROR</p>']
     for (suite, check), results in sorted(groups.items()):
         impls = sorted({r.impl for r in results})
-        cells: dict[tuple[str, str], Result] = {(r.label, r.impl): r for r in results}
-        labels = list(dict.fromkeys(r.label for r in results))
-        rows = [[esc(label)] + [_status_cell(cells.get((label, impl))) for impl in impls] for label in labels]
+        rows = _by_label(results)
         title = esc(suite) if suite == check else f"{esc(suite)}: {esc(check)}"
-        out.append(f"<h3>{title}</h3>" + _table(["workload", *[esc(i) for i in impls]], rows))
+        table = _matrix(rows, impls) if len(rows) <= FULL_ROWS else _summarized_matrix(rows, impls)
+        out.append(f"<h3>{title}</h3>" + table)
     return out
+
+
+def _by_label(results: list[Result]) -> dict[str, dict[str, Result]]:
+    """Results by workload label (in run order) and impl; a later duplicate wins."""
+    rows: dict[str, dict[str, Result]] = defaultdict(dict)
+    for r in results:
+        rows[r.label][r.impl or "(bench)"] = r
+    return rows
+
+
+def _matrix(rows: dict[str, dict[str, Result]], impls: list[str], first: str = "workload") -> str:
+    """A row per label, a status cell per impl."""
+    return _table([first, *[esc(i) for i in impls]],
+                  [[esc(label)] + [_status_cell(cells.get(impl)) for impl in impls] for label, cells in rows.items()])
+
+
+def _summarized_matrix(rows: dict[str, dict[str, Result]], impls: list[str]) -> str:
+    """A matrix too long to read: every workload with a failure or error in full, the others (all passed or
+    unsupported) as counts per impl for each mode and layout, so the page stays small and no failure is hidden."""
+    failing = {label: cells for label, cells in rows.items() if any(r.status in BAD for r in cells.values())}
+    counts: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    sizes: Counter = Counter()
+    for label, cells in rows.items():
+        if label not in failing:
+            group = _group_name(next(iter(cells.values())))
+            sizes[group] += 1
+            for impl, r in cells.items():
+                counts[group][impl][r.status] += 1
+    out = (f"<p>{len(failing)} of {len(rows)} workloads have a failure or error: "
+           + ("each is shown in full, then " if failing else "")
+           + f"the other {len(rows) - len(failing)} (every result passed or unsupported) are counted per mode and "
+           "layout.</p>")
+    if failing:
+        out += _matrix(failing, impls)
+    body = [[esc(group), _num(sizes[group])] + [_count_cell(counts[group].get(impl)) for impl in impls]
+            for group in sorted(counts)]
+    return out + _table(["mode and layout", "workloads", *[esc(i) for i in impls]], body)
+
+
+def _group_name(result: Result) -> str:
+    """The mode and cache layout of a result's workload, which the summarized matrix counts its workloads by."""
+    if not isinstance(result.workload, dict):
+        return "(no workload)"
+    return f"{result.workload.get('mode', '?')} {layout_name(result)}"
+
+
+def _count_cell(counts: Counter | None) -> str:
+    """How many of a group's workloads an impl passed or did not support."""
+    if not counts:
+        return '<td class="muted">-</td>'
+    text = " &middot; ".join(f"{counts[s]} {SHORT[s]}" for s in STATUSES if counts[s])
+    return f'<td class="{"passed" if counts["passed"] else "unsupported"} num">{text}</td>'
 
 
 def _bench_checks(run: Run) -> str:
@@ -173,29 +227,31 @@ def _latency(run: Run, plots: list[Plot]) -> str:
         notes = {r.brief for r in run.results if r.suite == "latency"}
         return ("<h2>Latency</h2><p class='muted'>" + esc("; ".join(sorted(notes))) + "</p>") if notes else ""
     impls = sorted({r.impl for r in results})
-    cells = {(r.label, r.impl): r for r in results}
-    labels = list(dict.fromkeys(r.label for r in results))
-    rows = []
-    for label in labels:
-        row = [esc(label)]
-        for impl in impls:
-            r = cells.get((label, impl))
-            if r is None:
-                row.append('<td class="muted">-</td>')
-                continue
-            m = r.metrics
-            text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}<br>"
-                    f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
-                    f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
-                    f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"
-                    + (" &middot; warm L2" if r.details.get("cold_l2") is False else ""))
-            row.append(f'<td class="num">{text}</td>')
-        rows.append(row)
+    rows = _by_label(results)
     out = "<h2>Latency, bandwidth and the roofline</h2>" + "".join(_img(p) for p in plots)
     out += ("<h3>Impls side by side</h3><p class='muted'>median run time &plusmn; IQR, bandwidth and compute as a "
             "fraction of the ceilings measured in this run, plan time, timer; \"warm L2\" where the workload is "
             "so small that its rotating input sets stay within a few times the L2</p>")
-    return out + _table(["workload", *[esc(i) for i in impls]], rows)
+    if len(rows) > FULL_ROWS:
+        shown = set(sorted(rows, key=lambda label: -len(rows[label]))[:FULL_ROWS])
+        out += (f"<p>the {FULL_ROWS} of {len(rows)} workloads timed on the most impls; the plots draw the others and "
+                "the run file holds every number</p>")
+        rows = {label: cells for label, cells in rows.items() if label in shown}
+    body = [[esc(label)] + [_latency_cell(cells.get(impl)) for impl in impls] for label, cells in rows.items()]
+    return out + _table(["workload", *[esc(i) for i in impls]], body)
+
+
+def _latency_cell(r: Result | None) -> str:
+    """A latency result's median and IQR, bandwidth, compute, plan time and timer."""
+    if r is None:
+        return '<td class="muted">-</td>'
+    m = r.metrics
+    text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}<br>"
+            f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
+            f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
+            f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"
+            + (" &middot; warm L2" if r.details.get("cold_l2") is False else ""))
+    return f'<td class="num">{text}</td>'
 
 
 def _capability_matrix(run: Run) -> str:
@@ -204,10 +260,7 @@ def _capability_matrix(run: Run) -> str:
     if not results:
         return ""
     impls = sorted({r.impl or "(bench)" for r in results})
-    cells = {(r.label, r.impl or "(bench)"): r for r in results}
-    labels = list(dict.fromkeys(r.label for r in results))
-    rows = [[esc(label)] + [_status_cell(cells.get((label, impl))) for impl in impls] for label in labels]
-    return "<h2>Capability matrix</h2>" + _table(["combination", *[esc(i) for i in impls]], rows)
+    return "<h2>Capability matrix</h2>" + _matrix(_by_label(results), impls, "combination")
 
 
 def _hidden_costs(run: Run) -> str:
@@ -217,7 +270,7 @@ def _hidden_costs(run: Run) -> str:
 
 
 def _failures(run: Run) -> str:
-    bad = [r for r in run.results if r.status in ("failed", "error")]
+    bad = [r for r in run.results if r.status in BAD]
     if not bad:
         return ""
     items = [f"<details><summary>{esc(r.status)} &middot; {esc(r.suite)} &middot; {esc(r.impl or '(bench)')} "

@@ -5,7 +5,8 @@ Figures are built with ``matplotlib.figure.Figure`` (no pyplot, no global backen
 files: ``_text`` escapes ``$`` so a crafted name is drawn as typed, never parsed as math text. Numbers too:
 a value a log axis cannot draw (NaN, inf, <= 0, outside ``LOG_RANGE``) is written uncoloured in its heatmap cell,
 a latency result with no drawable point is counted in its figure's note, and a bandwidth that cannot be drawn
-leaves a gap in its line: none is drawn as another value.
+leaves a gap in its line: none is drawn as another value. A panel of many lines draws those of most points and its
+title says how many it left out.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _context(result: Result) -> int | None:
     return None
 
 
-def _layout(result: Result) -> str:
+def layout_name(result: Result) -> str:
+    """The cache layout of the result's workload, "(no cache)" for prefill (its keys are plain tensors)."""
     w = _workload(result)
     return str(w.get("layout", "?")) if w.get("mode") != "prefill" else "(no cache)"
 
@@ -88,8 +90,9 @@ def error_heatmaps(run: Run) -> list[Plot]:
             by_impl[r.impl].append(r)
     plots = []
     for index, (impl, results) in enumerate(sorted(by_impl.items())):
-        layouts = sorted({_layout(r) for r in results})
+        layouts = sorted({layout_name(r) for r in results})
         contexts = sorted({_context(r) for r in results})
+        row_of, col_of = {name: i for i, name in enumerate(layouts)}, {c: j for j, c in enumerate(contexts)}
         widest = max(len(_text(name)) for name in layouts)
         fig = Figure(figsize=(max(9.0, 1.2 * len(contexts) * 2 + 0.14 * widest), 2.5 + 0.4 * len(layouts)),
                      layout="constrained")
@@ -101,7 +104,7 @@ def error_heatmaps(run: Run) -> list[Plot]:
                 value = r.metrics.get(f"{kind}.rel_l2")
                 if value is None:
                     continue
-                cell = (layouts.index(_layout(r)), contexts.index(_context(r)))
+                cell = (row_of[layout_name(r)], col_of[_context(r)])
                 grid[cell[0]][cell[1]] = _worst(grid[cell[0]][cell[1]], value)
                 if r.status == "failed":
                     failed.add(cell)
@@ -154,11 +157,12 @@ def _series_key(r: Result) -> tuple[str, str]:
     """(panel, line): a panel per mode and preset (and head override), a line per impl, batch, layout, page."""
     w = _workload(r)
     panel = f"{w.get('mode', '?')} {w.get('preset', '?')}" + (f" h{w['num_heads']}" if w.get("num_heads") else "")
-    line = f"{r.impl} b{len(w.get('kv_lens') or [])} {_layout(r)} ps{w.get('page_size', '?')}"
+    line = f"{r.impl} b{len(w.get('kv_lens') or [])} {layout_name(r)} ps{w.get('page_size', '?')}"
     return panel, line
 
 
 PANELS_PER_ROW = 3  # panels (mode x preset) side by side before the figure wraps
+MAX_LINES_PER_PANEL = 30  # more lines (and their legend) are unreadable and take minutes to lay out (gpu-quick: 15)
 
 
 def latency_plots(run: Run) -> list[Plot]:
@@ -182,7 +186,8 @@ def latency_plots(run: Run) -> list[Plot]:
     for i, panel in enumerate(names):
         top, bottom = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         bottom.sharex(top)  # the contexts of the panel, even where no bandwidth is finite
-        for line, items in sorted(panels[panel].items()):
+        lines = _longest(panels[panel])
+        for line, items in lines:
             items = sorted(items, key=_context)
             xs = [_context(r) for r in items]
             top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_text(line))
@@ -190,7 +195,9 @@ def latency_plots(run: Run) -> list[Plot]:
             bottom.plot(xs, [g if _loggable(g) else math.nan for g in gbps], marker="o", label=_text(line))
         if copy:
             bottom.axhline(copy, color="black", linestyle="--", label=f"copy ceiling {copy:.0f} GB/s")
-        top.set_title(_text(f"{panel}: latency (median)"))
+        left_out = len(panels[panel]) > len(lines)
+        top.set_title(_text(f"{panel}: latency (median)")
+                      + (f", {len(lines)} of {len(panels[panel])} lines (most points)" if left_out else ""))
         top.set_ylabel("ms")
         top.set_yscale("log")
         bottom.set_title(_text(f"{panel}: bandwidth"))
@@ -202,6 +209,12 @@ def latency_plots(run: Run) -> list[Plot]:
             ax.legend(fontsize=7)
     _note_left_out(fig, len(_passed_latency(run)) - len(results), "no positive finite median or context")
     return [Plot("latency", "Latency and bandwidth against context length", _png(fig))]
+
+
+def _longest(lines: dict[str, list[Result]]) -> list[tuple[str, list[Result]]]:
+    """The ``MAX_LINES_PER_PANEL`` lines of most points (ties by name), in name order."""
+    ranked = sorted(lines.items(), key=lambda item: (-len(item[1]), item[0]))
+    return sorted(ranked[:MAX_LINES_PER_PANEL])
 
 
 def roofline(run: Run) -> list[Plot]:

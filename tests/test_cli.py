@@ -137,7 +137,7 @@ def test_help_lists_the_options(argv, capsys):
 def test_dcp_flags_refuse_non_positive_values(flag, capsys):
     with pytest.raises(SystemExit) as info:
         main(["run", *flag])
-    assert info.value.code == 2 and "must be a positive int" in capsys.readouterr().err
+    assert info.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,7 +6,7 @@ import pytest
 
 from mla_bench.cli import main
 from mla_bench.results import Result, Run, save_run
-from reports.gate import GateLimits, count_compared, gate
+from reports.gate import GateLimits, gate
 
 TOL = {"tolerance": {"kernel": {"rel_l2": 8e-3, "max_row_rel": 2e-2, "cos_diff": 2e-5, "lse_abs": 5e-3}}}
 
@@ -27,7 +27,7 @@ def _run(*results, gpu="NVIDIA H100 80GB HBM3") -> Run:
 
 
 def _fatal(baseline, run, **limits):
-    return [f for f in gate(baseline, run, GateLimits(**limits)) if f.fatal]
+    return gate(baseline, run, GateLimits(**limits)).fatal
 
 
 def test_unchanged_run_passes():
@@ -38,7 +38,7 @@ def test_unchanged_run_passes():
 def test_new_failure_and_error_are_fatal_but_old_failures_are_not():
     base = _run(_acc(label="a"), _acc(label="b", status="failed"))
     findings = gate(base, _run(_acc(label="a", status="failed"), _acc(label="b", status="failed"),
-                               _acc(label="c", status="error")))
+                               _acc(label="c", status="error"))).findings
     fatal = {(f.kind, f.label) for f in findings if f.fatal}
     assert fatal == {("new failure", "a"), ("new failure", "c")}
     assert ("still failing", "b") in {(f.kind, f.label) for f in findings if not f.fatal}
@@ -81,7 +81,7 @@ def test_a_passed_result_without_its_gated_metrics_or_with_impossible_ones_is_fa
 
 def test_latency_is_compared_only_on_the_same_gpu_model():
     base = _run(_lat(0.100), gpu="NVIDIA H200")
-    findings = gate(base, _run(_lat(0.500), gpu="NVIDIA H100 80GB HBM3"))
+    findings = gate(base, _run(_lat(0.500), gpu="NVIDIA H100 80GB HBM3")).findings
     assert not [f for f in findings if f.fatal]
     assert [f.kind for f in findings] == ["not compared"]
     assert _fatal(_run(_lat(0.1), gpu=None), _run(_lat(0.5), gpu=None)) == []
@@ -89,7 +89,7 @@ def test_latency_is_compared_only_on_the_same_gpu_model():
 
 def test_results_that_passed_and_are_absent_are_fatal_unless_allowed():
     base = _run(_acc(label="a"), *[_acc(label=f"b{i}") for i in range(5)], _acc(label="c", status="failed"))
-    findings = gate(base, _run(_acc(label="a")))
+    findings = gate(base, _run(_acc(label="a"))).findings
     assert [(f.kind, f.fatal) for f in findings] == [("missing", True)]  # one finding for the impl, not five
     assert findings[0].label == "b0, b1, b2 and 2 more" and findings[0].message.startswith("5 result(s)")
     assert "workloads did not run" in findings[0].message  # the absent failed result "c" is no coverage lost
@@ -100,9 +100,9 @@ def test_a_missing_finding_says_why_the_results_are_absent():
     base = _run(_acc(impl="peer", label="a"), _acc(label="a"), _lat(0.1))
     not_installed = Result("accuracy", "accuracy", "unsupported", impl="peer", label="(all workloads)",
                            message="not installed: No module named 'peer_kernels'\ntraceback")
-    whys = {f.impl: f.message for f in gate(base, _run(_acc(label="a"), not_installed, _lat(0.1)))}
+    whys = {f.impl: f.message for f in gate(base, _run(_acc(label="a"), not_installed, _lat(0.1))).findings}
     assert whys["peer"].endswith("peer is not installed: No module named 'peer_kernels'")
-    whys = {(f.suite, f.impl): f.message for f in gate(base, _run(_acc(label="a")))}
+    whys = {(f.suite, f.impl): f.message for f in gate(base, _run(_acc(label="a"))).findings}
     assert whys[("accuracy", "peer")].endswith("peer did not run in suite accuracy")
     assert whys[("latency", "k")].endswith("suite latency did not run")
 
@@ -127,18 +127,18 @@ def test_a_gate_that_compares_nothing_fails():
     base = _run(_acc(label="a"), _acc(label="b"))
     nothing = [_run(), _run(_acc(label="a", seed=1), _acc(label="b", seed=1))]  # no results; another seed
     for baseline, run in [(base, nothing[0]), (base, nothing[1]), (_run(), base)]:
-        assert count_compared(baseline, run) == 0
+        assert gate(baseline, run).compared == 0
         assert [f.kind for f in _fatal(baseline, run, allow_missing=True)] == ["nothing compared"]
     # Results unsupported in both runs (an impl not installed on either machine) compare nothing either.
     refused = _run(_acc(status="unsupported"))
     assert [f.kind for f in _fatal(refused, refused)] == ["nothing compared"]
-    assert count_compared(base, _run(_acc(label="a"), _acc(label="c"))) == 1 and _fatal(base, base) == []
+    assert gate(base, _run(_acc(label="a"), _acc(label="c"))).compared == 1 and _fatal(base, base) == []
 
 
 def test_passed_then_unsupported_is_fatal_other_status_changes_to_unsupported_are_not():
     base = _run(_acc(label="a"), _acc(label="b", status="failed"), _acc(label="c", status="unsupported"))
     findings = gate(base, _run(_acc(label="a", status="unsupported"), _acc(label="b", status="unsupported"),
-                               _acc(label="c")))
+                               _acc(label="c"))).findings
     assert [(f.kind, f.label, f.fatal) for f in findings] == [("now unsupported", "a", True),
                                                               ("now unsupported", "b", False)]
     assert "was passed" in findings[0].message and "no fp8 cache" in findings[0].message
