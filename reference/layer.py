@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_bench.dims import MLADims
+from mla_bench.lengths import check_lengths
 from reference.absorbed import latent_mqa
 from reference.mha import mha_attention
 
@@ -82,11 +83,15 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 def _positions(q_lens, kv_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of every token, and the indices of the query tokens (each request's last q_len)."""
+    """Positions of every token, and the indices of the query tokens (each request's last q_len). The lengths
+    follow ``check_lengths``, and one rule more: a layer's new tokens become keys, so no request has more queries
+    than keys, not even one of kv_len 0 (which a cache-reading step takes as padding)."""
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
     positions, query_rows, start = [], [], 0
-    for q_len, kv_len in zip(q_lens, kv_lens):
+    for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         if q_len > kv_len:
-            raise ValueError(f"mla_layer: q_len {q_len} > kv_len {kv_len}: queries are the last tokens of a request")
+            raise ValueError(f"mla_layer: request {i} has q_len {q_len} > kv_len {kv_len}: its queries are the last "
+                             "tokens of its keys")
         positions.extend(range(kv_len))
         query_rows.extend(range(start + kv_len - q_len, start + kv_len))
         start += kv_len
@@ -96,8 +101,11 @@ def _positions(q_lens, kv_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def project(weights: MLAWeights, dims: MLADims, hidden: torch.Tensor, q_lens, kv_lens) -> dict[str, torch.Tensor]:
     """The per-head queries and the latent cache entries of a ragged batch of hidden states."""
+    positions, query_rows = _positions(q_lens, kv_lens, hidden.device)
+    if hidden.dim() != 2 or hidden.shape[0] != len(positions):
+        raise ValueError(f"mla_layer: hidden is {list(hidden.shape)}; expected [sum(kv_lens) = {len(positions)}, "
+                         "hidden size], a row per token of every request")
     x = hidden.double()
-    positions, query_rows = _positions(q_lens, kv_lens, x.device)
     xq = x[query_rows]
     c_q = rms_norm(xq @ weights.w_dq.T, weights.q_norm) if weights.w_dq is not None else xq
     q_nope = torch.einsum("tc,hpc->thp", c_q, weights.w_uq)

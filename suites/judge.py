@@ -1,7 +1,8 @@
 """Judge one impl on one problem: plan, poison, run, compare with the float64 reference, apply tolerances.
 
 The verdict's status is ``unsupported`` (refused at plan time, with the reason), ``error`` (anything raised
-past planning, with the traceback), ``failed`` (a tolerance broken; each violation named) or ``passed``.
+past planning, with the traceback, or a refusal that gives no reason), ``failed`` (a tolerance broken; each
+violation named) or ``passed``.
 Quantized layouts get two error reports: ``kernel`` (against the reference on the dequantized cache, judged
 by the kernel tolerance) and ``e2e`` (against the original values, judged by the layout's e2e tolerance).
 ``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
@@ -117,6 +118,9 @@ def _judge(impl: Impl, problem: Problem, refs: References | None) -> Verdict:
     try:
         plan = impl.plan(problem)
     except UnsupportedConfig as exc:
+        if not str(exc).strip():
+            return Verdict("error", message="plan raised UnsupportedConfig with no reason: a refusal must say what "
+                                            "it does not support\n" + traceback.format_exc())
         return Verdict("unsupported", message=str(exc))
     except Exception:  # noqa: BLE001 - any crash of an impl is a result, not a bench failure
         return Verdict("error", message=traceback.format_exc())

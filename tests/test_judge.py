@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import planted_impls as planted
+from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, resolve
 from mla_bench.workload import Workload
@@ -57,6 +58,25 @@ def test_outputs_that_break_the_contract_are_errors_naming_the_breach(dtype, ben
     assert judge(Bends(), problem).status == "passed"
     verdict = judge(Bends(bend), problem)
     assert verdict.status == "error" and message in verdict.message, verdict.message
+
+
+class Refuses(planted.PlainDecode):
+    """Refuses every problem, with ``reason``."""
+
+    name = "refuses"
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def plan(self, problem):
+        raise UnsupportedConfig(self.reason)
+
+
+@pytest.mark.parametrize("reason, status", [("", "error"), (" \n", "error"), ("no page size 16", "unsupported")])
+def test_a_refusal_must_give_its_reason(reason, status):
+    verdict = judge(Refuses(reason), _problem())
+    assert verdict.status == status
+    assert (verdict.message == reason) if status == "unsupported" else "with no reason" in verdict.message
 
 
 def _write_q(p, out, lse):

@@ -57,6 +57,21 @@ def test_mha_path_equals_absorbed_path(preset, mix):
     assert float((lse_abs - lse_mha).abs().max()) < 1e-12
 
 
+@pytest.mark.parametrize("layer", [mla_layer_mha, mla_layer_absorbed])
+@pytest.mark.parametrize("q_lens, kv_lens, rows, message", [
+    ((2, 1), (0, 5), 5, "request 0 has q_len 2 > kv_len 0"),  # a layer's new tokens are keys: no padding rows
+    ((1, 2), (4, 1), 5, "request 1: query longer than context"),
+    ((1, 1.0), (4, 3), 7, "q_lens must hold ints, got 1.0"),
+    ((1, True), (4, 3), 7, "q_lens must hold ints, got True"),
+    ((1,), (4, 3), 7, "q_lens has 1 requests but kv_lens has 2"),
+    ((1, 1), (4, 3), 6, "hidden is \\[6, 256\\]; expected \\[sum\\(kv_lens\\) = 7"),
+])
+def test_bad_layer_lengths_are_named(layer, q_lens, kv_lens, rows, message):
+    dims, weights, hidden = layer_setup("tiny", 11)
+    with pytest.raises(ValueError, match=message):
+        layer(weights, dims, hidden[:rows], q_lens, kv_lens)
+
+
 def test_the_layer_depends_on_its_weights_and_positions():
     q_lens, kv_lens = MIXES["varlen with context"]
     dims, weights, hidden = layer_setup("tiny", 11)
