@@ -16,14 +16,21 @@ What each count means depends on what the trace can see:
   ``fn``'s; host-side events count inside the window.
 - on a CPU-only run host and device memory are one: ``launches`` are top-level operator calls (each would launch
   at least one kernel on a GPU); same-dtype ``aten::copy_`` calls are ``d2d`` copies (a dtype conversion is
-  compute, as on a GPU where it is a kernel, not a memcpy); ``syncs`` are host reads of tensor values that would
-  wait for a GPU (``.item()``, ``bool(t)``, ``int(t)``: ``aten::_local_scalar_dense``; data-dependent shapes:
-  ``aten::nonzero``; ``aten::equal``); allocations are every host allocation, Python scalars wrapped into
-  0-dim tensors included. ``.tolist()`` and ``.cpu()`` of a CPU tensor leave no event here.
+  compute, as on a GPU where it is a kernel, not a memcpy); explicit moves to a named device
+  (``Tensor.to(device)``, ``.cpu()``, ``.cuda()``) are ``d2h`` (to the CPU) or ``h2d`` (to a GPU) copies of the
+  tensor's bytes whether or not they copy here, since on a GPU run they would cross the bus (one that copies
+  nothing here counts once per tensor and device in a call; a copy inside one is not a ``d2d`` copy too);
+  ``syncs`` are host reads of tensor values that would wait for a GPU (``.item()``, ``bool(t)``, ``int(t)``:
+  ``aten::_local_scalar_dense``; ``.tolist()``, ``.numpy()``, ``numpy.asarray(t)``; output sizes that depend on
+  values: ``aten::nonzero``, ``unique``, ``bincount``; ``aten::equal``); allocations are every host allocation,
+  Python scalars wrapped into 0-dim tensors included. The moves and value reads no operator shows are marked in
+  the trace by a ``TorchFunctionMode`` while ``fn`` runs. A ``copy_`` into a buffer of another device shows on a
+  GPU only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # The metric names of the hidden-cost table, in display order (reports read them by these names).
@@ -43,11 +51,18 @@ COST_METRICS = ("plan_ms", "run_ms", "launches", "h2d_copies", "h2d_bytes", "d2h
 COUNTS = COST_METRICS[2:]
 
 _WINDOW = "mla_bench::measured"
+_MOVE, _VALUE_READ = "mla_bench::move", "mla_bench::value_read"  # the CPU twin's marks (see ``_HostTwin``)
 _KINETO_QUIET = 6  # Kineto's log levels run from 0 (verbose) to 5 (its "USDT" start and stop lines)
 _CUDA_SYNCS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                          "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
 _CPU_MEMORY, _CUDA_MEMORY = 0, 1  # the trace's "Device Type" of an allocation (c10::DeviceType)
-_HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::equal"})
+_HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::_unique",
+                         "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+                         "aten::unique_dim_consecutive", "aten::bincount"})
+# Tensor methods that hand values to Python or numpy (no operator of the trace shows them), and explicit moves.
+_VALUE_READS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy",
+                torch.Tensor.__array__: "numpy.asarray"}
+_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
 # CUPTI's memcpy kinds (A: CUDA arrays, device memory; P: a peer GPU); HtoH never touches a GPU: not counted.
 _MEMCPY_KINDS = {"HtoD": "h2d", "HtoA": "h2d", "DtoH": "d2h", "AtoH": "d2h", "DtoD": "d2d", "DtoA": "d2d",
                  "AtoD": "d2d", "AtoA": "d2d", "PtoP": "d2d"}
@@ -78,9 +93,9 @@ class Costs:
 
     @property
     def moved_bytes(self) -> int:
-        """Bytes moved between memories: over the bus on CUDA; on a CPU-only run (one memory) the plain copies
-        within it, which stand in for them."""
-        return self.h2d_bytes + self.d2h_bytes if self.traced == "cuda" else self.d2d_bytes
+        """Bytes moved between memories: over the bus on CUDA; on a CPU-only run (one memory) the explicit moves to
+        a named device, which stand in for them."""
+        return self.h2d_bytes + self.d2h_bytes
 
     def counts(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in COUNTS}
@@ -98,7 +113,10 @@ class Costs:
         return ", ".join(f"{name} x{n}" for name, n in sorted(self.sync_events.items())) or "none"
 
     def describe_copies(self) -> str:
-        return ", ".join(f"{what} x{n}" for what, n in sorted(self.copy_events.items())) or "none"
+        """The copies seen, the most bytes first (the culprit leads)."""
+        def total(item: tuple[str, int]) -> int:
+            return -int(item[0].split()[1]) * item[1]
+        return ", ".join(f"{what} x{n}" for what, n in sorted(self.copy_events.items(), key=total)) or "none"
 
 
 def profile_costs(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, Costs]:
@@ -111,11 +129,53 @@ def profile_costs(fn: Callable[[], Any], device: torch.device | str) -> tuple[An
     # its log levels; one level above them it is silent. A level the user set wins. Read at the first trace.
     os.environ.setdefault("KINETO_LOG_LEVEL", str(_KINETO_QUIET))
     with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
-        with record_function(_WINDOW):
+        with record_function(_WINDOW), (contextlib.nullcontext() if cuda else _HostTwin()):
             result = fn()
         if cuda:
             torch.cuda.synchronize(device)  # outside the window: lets the GPU finish before the trace is read
     return result, count_trace(_export(prof), cuda)
+
+
+class _HostTwin(TorchFunctionMode):
+    """On a CPU-only trace, marks what no operator of the trace shows: a tensor's values read into Python or numpy,
+    and an explicit move to a named device (with the tensor's bytes and address; the tensor is kept alive until
+    the call ends, so no other tensor takes that address meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        mark = _twin_mark(func, args, kwargs)
+        if mark is None:
+            return func(*args, **kwargs)
+        if mark.startswith(_MOVE):
+            self.moved.append(args[0])
+        with record_function(mark):
+            return func(*args, **kwargs)
+
+
+def _twin_mark(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """The trace mark of a value read or an explicit move, None for any other call."""
+    if func in _VALUE_READS:
+        return f"{_VALUE_READ} {_VALUE_READS[func]}"
+    if func not in _MOVES or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    target = _move_target(func, args[1:], kwargs)
+    return None if target is None else f"{_MOVE} {target} {args[0].nbytes} {args[0].data_ptr()}"
+
+
+def _move_target(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """The device type a ``to`` / ``cpu`` / ``cuda`` call names, or None (``to(dtype)`` alone moves nothing)."""
+    if func is not torch.Tensor.to:
+        return func.__name__
+    for value in (kwargs.get("device"), *args):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, (str, torch.device)):
+            return torch.device(value).type
+    return None
 
 
 def _export(prof: profile) -> list[dict[str, Any]]:
@@ -164,13 +224,24 @@ def count_trace(events: list[dict[str, Any]], cuda: bool) -> Costs:
                     _add_copy(costs, copies, kind, int(_arg(e, "bytes", 0)))
     else:
         costs.launches = len(_top_level(ops))
+        marks = [e for e in events if _cat(e) == "user_annotation" and inside(e)
+                 and str(e.get("name", "")).startswith((f"{_MOVE} ", f"{_VALUE_READ} "))]
+        moves = [e for e in marks if e["name"].startswith(_MOVE)]
         for e in ops:
             if e["name"] in _HOST_READS:
                 syncs[e["name"]] += 1
-            elif e["name"] == "aten::copy_":
+            elif e["name"] == "aten::copy_" and not any(_nested(e, move) for move in moves):
                 nbytes = _plain_copy_bytes(e)
                 if nbytes is not None:
                     _add_copy(costs, copies, "d2d", nbytes)
+        moved: set[tuple[str, ...]] = set()  # a move that copies nothing here counts once per tensor and device
+        for e in sorted(marks, key=lambda e: e["ts"]):
+            what, *rest = e["name"].split()[1:]
+            if e["name"].startswith(_VALUE_READ):
+                syncs[what] += 1
+            elif (what, *rest) not in moved or any(_nested(op, e) for op in ops if op["name"] == "aten::copy_"):
+                moved.add((what, *rest))
+                _add_copy(costs, copies, "h2d" if what == "cuda" else "d2h", int(rest[0]), f"to {what}")
     costs.syncs = sum(syncs.values())
     costs.sync_events, costs.copy_events = dict(syncs), dict(copies)
     return costs
@@ -184,10 +255,15 @@ def _arg(e: dict[str, Any], name: str, default: Any = None) -> Any:
     return e.get("args", {}).get(name, default)
 
 
-def _add_copy(costs: Costs, seen: Counter[str], kind: str, nbytes: int) -> None:
+def _add_copy(costs: Costs, seen: Counter[str], kind: str, nbytes: int, via: str = "") -> None:
     setattr(costs, f"{kind}_copies", getattr(costs, f"{kind}_copies") + 1)
     setattr(costs, f"{kind}_bytes", getattr(costs, f"{kind}_bytes") + nbytes)
-    seen[f"{kind} {nbytes} B"] += 1
+    seen[f"{kind} {nbytes} B" + (f" ({via})" if via else "")] += 1
+
+
+def _nested(e: dict[str, Any], outer: dict[str, Any]) -> bool:
+    """Whether event ``e`` runs inside ``outer`` on the same thread."""
+    return e.get("tid") == outer.get("tid") and outer["ts"] <= e["ts"] <= outer["ts"] + outer.get("dur", 0.0)
 
 
 def _plain_copy_bytes(e: dict[str, Any]) -> int | None:

@@ -16,7 +16,10 @@ How close is close enough: the two formulations round their bf16 inputs at diffe
 bf16 ``k_nope``, the absorbed path a bf16 absorbed query), so even their float64 references differ. Each
 metric's bound is that inherent difference (the float64 references of both sides, compared the same way)
 plus twice the dtype's kernel bound (cos_diff four times): two sides each within the kernel bound of their
-reference. Both numbers are reported (``pair.*`` and ``inherent.*``).
+reference. Both numbers are reported (``pair.*`` and ``inherent.*``). Each side is also held to its own float64
+reference, since two sides sharing a bug agree: NaN/Inf where the reference has none, an lse in another base than
+its capabilities declare (each impl's lse is read in its declared convention). A failure names the two sides and
+the row (token, request, head) where they differ most; an out or lse of the wrong shape fails its check.
 
 Shapes: the ``tiny`` preset with short requests on CPU (Triton interpreter); serving-size shapes on a GPU
 (``--preset`` picks the model, default DeepSeek V3 under TP8).
@@ -24,6 +27,7 @@ Shapes: the ``tiny`` preset with short requests on CPU (Triton interpreter); ser
 
 from __future__ import annotations
 
+import bisect
 import traceback
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
@@ -31,8 +35,9 @@ from typing import Callable, Iterator
 import torch
 
 from impls.triton.dcp import run_dcp
-from mla_bench.compare import ErrorMetrics, compare
+from mla_bench.compare import LN2, ErrorMetrics, compare, normalize_lse
 from mla_bench.errors import UnsupportedConfig
+from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import ImplNotInstalled, discover
 from mla_bench.results import Result
@@ -118,9 +123,21 @@ class EquivalenceSuite:
 
     def __init__(self, dcp_worlds: tuple[int, ...] = (2, 3), dcp_interleaves: tuple[int, ...] = (1, 2),
                  mccs: tuple[int, ...] | None = None) -> None:
-        self.dcp_worlds = dcp_worlds
-        self.dcp_interleaves = dcp_interleaves
+        """``mccs``: the chunk sizes of the chunked check (None: the defaults); empty ``dcp_worlds`` or
+        ``dcp_interleaves`` leave the DCP check out. ValueError names a bad value before anything runs."""
+        self.dcp_worlds = tuple(dcp_worlds)
+        self.dcp_interleaves = tuple(dcp_interleaves)
         self.mccs = mccs
+        given = f"EquivalenceSuite(dcp_worlds={dcp_worlds!r}, dcp_interleaves={dcp_interleaves!r}, mccs={mccs!r})"
+        if mccs is not None and not mccs:
+            raise ValueError(f"{given}: mccs is empty; give chunk sizes, or None for the defaults")
+        if 1 in self.dcp_worlds:
+            raise ValueError(f"{given}: W=1 is the single-rank side itself; DCP worlds start at 2")
+        try:  # the workloads check every value (the CPU shapes stand in for the device's)
+            self._chunked_vs_unchunked(CPU_SHAPES, 0)
+            self._dcp_vs_single_rank(CPU_SHAPES, 0)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{given}: {exc}") from None
 
     def workloads(self, ctx: RunContext) -> list[Comparison]:
         """The comparisons ``run`` makes: those of the checks whose impls are named (all when none is)."""
@@ -216,12 +233,13 @@ def _dense_decode_impl() -> str:
 
 
 def _impl_runner(name: str) -> Callable[[Problem], Pair]:
+    """Runs the registered impl ``name``; its lse is read in the convention its capabilities declare."""
     def run(problem: Problem) -> Pair:
         impl = discover()[name].load()
         out, lse = impl.run(impl.plan(problem))
         if problem.device.type == "cuda":
             torch.cuda.synchronize(problem.device)
-        return out, lse
+        return out, normalize_lse(lse, impl.capabilities.lse_base, impl.capabilities.empty_lse)
     return run
 
 
@@ -250,12 +268,54 @@ def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], 
     except Exception:  # noqa: BLE001 - one side's crash is this check's result, not the suite's end
         return Result(SUITE, check, "error", impl, workload.to_dict(), workload.label,
                       message=traceback.format_exc())
-    pair = compare(*results[0], *results[1])
-    inherent = compare(*refs[0], *refs[1])
+    try:
+        own = [_own_findings(side, result, ref) for side, result, ref in zip((a, b), results, refs)]
+        pair, inherent = compare(*results[0], *results[1]), compare(*refs[0], *refs[1])
+    except ValueError as exc:  # out or lse of a shape the other side (or its own reference) does not have
+        return Result(SUITE, check, "failed", impl, workload.to_dict(), workload.label,
+                      details={"sides": [a.name, b.name]}, message=f"{a.name} vs {b.name}: {exc}")
     tolerance = pair_tolerance(workload.dtype, inherent)
     violations = tolerance.violations(pair)
+    if violations:
+        out_broken = any(not v.startswith("lse_max_abs") for v in violations)
+        violations = [f"{a.name} vs {b.name}: {'; '.join(violations)}; "
+                      f"{_worst_row(*results[0], *results[1], a.problem, out_broken)}"]
+    violations += [finding for findings in own for finding in findings]
     metrics = {f"pair.{k}": v for k, v in pair.to_dict().items()}
     metrics.update({f"inherent.{k}": v for k, v in inherent.to_dict().items()})
     return Result(SUITE, check, "failed" if violations else "passed", impl, workload.to_dict(), workload.label,
                   metrics=metrics, details={"sides": [a.name, b.name], "tolerance": tolerance.to_dict()},
                   message="; ".join(violations))
+
+
+def _own_findings(side: Side, result: Pair, ref: Pair) -> list[str]:
+    """What one side gets wrong against its own float64 reference whatever the other side does: NaN/Inf where the
+    reference has none (both sides may share the bug and agree), and an lse in another base than declared.
+    ValueError (naming the side) for an out or lse shaped unlike the reference."""
+    try:
+        own = compare(*result, *ref)
+    except ValueError as exc:
+        raise ValueError(f"{side.name}'s {exc}") from None
+    findings = [f"{side.name}: {own.nonfinite_mismatch} NaN/Inf positions differ from its float64 reference"] \
+        if own.nonfinite_mismatch else []
+    lse, ref_lse = result[1], ref[1]
+    live = torch.isfinite(lse) & torch.isfinite(ref_lse)
+    for factor, what in ((1 / LN2, "base 2 read as natural log"), (LN2, "natural log read as base 2")):
+        if live.any() and torch.allclose(lse[live], ref_lse[live] * factor, rtol=1e-2, atol=2e-2):
+            findings.append(f"{side.name}: its lse is its reference's times {factor:.4f}, a {what} "
+                            f"(the lse base its capabilities declare is not the one it returns)")
+    return findings
+
+
+def _worst_row(out: torch.Tensor, lse: torch.Tensor, other_out: torch.Tensor, other_lse: torch.Tensor,
+               problem: Problem, by_output: bool) -> str:
+    """Where two sides differ most (by output relative to the second, else by lse): token, request, query, head."""
+    if by_output:
+        error = (out - other_out).norm(dim=-1) / other_out.norm(dim=-1).clamp_min(1e-30)
+    else:
+        error = torch.where(lse == other_lse, 0.0, (lse - other_lse).abs())  # equal infinities agree
+    token, head = divmod(int(error.nan_to_num(nan=float("inf")).flatten().argmax()), out.shape[1])
+    starts = cumulative(list(problem.meta.q_lens))
+    request = bisect.bisect_right(starts, token) - 1
+    return (f"worst {'output' if by_output else 'lse'} row: token {token} (request {request}, query "
+            f"{token - starts[request]} of {problem.meta.q_lens[request]}), head {head}")

@@ -1,4 +1,4 @@
-"""Impls for the placement tests: a clean graph-safe decode, and one planted bug per placement rule.
+"""Impls for the placement tests: a clean graph-safe decode, and planted bugs for each placement rule.
 
 Each planted bug computes the right answer (the accuracy judge passes it): only the placement suite sees it.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from impls.torch_eager import TorchEager
+from impls.torch_eager import TorchEager, TorchEagerHostCache
 from impls.torch_eager.impl import decode
 from mla_bench.layouts import NOPE_DIM, PagedCache
 from mla_bench.metadata.reference import request_token_slots
@@ -66,10 +66,14 @@ class StaticDecode(Impl):
         s.out.fill_(float("nan"))
         s.lse.fill_(float("nan"))
 
+    def lengths(self, s: StaticPlan) -> tuple[int, ...]:
+        """The context lengths ``run`` loops over: the host copy the scheduler holds."""
+        return s.problem.meta.kv_lens
+
     def run(self, s: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
         p = s.problem
         rows = p.cache.rows().view(torch.bfloat16)
-        for b, n in enumerate(p.meta.kv_lens):
+        for b, n in enumerate(self.lengths(s)):
             if n == 0:
                 s.out[b].zero_()
                 s.lse[b].copy_(s.minus_inf)
@@ -114,6 +118,16 @@ class AllocatesInRun(StaticDecode):
         return super().run(s)
 
 
+class TolistInRun(StaticDecode):
+    """Planted bug (graph_safe): loops over the context lengths read back from the device with ``.tolist()`` instead
+    of the host copy (no profiler operator shows it on the CPU; on a GPU it is a blocking device-to-host copy)."""
+
+    name = "planted_tolist_in_run"
+
+    def lengths(self, s: StaticPlan) -> list[int]:
+        return s.problem.meta.seq_lens.tolist()
+
+
 class CopiesCacheEveryStep(TorchEager):
     """Planted bug (cache_traffic, llama.cpp PR 13648): accepts a cache in host memory, then copies all of it to
     the queries' device every step and computes there."""
@@ -133,3 +147,38 @@ def _max_qo_len_on_device(p: Problem) -> int:
 
 
 SYNCING_BUILDER = MetadataBuilder("planted_max_qo_len_on_device", _max_qo_len_on_device)
+
+
+class LastMatmulOnQueryDevice(TorchEagerHostCache):
+    """Planted bug (cache_traffic and attention_device, llama.cpp PR 13648): the scores are computed on the host
+    beside the cache, but the last matmul (probabilities times values) runs on the queries' device, so each step
+    the values of every context token cross the bus."""
+
+    name = "planted_matmul_on_query_device"
+    capabilities = dataclasses.replace(TorchEagerHostCache.capabilities, query_len_kinds=frozenset({"single"}))
+
+    def run(self, plan):  # plan: TorchEagerPlan, slots on the cache's device
+        p = plan.problem
+        rows, q = p.cache.rows().view(torch.bfloat16), p.q.to(p.cache.data.device)
+        out = torch.zeros(p.q.shape[0], p.q.shape[1], p.out_dim, dtype=p.q.dtype, device=p.device)
+        lse = torch.full(p.q.shape[:2], float("-inf"), device=p.device)
+        for b, slots in enumerate(plan.request_slots):
+            if not len(slots):
+                continue
+            keys = rows[slots].float()
+            scores = q[b].float() @ keys.t() * p.scale
+            row_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - row_lse[:, None]).to(p.q.dtype).float()
+            out[b] = (probs.to(p.device) @ keys[:, :NOPE_DIM].to(p.device)).to(p.q.dtype)
+            lse[b] = row_lse.to(p.device)
+        return out, lse
+
+
+def _distinct_pages(p: Problem) -> torch.Tensor:
+    """Planted bug (metadata_sync): sizes a page-gather workspace by the distinct pages in use, ``torch.unique`` over
+    the device's block table (a shared-prefix batch gathers each page once): an output size only the device knows."""
+    pages = torch.unique(p.meta.block_table)
+    return torch.empty(pages.shape[0], p.meta.page_size, dtype=torch.int64, device=p.device)
+
+
+UNIQUE_PAGES_BUILDER = MetadataBuilder("planted_distinct_pages_on_device", _distinct_pages)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
@@ -19,12 +20,13 @@ from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplEntry, resolve
 from mla_bench.results import Result
 from mla_bench.workload import Workload
-from placement_impls import SYNCING_BUILDER, AllocatesInRun, CopiesCacheEveryStep, StaticDecode, SyncsInRun
+from placement_impls import (SYNCING_BUILDER, UNIQUE_PAGES_BUILDER, AllocatesInRun, CopiesCacheEveryStep,
+                              LastMatmulOnQueryDevice, StaticDecode, SyncsInRun, TolistInRun)
 from reports.hidden_costs import hidden_cost_html, hidden_cost_table
 from suites import bench_placement
 from suites.base import RunContext
 from suites.judge import judge
-from suites.placement import METADATA_BUILDERS, PlacementSuite, default_workloads, select_workloads
+from suites.placement import METADATA_BUILDERS, MetadataBuilder, PlacementSuite, default_workloads, select_workloads
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the bus, GPU kernels and CUDA syncs")
@@ -33,7 +35,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the bus, GPU
 # padding request and a length off a page boundary.
 HOST = Workload(mode="decode", q_lens=(1, 1, 1), kv_lens=(200, 0, 77), preset="deepseek-v3-tp8", page_size=16,
                 cache_device="cpu")
-PLANTED = (SyncsInRun, AllocatesInRun, CopiesCacheEveryStep)
+PLANTED = (SyncsInRun, AllocatesInRun, CopiesCacheEveryStep, TolistInRun, LastMatmulOnQueryDevice)
 
 
 def entry(cls) -> ImplEntry:
@@ -123,6 +125,21 @@ def test_cpu_counts_see_host_reads_plain_copies_and_allocations():
     assert (costs.launches, costs.allocations, costs.syncs, costs.d2d_copies) == (2, 0, 0, 0)
 
 
+def test_cpu_counts_see_value_reads_and_device_moves_no_operator_shows():
+    x = torch.randint(1, 9, (64,), dtype=torch.int32)
+    for read, name in ((x.tolist, "Tensor.tolist"), (x.numpy, "Tensor.numpy"), (lambda: np.asarray(x), "numpy.asarray"),
+                       (lambda: torch.unique(x), "aten::_unique2"), (lambda: torch.bincount(x), "aten::bincount")):
+        _, costs = profile_costs(read, "cpu")
+        assert costs.syncs == 1 and costs.sync_events == {name: 1}, (name, costs.sync_events)
+    # a move to a named device counts its bytes (once per tensor and device where it copies nothing here), a copy
+    # inside it is not a d2d copy too, and a dtype change alone moves nothing
+    _, costs = profile_costs(lambda: (x.to("cpu"), x.cpu(), x.to(torch.device("cpu"), copy=True)), "cpu")
+    assert (costs.d2h_copies, costs.d2h_bytes, costs.d2d_copies) == (2, 2 * x.nbytes, 0)
+    assert costs.moved_bytes == 2 * x.nbytes and costs.copy_events == {f"d2h {x.nbytes} B (to cpu)": 2}
+    _, costs = profile_costs(lambda: x.to(torch.float64), "cpu")
+    assert costs.moved_bytes == 0 and costs.syncs == 0
+
+
 def test_profiling_leaves_no_profiler_chatter_on_stderr_unless_the_user_asks_for_it():
     script = ("import torch; from mla_bench.hidden_costs import profile_costs; "
               "profile_costs(lambda: torch.randn(8).sum(), 'cpu'); profile_costs(lambda: torch.randn(8), 'cpu')")
@@ -202,8 +219,24 @@ def test_each_planted_bug_is_flagged_by_its_rule_naming_what_was_seen():
     copy = found[("planted_cache_copy", "cache_traffic")]
     cache_bytes = build_problem(HOST).cache.data.nbytes
     assert copy.status == "failed" and copy.metrics["moved_bytes"] >= cache_bytes
-    assert f"d2d {cache_bytes} B x1" in copy.message and f"the cache is {cache_bytes} B" in copy.message
+    assert f"d2h {cache_bytes} B (to cpu) x1" in copy.message and f"the cache is {cache_bytes} B" in copy.message
     assert all(r.status == "passed" for r in found.values() if r.check == "hidden_cost")
+
+
+def test_host_reads_and_moves_that_no_cpu_operator_shows_are_flagged():
+    """A ``.tolist()`` in a graph-safe run, a builder sizing its output with ``torch.unique``, and the llama.cpp
+    placement (scores on the host, the last matmul on the queries' device) are all caught on the CPU."""
+    found = verdicts(run_suite([TolistInRun, LastMatmulOnQueryDevice, resolve("torch_eager_host_cache")],
+                               builders=(UNIQUE_PAGES_BUILDER,)))
+    sync = found[("planted_tolist_in_run", "graph_safe")]
+    assert sync.status == "failed" and "synchronized the host 1x (Tensor.tolist x1)" in sync.message
+    matmul = found[("planted_matmul_on_query_device", "cache_traffic")]
+    values = (200 + 77) * 512 * 4  # the float32 values of every context token, moved for the last matmul
+    assert matmul.status == "failed" and "in explicit moves to a device (CPU twin of bus traffic)" in matmul.message
+    assert matmul.metrics["moved_bytes"] >= values > matmul.metrics["budget_bytes"], matmul.metrics
+    assert found[("torch_eager_host_cache", "cache_traffic")].status == "passed"  # queries, outputs, lse, table
+    (builder,) = [r for r in run_suite([], builders=(UNIQUE_PAGES_BUILDER,)) if r.check == "metadata_sync"]
+    assert builder.status == "failed" and "aten::_unique2 x1" in builder.message
 
 
 def test_a_metadata_builder_that_reads_a_device_value_on_the_host_is_flagged():
@@ -228,6 +261,31 @@ def test_refusals_and_crashes_become_results():
     assert refused.status == "unsupported" and "mode prefill" in refused.message
     crashed = found[("planted_crash", HOST.label)]
     assert crashed.status == "error" and "boom" in crashed.message
+
+
+def test_bad_impls_builders_and_workloads_give_results_or_errors_naming_them():
+    class NoCapabilities:  # duck-typed: plans and runs, declares nothing
+        name = "planted_no_capabilities"
+        plan, run = StaticDecode.plan, StaticDecode.run
+
+    class NowhereCache(StaticDecode):
+        name = "planted_cache_nowhere"
+        capabilities = Capabilities(modes=frozenset({"decode"}), cache_devices=frozenset())
+
+    def applies_badly(problem):
+        raise RuntimeError("applies exploded")
+
+    shaky = MetadataBuilder("planted_shaky_builder", SYNCING_BUILDER.build, applies_badly)
+    found = {(r.impl, r.check): r for r in run_suite([ImplEntry("x", "x", "path", NoCapabilities), NowhereCache],
+                                                      builders=(shaky,))}
+    bare = found[("x", "hidden_cost")]
+    assert bare.status == "error" and "declares no Capabilities (its capabilities is NoneType)" in bare.message
+    nowhere = found[("planted_cache_nowhere", "hidden_cost")]
+    assert nowhere.status == "unsupported" and "cache on cpu with queries on cpu" in nowhere.message
+    shaken = found[(None, "metadata_sync")]
+    assert shaken.status == "error" and "applies exploded" in shaken.message
+    with pytest.raises(ValueError, match="given no workloads"):
+        PlacementSuite([])
 
 
 def test_default_workloads_honour_the_run_filters():
@@ -287,17 +345,22 @@ def test_on_cuda_host_cache_moves_only_queries_and_outputs_and_planted_bugs_are_
     copy = found[("planted_cache_copy", "cache_traffic", "cpu")]
     assert copy.status == "failed" and copy.metrics["moved_bytes"] >= copy.metrics["cache_bytes"], copy.metrics
     assert "over the bus" in copy.message
-    for bug in ("planted_item_in_run", "planted_alloc_in_run"):
+    for bug in ("planted_item_in_run", "planted_alloc_in_run", "planted_tolist_in_run"):
         assert found[(bug, "graph_safe", None)].status == "failed", found[(bug, "hidden_cost", None)].metrics
     assert "cudaStreamSynchronize" in found[("planted_item_in_run", "graph_safe", None)].message
+    matmul = found[("planted_matmul_on_query_device", "cache_traffic", "cpu")]
+    assert matmul.status == "failed" and "over the bus" in matmul.message, matmul.metrics
+    wrong_device = found[("planted_matmul_on_query_device", "attention_device", "cpu")]
+    assert wrong_device.status == "failed" and "attention is declared on the CPU" in wrong_device.message
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_on_cuda_a_metadata_builder_that_syncs_is_flagged():
     results = run_suite([], device="cuda", workloads=(HOST.replace(cache_device=None),),
-                        builders=METADATA_BUILDERS + (SYNCING_BUILDER,))
+                        builders=METADATA_BUILDERS + (SYNCING_BUILDER, UNIQUE_PAGES_BUILDER))
     status = {r.label.split(" | ")[0]: r for r in results}
-    assert status["planted_max_qo_len_on_device"].status == "failed", status["planted_max_qo_len_on_device"].metrics
+    for planted in ("planted_max_qo_len_on_device", "planted_distinct_pages_on_device"):
+        assert status[planted].status == "failed", status[planted].metrics
     assert all(status[b.name].status == "passed" for b in METADATA_BUILDERS if b.name in status), \
         [r.message for r in results if not r.ok]
