@@ -4,7 +4,9 @@ Mixes (per page size): decode (q = 1), MTP (uniform q > 1), varlen, empty reques
 queries), lengths on and next to page boundaries, one huge request among small ones. Builders: cumulative
 lengths, block allocation from a permuted pool, slot mapping, FlashInfer CSR (kv_indptr, kv_indices in torch and
 in Triton, last_page_len), token page table and its flattened form, max_qo_len / max_kv_len, DCP local lengths
-and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1).
+and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1, FlashMLA's invalid indices
+among them). The builders read their inputs as engines hold them: the block table is the first columns of a wider
+table (row stride > width), and a builder that writes into an input is named for it (other builders read them).
 
 One Result per (builder, page size); its message names every mix where the builder differs and how. The tests
 run the same comparison on thousands of random mixes.
@@ -18,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mla_bench.lengths import check_lengths
 from mla_bench.metadata import fast, reference
 from mla_bench.results import Result
 from suites.base import RunContext
@@ -25,6 +28,8 @@ from suites.base import RunContext
 PAGE_SIZES = (1, 16, 64)
 DCP_CONFIGS = ((2, 1), (3, 1), (4, 4))  # (world, interleave); the interleave must divide the page size
 TOPK = 12
+INVALID_INDICES = (-2 ** 31, -123456, -2, 2 ** 31 - 1)  # FlashMLA's tests try these (and -1, kv_len) as invalid
+TABLE_SLACK = 3  # columns of the wider table the device block table is sliced from
 
 
 @dataclass
@@ -41,19 +46,10 @@ class Case:
     topk_indices: torch.Tensor   # [sum q, TOPK] int32 positions, -1 padded, some out of range (host)
     device: torch.device
     _device_inputs: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _host_inputs: dict[str, torch.Tensor] = field(init=False, repr=False)
 
-    @property
-    def sizes(self) -> fast.HostSizes:
-        return fast.HostSizes.of(self.q_lens, self.kv_lens, self.page_size)
-
-    def on_device(self, name: str) -> torch.Tensor:
-        """The reference-built input ``name`` on the case's device (built once per case)."""
-        if name not in self._device_inputs:
-            self._device_inputs[name] = self._host_input(name).to(self.device)
-        return self._device_inputs[name]
-
-    def _host_input(self, name: str) -> torch.Tensor:
-        return {
+    def __post_init__(self) -> None:
+        self._host_inputs = {
             "q_lens": torch.tensor(self.q_lens, dtype=torch.int32),
             "seq_lens": torch.tensor(self.kv_lens, dtype=torch.int32),
             "query_start_loc": torch.tensor(reference.cumulative(self.q_lens), dtype=torch.int32),
@@ -61,24 +57,55 @@ class Case:
             "block_table": self.block_table,
             "pool": self.pool,
             "topk_indices": self.topk_indices,
-        }[name]
+        }
+
+    @property
+    def sizes(self) -> fast.HostSizes:
+        return fast.HostSizes.of(self.q_lens, self.kv_lens, self.page_size)
+
+    def on_device(self, name: str) -> torch.Tensor:
+        """The reference-built input ``name`` on the case's device (built once per case). The block table is the
+        first columns of a wider table, as engines slice their persistent one: a builder that takes its width for
+        its row stride reads wrong entries."""
+        if name not in self._device_inputs:
+            value = self._host_inputs[name].to(self.device, copy=True)  # a copy even on the host's device
+            if name == "block_table":
+                value = torch.nn.functional.pad(value, (0, TABLE_SLACK), value=int(self.pool[-1]))[:, :value.shape[1]]
+            self._device_inputs[name] = value
+        return self._device_inputs[name]
+
+    def written_inputs(self) -> list[str]:
+        """The device inputs that no longer equal their host source (a builder wrote into them); they are dropped,
+        so the next builder gets fresh ones."""
+        written = [name for name, value in self._device_inputs.items()
+                   if not torch.equal(value.cpu(), self._host_inputs[name])]
+        for name in written:
+            del self._device_inputs[name]
+        return written
 
 
 def make_case(name: str, q_lens: list[int], kv_lens: list[int], page_size: int, seed: int,
               device: torch.device | str) -> Case:
-    """A mix with a randomly permuted block pool (two spare pages) and random top-k indices."""
-    for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-        if q_len < 0 or kv_len < 0 or 0 < kv_len < q_len:
-            raise ValueError(f"mix {name!r}, request {b}: need 0 <= q_len <= kv_len (or kv_len 0), got {q_len}, {kv_len}")
+    """A mix with a randomly permuted block pool (two spare pages) and random top-k indices: valid positions, -1
+    padding, out-of-range positions (>= kv_len), and in row ``r`` the ``r``-th of kv_len and ``INVALID_INDICES`` in
+    turn (each in some row of a mix of 5 query tokens or more); every transform maps the invalid ones to -1."""
+    try:
+        q_lens, kv_lens = check_lengths(q_lens, kv_lens)
+        if not q_lens:
+            raise ValueError("a mix needs at least one request")
+        num_blocks = sum(reference.blocks_needed(n, page_size) for n in kv_lens) + 2
+    except ValueError as exc:
+        raise ValueError(f"mix {name!r}: {exc}") from None
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(reference.blocks_needed(n, page_size) for n in kv_lens) + 2
     pool = torch.randperm(num_blocks, generator=gen)
     rows = []
     for q_len, kv_len in zip(q_lens, kv_lens):
+        invalid = (kv_len,) + INVALID_INDICES
         for _ in range(q_len):
-            # valid positions, -1 padding, and out-of-range positions (>= kv_len), which every transform maps to -1
             pick = torch.randint(0, kv_len + 3, (TOPK,), generator=gen)
-            rows.append(torch.where(torch.rand(TOPK, generator=gen) < 0.2, -1, pick))
+            pick = torch.where(torch.rand(TOPK, generator=gen) < 0.2, -1, pick)
+            pick[len(rows) % TOPK] = invalid[len(rows) % len(invalid)]
+            rows.append(pick)
     topk = torch.stack(rows).to(torch.int32) if rows else torch.empty(0, TOPK, dtype=torch.int32)
     return Case(name, list(q_lens), list(kv_lens), page_size, pool,
                 reference.assign_blocks(list(kv_lens), page_size, pool), topk, torch.device(device))
@@ -174,7 +201,8 @@ BUILDERS: tuple[Builder, ...] = (
             lambda c: fast.flat_token_slots(c.on_device("kv_start_loc"), c.on_device("block_table"), c.page_size,
                                             c.sizes.num_kv_tokens),
             lambda c: reference.flat_token_slots(c.block_table, c.kv_lens, c.page_size)),
-    Builder("max_qo_len", lambda c: fast.max_len(c.on_device("q_lens")), lambda c: _i32(reference.max_qo_len(c.q_lens))),
+    Builder("max_qo_len", lambda c: fast.max_len(c.on_device("q_lens")),
+            lambda c: _i32(reference.max_qo_len(c.q_lens))),
     Builder("max_kv_len", lambda c: fast.max_len(c.on_device("seq_lens")),
             lambda c: _i32(reference.max_kv_len(c.kv_lens))),
     Builder("dcp local lens",
@@ -215,11 +243,16 @@ def difference(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
 
 
 def check(builder: Builder, case: Case) -> str | None:
-    """``builder`` on ``case``: None when it equals the reference, else what went wrong."""
+    """``builder`` on ``case``: None when it equals the reference and leaves its inputs alone, else what went wrong."""
     try:
-        return difference(builder.fast(case), builder.reference(case))
+        problem = difference(builder.fast(case), builder.reference(case))
     except Exception as exc:  # noqa: BLE001 - a crashing builder is a finding, not a suite crash
-        return f"raised {type(exc).__name__}: {exc}"
+        problem = f"raised {type(exc).__name__}: {exc}"
+    written = case.written_inputs()
+    if written:
+        wrote = f"wrote into its input {', '.join(written)}, which other builders read"
+        return f"{wrote}; {problem}" if problem else wrote
+    return problem
 
 
 class MetadataSuite:

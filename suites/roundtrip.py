@@ -9,22 +9,30 @@ Checks (one Result each):
   in the subnormal range, 28000x below the layer's largest value, may move to another grid when re-encoded);
 - ``edge inputs`` per layout: all-zero tokens and scale blocks (finite zeros, no NaN scale), values at and beyond
   the saturation point, subnormals, NaN/Inf refused by default and, when propagated, NaN/Inf over exactly the
-  scale blocks that hold them;
+  scale blocks that hold them; a per-layer scale fitted to zeros, subnormals or NaN/Inf-holding values is finite
+  and positive, NaN/Inf ignored;
 - ``triton write`` per layout: the Triton write kernel's bytes equal the reference codec's, for fp32 / bf16 /
-  fp16 and strided inputs, with slot -1 padding skipped and the rest of the poisoned cache untouched; NaN input
-  refused without a write, or written as the codec writes it when propagated;
+  fp16 and strided inputs spread over several pages, with slot -1 padding skipped and the rest of the poisoned
+  cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); NaN input refused
+  without a write, or written as the codec writes it when propagated; NaN/Inf in padding rows neither refused nor
+  written; an empty write a no-op; a differing byte is named by its field (codes, scales, rope) and slot;
 - ``triton gather`` per layout: the Triton gather returns what was written, bit for bit (the reference
-  dequantization rounded to fp32, and that to bf16), also over caches of random bytes (every code pattern);
+  dequantization rounded to fp32, and that to bf16), also over caches of random bytes (every code pattern), and
+  nothing for no slots;
 - ``conversions`` per page size: block table <-> FlashInfer CSR <-> token page table (2-D and flattened) lose
   nothing, for the reference and the fast builders;
 - ``paged vs ragged`` per layout: sparse attention through PAGED indices over the cache slots and through RAGGED
   indices over the gathered K give the same float64 answer, bit for bit, and the fast transforms equal the
-  reference's;
+  reference's (the mix holds an empty request and a padding one: no key, one query);
 - the capability matrix (``suites.capability``).
+
+``write`` and ``gather`` default to the Triton cache ops each on its own, so either can be swapped for another
+implementation of the same signature.
 """
 
 from __future__ import annotations
 
+import math
 import traceback
 from typing import Callable, Iterator
 
@@ -61,7 +69,8 @@ class RoundtripSuite:
         self.matrix = matrix
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
-        layouts = self.layouts or {name: get_layout(name) for name in (ctx.layouts or LAYOUTS)}
+        layouts = self.layouts if self.layouts is not None else {name: get_layout(name)
+                                                                  for name in (ctx.layouts or LAYOUTS)}
         for layout in layouts.values():
             ctx.progress(f"roundtrip codec {layout.name}")
             yield _guarded("codec bounds", layout.name, lambda: check_codec_bounds(layout, ctx.seed))
@@ -69,8 +78,8 @@ class RoundtripSuite:
         write, gather, unavailable = self._cache_ops(ctx.device)
         for layout in layouts.values():
             ctx.progress(f"roundtrip cache ops {layout.name}")
-            reason = unavailable(layout)
             for check, run in (("triton write", check_write), ("triton gather", check_gather)):
+                reason = unavailable[check](layout)
                 if reason:
                     yield Result(SUITE, check, "unsupported", label=layout.name, message=reason)
                 else:
@@ -85,26 +94,28 @@ class RoundtripSuite:
             yield from run_matrix(ctx.impls, [name for name in layouts if name in LAYOUTS], ctx.device, ctx.preset,
                                   ctx.seed, ctx.progress)
 
-    def _cache_ops(self, device: torch.device) -> tuple[Callable, Callable, Callable[[CacheLayout], str | None]]:
-        """The write and gather under test, and why they cannot run on a layout here (None when they can)."""
+    def _cache_ops(self, device: torch.device) -> tuple[Callable, Callable, dict[str, Callable]]:
+        """The write and gather under test (each the given one, else the Triton op), and per check why it cannot run
+        on a layout here (None when it can): the write check uses the write, the gather check both."""
         from impls.triton import cache_ops  # imported on use: Triton kernels need the interpreter set first
 
-        if self.write and self.gather:
-            return self.write, self.gather, lambda layout: None
-
-        def unavailable(layout: CacheLayout) -> str | None:
+        def triton_reason(layout: CacheLayout) -> str | None:
             if not cache_ops.has_kernel(layout):
                 return f"no Triton cache kernel for layout {layout.name}"
             return cache_ops.triton_unavailable(device)
-        return cache_ops.write_cache_triton, cache_ops.gather_cache_triton, unavailable
+        return (self.write or cache_ops.write_cache_triton, self.gather or cache_ops.gather_cache_triton,
+                {"triton write": lambda layout: None if self.write else triton_reason(layout),
+                 "triton gather": lambda layout: None if self.write and self.gather else triton_reason(layout)})
 
 
 def _guarded(check: str, label: str, run: Callable[[], tuple[list[str], dict]]) -> Result:
-    """Run one check: ``run`` returns (problems, metrics); an exception is an error Result, not a suite crash."""
+    """Run one check: ``run`` returns (problems, metrics); an exception is an error Result, not a suite crash, whose
+    message names the exception before its traceback."""
     try:
         problems, metrics = run()
-    except Exception:  # noqa: BLE001
-        return Result(SUITE, check, "error", label=label, message=traceback.format_exc())
+    except Exception as exc:  # noqa: BLE001
+        return Result(SUITE, check, "error", label=label, message=f"{type(exc).__name__}: {exc}\n\n"
+                                                                  f"{traceback.format_exc()}")
     return Result(SUITE, check, "failed" if problems else "passed", label=label, metrics=metrics,
                   message="; ".join(problems))
 
@@ -127,13 +138,20 @@ def _scale_block_columns(layout: CacheLayout, column: int) -> slice:
     return slice(start, start + block)
 
 
-def _bound_excess(layout: CacheLayout, x: torch.Tensor, decoded: torch.Tensor, scale: float | None) -> tuple[float, int]:
-    """(max of error / bound over finite elements (inf where a zero bound is broken), count of non-finite decodes)."""
+def _bound_excess(layout: CacheLayout, x: torch.Tensor, decoded: torch.Tensor,
+                  scale: float | None) -> tuple[float, int, str]:
+    """(max of error / bound over finite elements (inf where a zero bound is broken), count of non-finite decodes,
+    where the max is)."""
     error = (decoded - x.double()).abs()
     bound = layout.error_bound(x, scale)
     ratio = torch.where(bound > 0, error / bound, torch.where(error > 0, float("inf"), 0.0))
-    finite = torch.isfinite(decoded)
-    return float(ratio[finite].max()) if bool(finite.any()) else 0.0, int((~finite).sum())
+    ratio = torch.where(torch.isfinite(decoded), ratio, -1.0)
+    token, column = divmod(int(ratio.argmax()), LATENT_DIM)
+    return max(float(ratio.max()), 0.0), int((~torch.isfinite(decoded)).sum()), _at(token, column)
+
+
+def _at(token: int, column: int) -> str:
+    return f"token {token}, column {column} ({'kv_c' if column < NOPE_DIM else 'k_pe'})"
 
 
 # ---- codec ----------------------------------------------------------------------------------------------------------
@@ -143,13 +161,13 @@ def check_codec_bounds(layout: CacheLayout, seed: int) -> tuple[list[str], dict]
     for dtype_name, x in (("fp32", x32), ("bf16", x32.bfloat16())):
         scale = layout.fit_tensor_scale(x)
         decoded = layout.dequantize(layout.quantize(x, scale), scale)
-        ratio, nonfinite = _bound_excess(layout, x, decoded, scale)
+        ratio, nonfinite, worst = _bound_excess(layout, x, decoded, scale)
         metrics[f"{dtype_name}.bound_ratio"] = ratio
         metrics[f"{dtype_name}.rel_l2"] = float((decoded - x.double()).norm() / x.double().norm())
         if nonfinite:
             problems.append(f"{dtype_name} inputs: {nonfinite} finite values decode as NaN/Inf")
         if not ratio <= 1:
-            problems.append(f"{dtype_name} inputs: error reaches {ratio:.3g}x the stated bound")
+            problems.append(f"{dtype_name} inputs: error reaches {ratio:.3g}x the stated bound (at {worst})")
     moderate = latent_values(64, seed, spread=0.5)
     scale = layout.fit_tensor_scale(moderate)
     decoded = layout.dequantize(layout.quantize(moderate, scale), scale)
@@ -188,9 +206,11 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
     extremes[6] = 1e30
     for dtype_name, x in (("fp32", extremes), ("bf16", extremes.bfloat16())):
         x_scale = layout.fit_tensor_scale(x)
-        ratio, nonfinite = _bound_excess(layout, x, layout.dequantize(layout.quantize(x, x_scale), x_scale), x_scale)
+        decoded = layout.dequantize(layout.quantize(x, x_scale), x_scale)
+        ratio, nonfinite, worst = _bound_excess(layout, x, decoded, x_scale)
         if nonfinite or not ratio <= 1:
-            problems.append(f"subnormal/huge {dtype_name} inputs: {nonfinite} NaN/Inf decodes, error {ratio:.3g}x bound")
+            problems.append(f"subnormal/huge {dtype_name} inputs: {nonfinite} NaN/Inf decodes, error {ratio:.3g}x "
+                            f"bound (at {worst})")
 
     # beyond a fixed per-layer scale's range: saturate at the largest code, never NaN/Inf
     if layout.needs_tensor_scale:
@@ -202,6 +222,20 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
             if got != [top, -top, top, -top]:
                 problems.append(f"values beyond the scale's range ({value:.3g}) decode to {got[:2]}, "
                                 f"expected the saturation value +-{top:.6g}")
+
+        # the per-layer scale fitted to zeros, to subnormals, or to values holding NaN/Inf: finite and > 0, NaN/Inf
+        # ignored (a zero scale divides by zero; an Inf one flushes every value to 0)
+        holding = base.clone()
+        holding[1, 5], holding[2, NOPE_DIM + 3] = float("nan"), float("inf")
+        finite_part = layout.fit_tensor_scale(torch.where(torch.isfinite(holding), holding, 0.0))
+        for what, x, expect in (("all-zero", torch.zeros_like(base), None), ("subnormal", base * 1e-40, None),
+                                ("NaN/Inf-holding", holding, finite_part)):
+            fitted = layout.fit_tensor_scale(x)
+            if not (isinstance(fitted, float) and math.isfinite(fitted) and fitted > 0):
+                problems.append(f"the per-layer scale fitted to {what} values is {fitted!r}, not a finite number > 0")
+            elif expect is not None and fitted != expect:
+                problems.append(f"the per-layer scale fitted to {what} values is {fitted!r}, not that of their "
+                                f"finite values ({expect!r})")
 
     # NaN/Inf: refused by default; propagated over exactly their scale blocks
     bad = base.clone()
@@ -228,15 +262,48 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
 
 
 # ---- cache ops ------------------------------------------------------------------------------------------------------
-def bit_mismatches(actual: torch.Tensor, expected: torch.Tensor) -> int:
-    """Elements whose bits differ (a NaN matches any NaN); ``actual`` and ``expected`` have one float dtype."""
+def bit_mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, str | None]:
+    """(values whose bits differ, how): a NaN matches any NaN; the first differing value, and how many are NaN where
+    a number is expected (poisoned slots read); (0, None) when equal."""
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        raise ValueError(f"cannot compare {actual.dtype} {list(actual.shape)} with {expected.dtype} "
-                         f"{list(expected.shape)}")
+        return expected.numel(), (f"{actual.dtype} {list(actual.shape)} instead of {expected.dtype} "
+                                  f"{list(expected.shape)}")
     actual, expected = actual.cpu(), expected.cpu()
     as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[actual.dtype]
-    both_nan = torch.isnan(actual) & torch.isnan(expected)
-    return int(((actual.view(as_int) != expected.view(as_int)) & ~both_nan).sum())
+    wrong = (actual.view(as_int) != expected.view(as_int)) & ~(torch.isnan(actual) & torch.isnan(expected))
+    if not bool(wrong.any()):
+        return 0, None
+    token, column = (int(i) for i in wrong.nonzero()[0])
+    count, poison = int(wrong.sum()), int((torch.isnan(actual) & ~torch.isnan(expected)).sum())
+    text = (f"{count} values differ from the reference dequantization, first at {_at(token, column)}: "
+            f"{actual[token, column].item():.6g} instead of {expected[token, column].item():.6g}")
+    return count, text + (f", {poison} NaN where a number is expected (poisoned slots read)" if poison else "")
+
+
+def byte_mismatches(got: PagedCache, expect: PagedCache, slots: torch.Tensor) -> tuple[int, str | None]:
+    """(bytes in which ``got`` differs from ``expect``, where): slots no token goes to that changed (padding written,
+    or a wrong slot -> (page, offset) mapping), and per byte field of the layout the written slots that differ,
+    with the first one's slot and token; (0, None) when equal."""
+    wrong = got.rows().cpu() != expect.rows().cpu()
+    if not bool(wrong.any()):
+        return 0, None
+    slots = slots.cpu()
+    written = torch.zeros(wrong.shape[0], dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    parts = []
+    stray = wrong.any(dim=1) & ~written
+    if bool(stray.any()):
+        parts.append(f"{int(stray.sum())} slots no token goes to changed, first slot {int(stray.nonzero()[0])} "
+                     f"(padding written, or a wrong slot -> (page, offset) mapping)")
+    layout = got.layout
+    for field, start, end in layout.fields or (("bytes", 0, layout.bytes_per_token),):
+        rows = (wrong[:, start:end].any(dim=1) & written).nonzero().flatten()
+        if rows.numel():
+            token = int((slots == rows[0]).nonzero()[0])
+            parts.append(f"{field} (bytes {start}-{end - 1}) in {rows.numel()} written slots, first slot "
+                         f"{int(rows[0])} (token {token})")
+    count = int(wrong.sum())
+    return count, f"{count} bytes differ from the reference codec's: " + ", ".join(parts)
 
 
 def _cache_pair(layout: CacheLayout, num_blocks: int, values: torch.Tensor, device: torch.device):
@@ -246,11 +313,13 @@ def _cache_pair(layout: CacheLayout, num_blocks: int, values: torch.Tensor, devi
 
 
 def _write_case(device: torch.device, seed: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(num_blocks, values fp32 [N, 576], slots with two -1 paddings and the rest distinct and permuted)."""
+    """(num_blocks, values fp32 [N, 576], slots with two -1 paddings and the rest distinct and permuted over at least
+    8 pages, so that a wrong slot -> (page, offset) mapping moves them; slot 0 and the last slot are never written,
+    so that a -1 clamped to 0 or wrapped to the end shows)."""
     n = 1024 if device.type == "cuda" else 6  # the interpreter runs one program in tens of milliseconds
-    num_blocks = -(-2 * n // WRITE_PAGE_SIZE)
+    num_blocks = max(-(-2 * n // WRITE_PAGE_SIZE), 8)
     gen = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(num_blocks * WRITE_PAGE_SIZE, generator=gen)[:n]
+    slots = torch.randperm(num_blocks * WRITE_PAGE_SIZE - 2, generator=gen)[:n] + 1
     slots[[1, n - 2]] = -1
     values = latent_values(n, derive_seed(seed, 2))
     values[0, :128] = 0
@@ -267,11 +336,37 @@ def check_write(layout: CacheLayout, write: Callable, gather: Callable, device: 
         expect, got = _cache_pair(layout, num_blocks, x, device)
         write_cache(expect, x, slots)
         write(got, x.to(device), slots.to(device))
-        wrong = int((got.data.cpu() != expect.data.cpu()).sum())
+        wrong, where = byte_mismatches(got, expect, slots)
         mismatched += wrong
         if wrong:
-            problems.append(f"{name} inputs: {wrong} bytes differ from the reference codec's (padding rows and "
-                            f"unwritten slots must stay poisoned)")
+            problems.append(f"{name} inputs: {where}")
+
+    # padding rows (slot -1) may hold anything, NaN/Inf too (CUDA-graph padding): never refused, never written
+    garbage = values.clone()
+    padding = (slots < 0).nonzero().flatten()
+    garbage[padding[:, None], torch.arange(0, LATENT_DIM, 7)] = float("nan")
+    garbage[padding[:, None], torch.arange(3, LATENT_DIM, 7)] = float("-inf")
+    expect, got = _cache_pair(layout, num_blocks, values, device)
+    write_cache(expect, values, slots)
+    try:
+        write(got, garbage.to(device), slots.to(device))
+    except ValueError as exc:
+        problems.append(f"NaN/Inf in padding rows (slot -1, never written) refused: {exc}")
+    else:
+        wrong, where = byte_mismatches(got, expect, slots)
+        mismatched += wrong
+        if wrong:
+            problems.append(f"NaN/Inf in padding rows (slot -1): {where}")
+
+    # an empty step (no token) writes nothing and raises nothing
+    before = got.data.clone()
+    try:
+        write(got, values[:0].to(device), slots[:0].to(device))
+    except Exception as exc:  # noqa: BLE001 - any exception is the finding
+        problems.append(f"an empty write (0 tokens) raised {type(exc).__name__}: {exc}")
+    else:
+        if not torch.equal(got.data, before):
+            problems.append("an empty write (0 tokens) changed the cache")
 
     bad = values.clone()
     bad[3, 9] = float("nan")
@@ -289,10 +384,10 @@ def check_write(layout: CacheLayout, write: Callable, gather: Callable, device: 
     expect.rows()[slots[slots >= 0]] = layout.quantize(bad[slots >= 0], expect.tensor_scale,
                                                        propagate_nonfinite=True).to(device)
     write(got, bad.to(device), slots.to(device), propagate_nonfinite=True)
-    wrong = int((got.data.cpu() != expect.data.cpu()).sum())
+    wrong, where = byte_mismatches(got, expect, slots)
     mismatched += wrong
     if wrong:
-        problems.append(f"propagated NaN/Inf: {wrong} bytes differ from the reference codec's")
+        problems.append(f"propagated NaN/Inf: {where}")
     return problems, {"mismatched_bytes": mismatched, "tokens": values.shape[0]}
 
 
@@ -311,10 +406,16 @@ def check_gather(layout: CacheLayout, write: Callable, gather: Callable, device:
         decoded = gather_cache(source, token_slots)
         for dtype in (torch.float32, torch.bfloat16):
             got = gather(source, token_slots.to(device), dtype)
-            wrong = bit_mismatches(got, decoded.float().to(dtype))
+            wrong, how = bit_mismatches(got, decoded.float().to(dtype))
             mismatched += wrong
             if wrong:
-                problems.append(f"{name}, {dtype}: {wrong} values differ from the reference dequantization")
+                problems.append(f"{name}, {dtype}: {how}")
+    try:  # no slot (an empty step): an empty answer, no error
+        empty = gather(cache, written[:0].to(device), torch.float32)
+        if empty.shape != (0, LATENT_DIM):
+            problems.append(f"gathering no slot gives shape {list(empty.shape)}, expected [0, {LATENT_DIM}]")
+    except Exception as exc:  # noqa: BLE001 - any exception is the finding
+        problems.append(f"gathering no slot raised {type(exc).__name__}: {exc}")
     return problems, {"mismatched_values": mismatched}
 
 
@@ -365,13 +466,14 @@ def check_paged_vs_ragged(layout: str, ctx: RunContext) -> tuple[list[str], dict
     problems = []
     answers = {}
     for transform in ("paged", "ragged"):
-        workload = Workload(mode=Mode.SPARSE_PREFILL, q_lens=(2, 3, 1, 2), kv_lens=(40, 97, 5, 2), topk=16,
+        workload = Workload(mode=Mode.SPARSE_PREFILL, q_lens=(2, 3, 0, 1, 1, 2), kv_lens=(40, 97, 0, 0, 5, 2), topk=16,
                             index_transform=transform, layout=layout, page_size=16, seed=ctx.seed)
         p = build_problem(workload, "cpu")
         meta = p.meta
         if transform == "paged":
             rows = gather_cache(p.cache, torch.arange(p.cache.num_slots))  # every slot, poisoned ones too
-            fast_indices = fast.transform_indices_paged(p.topk_indices.to(ctx.device), meta.query_start_loc.to(ctx.device),
+            fast_indices = fast.transform_indices_paged(p.topk_indices.to(ctx.device),
+                                                        meta.query_start_loc.to(ctx.device),
                                                         meta.seq_lens.to(ctx.device), meta.block_table.to(ctx.device),
                                                         meta.page_size)
         else:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
+import re
 
 import pytest
 import torch
 
-from mla_bench.layouts import LAYOUTS, LATENT_DIM, NOPE_DIM, get_layout
+from mla_bench.layouts import LAYOUTS, LATENT_DIM, NOPE_DIM, PagedCache, get_layout
+from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.layouts.formats import (E2M1_MAGNITUDES, ceil_log2, e2m1_decode, e2m1_encode, e4m3_decode,
                                        e4m3_encode, pack_nibbles, unpack_nibbles)
 
@@ -181,3 +184,50 @@ def test_wrong_shapes_are_refused(shape):
         get_layout("fp8_ds_mla").quantize(torch.randn(shape))
     with pytest.raises(ValueError, match="uint8"):
         get_layout("fp8_ds_mla").dequantize(torch.zeros(4, 655, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_byte_fields_tile_the_token(name):
+    """The fields the roundtrip suite names a wrong byte by cover every byte once, in order."""
+    layout = get_layout(name)
+    ends = [0] + [end for _, _, end in layout.fields]
+    assert [start for _, start, _ in layout.fields] == ends[:-1] and ends[-1] == layout.bytes_per_token
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_empty_and_strided_inputs_encode_like_contiguous_ones(name):
+    """No token (an empty step) encodes to no byte; a transposed (column-major) view encodes as its contiguous copy:
+    both crashed inside the codecs."""
+    layout = get_layout(name)
+    x = random_latent(6, seed=random.randrange(2 ** 32)).float()
+    scale = layout.fit_tensor_scale(x)
+    empty = layout.quantize(x[:0], scale)
+    assert empty.shape == (0, layout.bytes_per_token) and layout.dequantize(empty, scale).shape == (0, LATENT_DIM)
+    strided = x.t().contiguous().t()
+    assert torch.equal(layout.quantize(strided, scale), layout.quantize(x, scale))
+
+
+LAYOUT = get_layout("fp8_ds_mla")
+
+
+def _cache() -> PagedCache:
+    return PagedCache.empty(LAYOUT, 2, 4)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: PagedCache.empty(LAYOUT, 4, 0), "page_size must be an int >= 1, got 0"),
+    (lambda: PagedCache(LAYOUT, torch.empty(4, 0, 656, dtype=torch.uint8)), "page size must be >= 1, got 0"),
+    (lambda: PagedCache.empty(LAYOUT, -1, 16), "num_blocks must be an int >= 0, got -1"),
+    (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([0.5, 1.7, 2.2])),  # was truncated to 0, 1, 2
+     "slot_mapping must be an int32 or int64 tensor [3], got torch.float32 [3]"),
+    (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([True, False, True])), "got torch.bool [3]"),
+    (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([1, 5, 1])), "writes 2 tokens to slot 1"),
+    (lambda: write_cache(_cache(), random_latent(1, 1)[0], torch.tensor([1])), "values must be a tensor [N, 576]"),
+    (lambda: gather_cache(_cache(), torch.tensor([[0, 1]])), "token_slots must be an int32 or int64 tensor [N]"),
+    (lambda: gather_cache(_cache(), torch.tensor([0.5])), "got torch.float32 [1]"),  # was slot 0
+    (lambda: gather_cache(_cache(), [0, 1]), "got list"),
+    (lambda: get_layout("fp8_e4m3").quantize(random_latent(2, 1), True), "tensor_scale must be a finite positive"),
+])
+def test_caches_and_cache_ops_refuse_bad_input_naming_it(call, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call()

@@ -4,10 +4,12 @@ request mixes, no host reads in the fast builders, and planted builder bugs the 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
+from impls.triton.kv_indices import _kv_indices_kernel
 from mla_bench.metadata import fast, reference
 from suites.base import RunContext
 from suites.metadata import BUILDERS, Builder, MetadataSuite, check, make_case, random_case
@@ -149,15 +151,114 @@ def _paged_transform_dropping_invalid(case):
     return (slots + index % case.page_size).to(torch.int32)
 
 
-@pytest.mark.parametrize("builder, planted, caught_on", [
-    ("max_qo_len", _max_qo_len_of_last_request, "one huge"),
-    ("kv_indices", _kv_indices_one_page_too_many_on_boundaries, "page boundaries"),
-    ("transform paged", _paged_transform_dropping_invalid, "decode"),
+def _paged_transform_only_minus_one_invalid(case):
+    """Padding tested as ``index != -1``: FlashMLA's other invalid indices (-2, -123456, -2^31) index the table."""
+    index = case.on_device("topk_indices").long()
+    request = fast.owners(case.on_device("query_start_loc"), index.shape[0])
+    valid = (index != -1) & (index < case.on_device("seq_lens")[request][:, None])
+    safe = torch.where(valid, index, 0)
+    slots = case.on_device("block_table")[request[:, None], safe // case.page_size].long() * case.page_size
+    return torch.where(valid, slots + safe % case.page_size, -1).to(torch.int32)
+
+
+def _ragged_transform_taking_kv_len_as_valid(case):
+    """``index <= kv_len``: position kv_len (one past the request) becomes the next request's first row."""
+    index = case.on_device("topk_indices").long()
+    request = fast.owners(case.on_device("query_start_loc"), index.shape[0])
+    valid = (index >= 0) & (index <= case.on_device("seq_lens")[request][:, None])
+    return torch.where(valid, index + case.on_device("kv_start_loc")[request][:, None], -1).to(torch.int32)
+
+
+def _last_page_len_subtracting_in_place(case):
+    """``last = seq_lens; last -= ...``: right answer, but seq_lens (read by every other builder) is rewritten."""
+    seq = case.on_device("seq_lens")
+    pages = fast.pages_per_request(seq, case.page_size)
+    last = seq
+    last -= torch.where(pages > 0, (pages - 1) * case.page_size, 0).to(seq.dtype)
+    return last.clone()
+
+
+def _kv_indices_kernel_with_width_as_stride(case):
+    """The Triton kv_indices kernel launched with the block table's width as its row stride (engines slice a wider
+    persistent table, whose rows are further apart)."""
+    seq, table = case.on_device("seq_lens"), case.on_device("block_table")
+    indptr = fast.cumulative(fast.pages_per_request(seq, case.page_size))
+    out = torch.empty(case.sizes.num_pages, dtype=torch.int32, device=table.device)
+    _kv_indices_kernel[(table.shape[0],)](indptr, table, table.shape[1], out, BLOCK=128)
+    return out
+
+
+def _max_qo_len_hard_coded_to_one(case):
+    """ATOM's other bug: max_qo_len = 1, wrong as soon as a request has several query tokens (MTP, prefill)."""
+    return torch.ones((), dtype=torch.int32, device=case.device)
+
+
+def _slot_mapping_of_decode_only(case):
+    """Every new token written at position seq_len - 1, as if each request had one query token."""
+    request = fast.owners(case.on_device("query_start_loc"), case.sizes.num_tokens)
+    position = case.on_device("seq_lens")[request].long() - 1
+    safe = position.clamp(min=0)
+    slots = case.on_device("block_table")[request, safe // case.page_size].long() * case.page_size
+    return torch.where(position >= 0, slots + safe % case.page_size, -1)
+
+
+@pytest.mark.parametrize("builder, planted, caught_on, says", [
+    ("max_qo_len", _max_qo_len_of_last_request, "one huge", "elements differ"),
+    ("kv_indices", _kv_indices_one_page_too_many_on_boundaries, "page boundaries", "shape"),
+    ("transform paged", _paged_transform_dropping_invalid, "decode", "elements differ"),
+    ("transform paged", _paged_transform_only_minus_one_invalid, "decode", "raised IndexError"),
+    ("transform ragged", _ragged_transform_taking_kv_len_as_valid, "decode", "instead of -1"),
+    ("kv_last_page_len", _last_page_len_subtracting_in_place, "one huge", "wrote into its input seq_lens"),
+    ("kv_indices (triton)", _kv_indices_kernel_with_width_as_stride, "one huge", "elements differ"),
+    ("max_qo_len", _max_qo_len_hard_coded_to_one, "mtp", "1 instead of 3"),
+    ("slot mapping", _slot_mapping_of_decode_only, "mtp", "elements differ"),
 ])
-def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on):
+def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on, says, one_thread):
+    """On fresh mixes (a new seed each run): only the planted builder fails, on the mix named, saying how."""
+    seed = random.randrange(2 ** 32)
     suite = MetadataSuite(builders=_replace(builder, planted))
-    results = list(suite.run(RunContext(impls=[], device=torch.device(DEVICE), page_sizes=[16])))
+    results = list(suite.run(RunContext(impls=[], device=torch.device(DEVICE), page_sizes=[16], seed=seed)))
     failed = [r for r in results if r.status == "failed"]
-    assert [r.check for r in failed] == [builder]
-    assert caught_on in failed[0].message
-    assert all(r.status == "passed" for r in results if r.check != builder and "triton" not in r.check)
+    assert [r.check for r in failed] == [builder], f"seed {seed}"
+    mix = next((part for part in failed[0].message.split("; ") if part.startswith(caught_on + ":")), "")
+    assert says in mix, f"seed {seed}: {failed[0].message[:500]}"
+    assert all(r.status == "passed" for r in results if r.check != builder), f"seed {seed}"
+
+
+# ---- bad input: a clear error naming the problem, never a deep traceback or a silent wrong answer ------------------
+SEQ, QSL = torch.tensor([3, 4], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: reference.slot_mapping([1, 2], [3, 4], TABLE, 0), "page_size must be a positive int, got 0"),
+    (lambda: reference.slot_mapping([1, 2], [3, 9], TABLE, 2),
+     "request 1: kv_len 9 exceeds the block table's capacity (3 blocks x page size 2 = 6 tokens)"),
+    (lambda: reference.flashinfer_csr([3, 9], TABLE, 2), "request 1: kv_len 9 exceeds"),  # was a short kv_indices
+    (lambda: reference.slot_mapping([1, 2], [3, -4], TABLE, 2), "request 1: lengths must be >= 0"),  # was silent
+    (lambda: reference.slot_mapping([5, 2], [3, 4], TABLE, 2), "request 0: query longer than context"),
+    (lambda: reference.slot_mapping([1, 1, 1], [3, 4, 1], TABLE, 2), "block_table must be"),
+    (lambda: reference.token_page_table(TABLE.float(), [3, 4], 2), "got torch.float32 [2, 3]"),
+    (lambda: reference.transform_indices_ragged(torch.ones(1, 2, dtype=torch.int32), [1, 2], [3, 4]),
+     "topk_indices must be int32 or int64 [3 query tokens, topk], got torch.int32 [1, 2]"),
+    (lambda: reference.dcp_slot_mapping([1, 1], [3, 19], TABLE, 2, 0, 2, 1), "DCP rank 0 of 2"),
+    (lambda: reference.dcp_local_len(5, 2, 2, 1), "0 <= rank < world; got rank=2"),
+    (lambda: fast.slot_mapping(QSL, SEQ, TABLE, 0, 3), "page_size must be a positive int, got 0"),
+    (lambda: fast.cumulative(torch.tensor([1.5, 2.0])), "lengths must be a 1-D int32 or int64 tensor"),
+    (lambda: fast.flashinfer_csr(SEQ, TABLE[:1], 2, 4), "seq_lens holds 2 requests, block_table holds 1"),
+    (lambda: fast.token_page_table(SEQ, TABLE, 2, 9), "width 9 exceeds the block table's capacity"),
+    (lambda: fast.transform_indices_paged(SEQ, QSL, SEQ, TABLE, 2), "topk_indices must be a 2-D"),
+    (lambda: fast.dcp_local_lens(SEQ, 0, 0, 1), "world >= 1"),
+    (lambda: make_case("mine", [1], [3], 0, 0, DEVICE), "mix 'mine': page_size must be a positive int"),
+    (lambda: make_case("mine", [1, 1], [3], 16, 0, DEVICE), "mix 'mine': q_lens has 2 requests"),  # was truncated
+    (lambda: make_case("mine", [], [], 16, 0, DEVICE), "mix 'mine': a mix needs at least one request"),
+    (lambda: list(MetadataSuite().run(RunContext(impls=[], device=torch.device(DEVICE), page_sizes=[0]))),
+     "page_size must be a positive int, got 0"),
+])
+def test_bad_input_gets_an_error_naming_it(call, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call()
+
+
+def test_an_empty_batch_has_max_length_zero_in_both_builders():
+    assert reference.max_qo_len([]) == reference.max_kv_len([]) == 0
+    assert int(fast.max_len(torch.empty(0, dtype=torch.int32))) == 0

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import io
+import random
 
 import pytest
 import torch
 from rich.console import Console
 
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.layouts import NOPE_DIM
-from mla_bench.layouts.formats import e4m3_encode, f32_bytes
-from mla_bench.layouts.fp8 import FP8DSMLALayout
+from mla_bench.layouts import NOPE_DIM, get_layout
+from mla_bench.layouts.formats import E4M3_MAX, FLT_MIN, e4m3_encode, f32_bytes
+from mla_bench.layouts.fp8 import FP8DSMLALayout, FP8PerTensorLayout
 from mla_bench.registry import Capabilities, ImplEntry, discover
 from mla_bench.workload import Mode
 from impls.torch_eager import TorchEager
@@ -89,17 +90,132 @@ class TruncatedRope(FP8DSMLALayout):
         return torch.cat([raw[:, :NOPE_DIM + 16], truncated.view(torch.uint8)], dim=1)
 
 
+class TensorScaleWithoutFloor(FP8PerTensorLayout):
+    """Per-layer scale amax / 448 with no floor: a layer of zeros (a profiling run's) gets scale 0."""
+
+    name = "planted_tensor_scale_without_floor"
+
+    def fit_tensor_scale(self, x):
+        finite = x.float().abs()[torch.isfinite(x)]
+        return float(finite.max()) / E4M3_MAX if finite.numel() else 0.0
+
+
+class TensorScaleOverNonfinite(FP8PerTensorLayout):
+    """Per-layer scale from the amax of every value, NaN/Inf included: one bad token spoils the layer's scale."""
+
+    name = "planted_tensor_scale_over_nonfinite"
+
+    def fit_tensor_scale(self, x):
+        return max(float(x.float().abs().max()) / E4M3_MAX, FLT_MIN)
+
+
+class Float32Rope(FP8DSMLALayout):
+    """Rope stored as float32 (the cast to bf16 forgotten): 784 bytes a token where the format has 656."""
+
+    def __init__(self) -> None:
+        super().__init__(pow2=False)
+        self.name = "planted_float32_rope"
+
+    def _encode(self, x, tensor_scale):
+        raw = super()._encode(x, tensor_scale)
+        return torch.cat([raw[:, :NOPE_DIM + 16], f32_bytes(x[:, NOPE_DIM:])], dim=1)
+
+
+class Pow2CodesExactScale(FP8DSMLALayout):
+    """Codes divided by the power-of-two scale, but the exact amax / 448 stored: pow2 in one place, not the other."""
+
+    def __init__(self) -> None:
+        super().__init__(pow2=True)
+        self.name = "planted_pow2_codes_exact_scale"
+
+    def _encode(self, x, tensor_scale):
+        raw = super()._encode(x, tensor_scale)
+        exact = (x[:, :NOPE_DIM].float().reshape(-1, 4, 128).abs().amax(dim=-1) / E4M3_MAX).clamp(min=FLT_MIN)
+        return torch.cat([raw[:, :NOPE_DIM], f32_bytes(exact), raw[:, NOPE_DIM + 16:]], dim=1)
+
+
+def _run(seed: int, page_size: int = 16, **suite_args) -> list:
+    """The suite without its capability matrix, on one page size."""
+    suite = RoundtripSuite(matrix=False, **suite_args)
+    return list(suite.run(RunContext(impls=[], device=DEVICE, page_sizes=[page_size], seed=seed)))
+
+
 @pytest.mark.parametrize("layout, check, says", [
     (NoScaleFloor(), "edge inputs", "all-zero blocks decode to"),
-    (TruncatedRope(), "codec bounds", "the stated bound"),
+    (TruncatedRope(), "codec bounds", "the stated bound (at token"),
+    (TensorScaleWithoutFloor(), "edge inputs", "the per-layer scale fitted to all-zero values is 0.0"),
+    (TensorScaleOverNonfinite(), "edge inputs", "the per-layer scale fitted to NaN/Inf-holding values is nan"),
+    (Float32Rope(), "codec bounds", "its encoder wrote torch.uint8 [256, 784], expected uint8 [256, 656]"),
+    (Pow2CodesExactScale(), "codec bounds", "the stated bound (at token"),
 ])
 def test_planted_codec_bugs_are_flagged(layout, check, says):
-    suite = RoundtripSuite(layouts={layout.name: layout}, matrix=False)
-    results = list(suite.run(RunContext(impls=[], device=DEVICE, page_sizes=[16])))
+    seed = random.randrange(2 ** 32)
+    results = _run(seed, layouts={layout.name: layout})
     flagged = [r for r in results if r.check == check]
-    assert len(flagged) == 1 and flagged[0].status == "failed" and says in flagged[0].message
+    assert len(flagged) == 1 and flagged[0].status in ("failed", "error"), f"seed {seed}"
+    assert says in flagged[0].message, f"seed {seed}: {flagged[0].message[:300]}"
     # the Triton kernels do not claim a layout they do not implement
     assert {r.status for r in results if r.check.startswith("triton")} == {"unsupported"}
+
+
+# ---- planted cache ops (write / gather kernels): each given alone, the other op is the Triton one -----------------
+SCALES = slice(NOPE_DIM, NOPE_DIM + 16)  # fp8_ds_mla's four fp32 tile scales
+
+
+def _planted_write(rows=lambda cache, slots: slots, scale_bytes=None, skip_padding=True, check_every_row=False):
+    """A torch cache write with the reference codec's bytes at the right slots, but for the bug its arguments plant:
+    ``rows`` maps slots to cache rows, ``scale_bytes`` rewrites fp8_ds_mla's tile scales, ``skip_padding=False``
+    writes slot -1 rows (to the last row), ``check_every_row`` refuses NaN in padding rows too."""
+    def write(cache, values, slots, propagate_nonfinite=False):
+        kept = slots >= 0 if skip_padding else torch.ones_like(slots, dtype=torch.bool)
+        cache.layout.check_input(values if check_every_row else values[kept], propagate_nonfinite)
+        raw = cache.layout.quantize(values[kept], cache.tensor_scale, propagate_nonfinite=True)
+        if scale_bytes:
+            raw[:, SCALES] = scale_bytes(raw[:, SCALES].contiguous().view(torch.float32))
+        cache.rows()[rows(cache, slots[kept].long())] = raw
+    return write
+
+
+def _write_validating_the_top_slot(cache, values, slots, propagate_nonfinite=False):
+    """Checks the slots with ``slots.max()``, which raises on an empty step (no token)."""
+    if int(slots.max()) >= cache.num_slots:
+        raise ValueError("slot_mapping points past the cache")
+    _planted_write()(cache, values, slots, propagate_nonfinite)
+
+
+def _gather_rounding_scales_to_bf16(cache, slots, dtype):
+    """FlashMLA's Hopper kernel rounds each tile scale to bf16 (exact only for power-of-two scales), here on the
+    exact-scale layout: the kernel and the quantizer disagree."""
+    raw = cache.rows()[slots.long()].clone()
+    raw[:, SCALES] = f32_bytes(raw[:, SCALES].contiguous().view(torch.float32).bfloat16().float())
+    return cache.layout.dequantize(raw).float().to(dtype)
+
+
+@pytest.mark.parametrize("ops, check, says", [
+    ({"write": _planted_write(scale_bytes=lambda scale: f32_bytes(1 / scale))}, "triton write",
+     "tile scales fp32 (bytes 512-527) in"),
+    ({"write": _planted_write(rows=lambda c, s: s % c.page_size * c.num_blocks + s // c.page_size)}, "triton write",
+     "slots no token goes to changed"),
+    ({"write": _planted_write(skip_padding=False)}, "triton write", "(padding written, or a wrong slot"),
+    ({"write": _planted_write(check_every_row=True)}, "triton write",
+     "NaN/Inf in padding rows (slot -1, never written) refused"),
+    ({"write": _write_validating_the_top_slot}, "triton write", "an empty write (0 tokens) raised RuntimeError"),
+    ({"gather": _gather_rounding_scales_to_bf16}, "triton gather",
+     "values differ from the reference dequantization, first at token"),
+])
+def test_planted_cache_op_bugs_are_flagged(ops, check, says):
+    """The write names the field and slot a wrong byte is in; a write given without a gather is the one checked."""
+    seed = random.randrange(2 ** 32)
+    results = _run(seed, layouts={"fp8_ds_mla": get_layout("fp8_ds_mla")}, **ops)
+    flagged = [r for r in results if r.status != "passed"]
+    assert [r.check for r in flagged] == [check], f"seed {seed}: {[(r.check, r.message[:200]) for r in flagged]}"
+    assert flagged[0].status == "failed" and says in flagged[0].message, f"seed {seed}: {flagged[0].message[:400]}"
+
+
+def test_a_bad_page_size_is_an_error_result_that_names_it_first():
+    results = _run(random.randrange(2 ** 32), page_size=0, layouts={})
+    assert [(r.check, r.status) for r in results] == [("conversions", "error")]
+    assert results[0].message.startswith("ValueError: mix 'decode': page_size must be a positive int, got 0")
 
 
 # ---- planted impls: the matrix has no crash cell and no wrong answer ----------------------------------------------

@@ -29,6 +29,8 @@ class CacheLayout(ABC):
     needs_tensor_scale: bool = False
     # Columns that share a scale, in kv_c and in k_pe: a NaN/Inf input spreads over its block (1: per element).
     scale_blocks: tuple[int, int] = (1, 1)
+    # The token's byte fields in order, (name, start, end), tiling [0, bytes_per_token): where a wrong byte is.
+    fields: tuple[tuple[str, int, int], ...] = ()
 
     def fit_tensor_scale(self, x: torch.Tensor) -> float | None:
         """The per-layer scale for values ``x`` (None for layouts without one)."""
@@ -44,7 +46,11 @@ class CacheLayout(ABC):
         self.check_input(x, propagate_nonfinite)
         if self.needs_tensor_scale:
             check_tensor_scale(self.name, tensor_scale)
-        return self._encode(x, tensor_scale)
+        raw = self._encode(x, tensor_scale)
+        if raw.dtype != torch.uint8 or raw.shape != (x.shape[0], self.bytes_per_token):
+            raise ValueError(f"layout {self.name}: its encoder wrote {raw.dtype} {list(raw.shape)}, expected uint8 "
+                             f"[{x.shape[0]}, {self.bytes_per_token}] ({self.bytes_per_token} bytes per token)")
+        return raw
 
     def dequantize(self, raw: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         """Decode ``[N, bytes_per_token]`` uint8 into float64 ``[N, 576]``, exactly."""
@@ -90,9 +96,9 @@ class CacheLayout(ABC):
 
 
 def check_tensor_scale(layout: str, tensor_scale: float | None) -> None:
-    """A per-layer scale must be a finite positive number."""
-    if tensor_scale is None or not isinstance(tensor_scale, (int, float)) or not math.isfinite(tensor_scale) \
-            or tensor_scale <= 0:
+    """A per-layer scale must be a finite positive number (not a bool, which Python counts as an int)."""
+    if isinstance(tensor_scale, bool) or not isinstance(tensor_scale, (int, float)) \
+            or not math.isfinite(tensor_scale) or tensor_scale <= 0:
         raise ValueError(f"layout {layout}: tensor_scale must be a finite positive number, got {tensor_scale!r}")
 
 
@@ -113,6 +119,8 @@ class PagedCache:
             raise ValueError(f"PagedCache for {self.layout.name}: data must be uint8 "
                              f"[num_blocks, page_size, {self.layout.bytes_per_token}], got "
                              f"{self.data.dtype} {list(self.data.shape)}")
+        if self.data.shape[1] < 1:
+            raise ValueError(f"PagedCache for {self.layout.name}: page size must be >= 1, got {self.data.shape[1]}")
         if self.layout.needs_tensor_scale:
             check_tensor_scale(self.layout.name, self.tensor_scale)
 
@@ -120,6 +128,9 @@ class PagedCache:
     def empty(cls, layout: CacheLayout, num_blocks: int, page_size: int, device: torch.device | str = "cpu",
               tensor_scale: float | None = None) -> "PagedCache":
         """A poisoned cache of ``num_blocks`` pages."""
+        for name, value, least in (("num_blocks", num_blocks, 0), ("page_size", page_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"PagedCache.empty: {name} must be an int >= {least}, got {value!r}")
         data = torch.full((num_blocks, page_size, layout.bytes_per_token), POISON_BYTE, dtype=torch.uint8,
                           device=device)
         return cls(layout, data, tensor_scale)

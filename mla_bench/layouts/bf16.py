@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_bench.layouts.base import LATENT_DIM, CacheLayout
+from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, CacheLayout
 from mla_bench.layouts.formats import bf16_bytes, bf16_error_bound, bf16_from_bytes
 
 
@@ -12,6 +12,7 @@ class BF16Layout(CacheLayout):
     name = "bf16"
     bytes_per_token = 2 * LATENT_DIM
     description = "[kv_c 512 | k_pe 64] bfloat16; exact for bfloat16 inputs (all engines)"
+    fields = (("kv_c bf16", 0, 2 * NOPE_DIM), ("k_pe bf16", 2 * NOPE_DIM, 2 * LATENT_DIM))
 
     def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         return bf16_error_bound(x)

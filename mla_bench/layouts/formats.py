@@ -96,7 +96,7 @@ def bf16_bytes(values: torch.Tensor) -> torch.Tensor:
     bytes."""
     bits = values.to(torch.bfloat16).contiguous().view(torch.int16)
     bits = torch.where(torch.isnan(values), BF16_NAN, bits).to(torch.int16)
-    return bits.view(torch.uint8)
+    return bits.contiguous().view(torch.uint8)  # where() keeps a strided input's layout, which view() refuses
 
 
 def bf16_from_bytes(raw: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tup
 
     ``floor_after_divide``: ``max(amax / 6, 1e-10)`` (block-16 codec) versus ``max(amax, 1e-12) / 6`` (NSA).
     """
-    blocks = values.float().reshape(values.shape[0], -1, block)
+    blocks = values.float().reshape(values.shape[0], values.shape[1] // block, block)  # no -1 anywhere: N may be 0
     amax = blocks.abs().amax(dim=-1)
     target = torch.clamp(amax / E2M1_MAX, min=1e-10) if floor_after_divide else torch.clamp(amax, min=1e-12) / E2M1_MAX
     exponent = ceil_log2(target)
@@ -38,20 +38,20 @@ def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tup
     codes = e2m1_encode(blocks, torch.exp2(exponent.float())[..., None], ties="away")
     codes = torch.where(finite[..., None], codes, 0)
     scale_bytes = torch.where(finite, exponent + 127, UE8M0_NAN).to(torch.uint8)
-    return pack_nibbles(codes.reshape(values.shape[0], -1)), scale_bytes
+    return pack_nibbles(codes.flatten(1)), scale_bytes
 
 
 def mx_error_bound(values: torch.Tensor, block: int, floor_after_divide: bool) -> torch.Tensor:
     """The MX scale is the power of two at or above its target, so at most twice the target."""
-    blocks = values.double().reshape(values.shape[0], -1, block)
+    blocks = values.double().reshape(values.shape[0], values.shape[1] // block, block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     target = (amax / E2M1_MAX).clamp(min=1e-10) if floor_after_divide else amax.clamp(min=1e-12) / E2M1_MAX
-    return e2m1_error_bound(blocks, 2 * target * SLACK).reshape(values.shape[0], -1)
+    return e2m1_error_bound(blocks, 2 * target * SLACK).flatten(1)
 
 
 def mx_decode(packed: torch.Tensor, scale_bytes: torch.Tensor, block: int) -> torch.Tensor:
-    codes = unpack_nibbles(packed).reshape(packed.shape[0], -1, block)
-    return (e2m1_decode(codes) * ue8m0_decode(scale_bytes)[..., None]).reshape(packed.shape[0], -1)
+    codes = unpack_nibbles(packed).reshape(packed.shape[0], 2 * packed.shape[1] // block, block)
+    return (e2m1_decode(codes) * ue8m0_decode(scale_bytes)[..., None]).flatten(1)
 
 
 class FP4MX16Layout(CacheLayout):
@@ -59,6 +59,7 @@ class FP4MX16Layout(CacheLayout):
     bytes_per_token = LATENT_DIM // 2 + LATENT_DIM // 16
     description = "[288 packed e2m1 (all 576, rope too) | 36 ue8m0 scales per 16] (SGLang MLATokenToKVPoolFP4)"
     scale_blocks = (16, 16)
+    fields = (("e2m1 codes", 0, LATENT_DIM // 2), ("ue8m0 scales", LATENT_DIM // 2, LATENT_DIM // 2 + LATENT_DIM // 16))
 
     def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         return mx_error_bound(x, 16, floor_after_divide=True)
@@ -76,6 +77,8 @@ class MXFP4NSALayout(CacheLayout):
     bytes_per_token = NOPE_DIM // 2 + NOPE_DIM // 32 + 2 * ROPE_DIM
     description = "[256 packed e2m1 nope | 16 ue8m0 scales per 32 | 64 bf16 rope] (SGLang NSA fp4)"
     scale_blocks = (32, 1)
+    fields = (("nope e2m1", 0, NOPE_DIM // 2), ("ue8m0 scales", NOPE_DIM // 2, NOPE_DIM // 2 + NOPE_DIM // 32),
+              ("rope bf16", NOPE_DIM // 2 + NOPE_DIM // 32, NOPE_DIM // 2 + NOPE_DIM // 32 + 2 * ROPE_DIM))
 
     def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         nope = mx_error_bound(x[:, :NOPE_DIM], 32, floor_after_divide=False)
@@ -98,6 +101,8 @@ class NVFP4Layout(CacheLayout):
                    "(SGLang GLM DSA)")
     needs_tensor_scale = True
     scale_blocks = (16, 1)
+    fields = (("nope e2m1", 0, NOPE_DIM // 2), ("e4m3 scales", NOPE_DIM // 2, NOPE_DIM // 2 + NOPE_DIM // 16),
+              ("rope bf16", NOPE_DIM // 2 + NOPE_DIM // 16, NOPE_DIM // 2 + NOPE_DIM // 16 + 2 * ROPE_DIM))
 
     def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         """Block scale ``s = e4m3(amax / 6g) * g``: at most ``amax / 6 * (1 + 2^-4) + 2^-10 g`` (e4m3 rounding), and

@@ -23,6 +23,7 @@ class FP8PerTensorLayout(CacheLayout):
     bytes_per_token = LATENT_DIM
     description = "576 x e4m3 of x/scale with one fp32 scale per layer (amax/448); rope quantized too (vLLM fp8)"
     needs_tensor_scale = True
+    fields = (("kv_c e4m3", 0, NOPE_DIM), ("k_pe e4m3", NOPE_DIM, LATENT_DIM))
 
     def fit_tensor_scale(self, x: torch.Tensor) -> float:
         finite = x.float().abs()[torch.isfinite(x)]
@@ -51,6 +52,8 @@ class FP8DSMLALayout(CacheLayout):
 
     bytes_per_token = NOPE_DIM + 4 * DS_MLA_TILES + 2 * ROPE_DIM
     scale_blocks = (DS_MLA_TILE, 1)
+    fields = (("nope e4m3", 0, NOPE_DIM), ("tile scales fp32", NOPE_DIM, NOPE_DIM + 4 * DS_MLA_TILES),
+              ("rope bf16", NOPE_DIM + 4 * DS_MLA_TILES, NOPE_DIM + 4 * DS_MLA_TILES + 2 * ROPE_DIM))
 
     def __init__(self, pow2: bool) -> None:
         self.pow2 = pow2

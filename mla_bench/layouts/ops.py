@@ -10,23 +10,40 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts.base import PagedCache
+from mla_bench.metadata.reference import describe
 
 
 def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Encode ``values`` ``[N, 576]`` and store row ``i`` at slot ``slot_mapping[i]`` (skipped when < 0)."""
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != values.shape[0]:
-        raise ValueError(f"slot_mapping must be [N] for {values.shape[0]} tokens, got {list(slot_mapping.shape)}")
-    slots = slot_mapping.to(device=cache.data.device, dtype=torch.int64)
+    """Encode ``values`` ``[N, 576]`` and store row ``i`` at slot ``slot_mapping[i]`` (skipped when < 0). Two tokens
+    for one slot are refused: which one a kernel keeps is a race."""
+    if not isinstance(values, torch.Tensor) or values.dim() != 2:
+        raise ValueError(f"values must be a tensor [N, 576], got {describe(values)}")
+    slots = _slots("slot_mapping", slot_mapping, cache, values.shape[0])
     keep = slots >= 0
-    if bool((slots[keep] >= cache.num_slots).any()):
+    kept = slots[keep]
+    if bool((kept >= cache.num_slots).any()):
         raise ValueError(f"slot_mapping points past the cache ({cache.num_slots} slots)")
+    unique, counts = kept.unique(return_counts=True)
+    shared = (counts > 1).nonzero().flatten()
+    if shared.numel():
+        raise ValueError(f"slot_mapping writes {int(counts[shared[0]])} tokens to slot {int(unique[shared[0]])}")
     encoded = cache.layout.quantize(values[keep.to(values.device)], cache.tensor_scale).to(cache.data.device)
     cache.rows()[slots[keep]] = encoded
 
 
 def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
     """Decode the tokens at ``token_slots`` ``[M]`` into float64 ``[M, 576]``."""
-    slots = token_slots.to(device=cache.data.device, dtype=torch.int64)
+    slots = _slots("token_slots", token_slots, cache)
     if slots.numel() and (bool((slots < 0).any()) or bool((slots >= cache.num_slots).any())):
         raise ValueError(f"token slots must lie in [0, {cache.num_slots})")
     return cache.layout.dequantize(cache.rows()[slots], cache.tensor_scale)
+
+
+def _slots(name: str, slots: torch.Tensor, cache: PagedCache, count: int | None = None) -> torch.Tensor:
+    """``slots`` as int64 on the cache's device, after checking it is an integer ``[count]`` tensor (a float slot
+    would be truncated to another slot, a bool taken as 0 / 1)."""
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1 \
+            or (count is not None and slots.shape[0] != count):
+        raise ValueError(f"{name} must be an int32 or int64 tensor [{'N' if count is None else count}], got "
+                         f"{describe(slots)}")
+    return slots.to(device=cache.data.device, dtype=torch.int64)

@@ -7,7 +7,9 @@ host (``HostSizes``), as engines do. Each builder equals its namesake in ``mla_b
 by the metadata suite on thousands of random request mixes), and the tests run them on the ``meta`` device, where
 any host read raises. ``impls/triton/kv_indices.py`` has a Triton kernel for ``kv_indices``.
 
-Every request-indexed input is a 1-D int tensor on one device; ``block_table`` is ``[B, width]`` int32.
+Every request-indexed input is a 1-D int tensor on one device; ``block_table`` is ``[B, width]`` int32. Each builder
+checks what the host knows (page size, dtypes, shapes, one batch size: ``check_inputs``); lengths beyond the block
+table are the caller's to refuse (``reference.check_table`` on the host lengths), as reading them would synchronize.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from typing import Callable
 
 import torch
 
-from mla_bench.metadata.reference import blocks_needed, check_dcp
+from mla_bench.metadata.reference import blocks_needed, check_dcp, check_dcp_rank, check_page_size, describe
+
+_TWO_DIMENSIONAL = ("block_table", "topk_indices")
+_NOT_PER_REQUEST = ("topk_indices", "pool")  # inputs whose first dimension is not the batch
 
 
 @dataclass(frozen=True)
@@ -37,21 +42,42 @@ class HostSizes:
                    max_pages=max(max(pages, default=0), 1), max_kv_len=max(kv_lens, default=0))
 
 
+def check_inputs(page_size: int | None = None, **inputs: torch.Tensor) -> None:
+    """ValueError naming the input unless ``page_size`` (when given) is a positive int and every input is an int32 or
+    int64 tensor of its rank (``block_table`` and ``topk_indices`` 2-D, the rest 1-D) whose first dimension counts
+    the same requests (``B + 1`` for names ending in ``_loc`` or ``indptr``). Host metadata only: nothing is read."""
+    if page_size is not None:
+        check_page_size(page_size)
+    batches = {}
+    for name, value in inputs.items():
+        dims = 2 if name in _TWO_DIMENSIONAL else 1
+        if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64) or value.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D int32 or int64 tensor, got {describe(value)}")
+        if name not in _NOT_PER_REQUEST:
+            batches[name] = value.shape[0] - name.endswith(("_loc", "indptr"))
+    if len(set(batches.values())) > 1:
+        raise ValueError("inputs of different batch sizes: " + ", ".join(f"{name} holds {count} requests"
+                                                                       for name, count in batches.items()))
+
+
 def cumulative(lengths: torch.Tensor) -> torch.Tensor:
     """``[0, l0, l0 + l1, ...]`` (int32 ``[B+1]``): query_start_loc / qo_indptr, cu_seqlens_k, kv_indptr. The sum is
     written in place after the leading 0 (padding a cumsum would cost a device-to-device copy)."""
+    check_inputs(lengths=lengths)
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     torch.cumsum(lengths, 0, dtype=torch.int32, out=out[1:])
     return out
 
 
 def pages_per_request(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    check_inputs(page_size, seq_lens=seq_lens)
     return (seq_lens + page_size - 1) // page_size
 
 
 def max_len(lengths: torch.Tensor) -> torch.Tensor:
-    """The longest length of the batch as a 0-d device tensor (max_qo_len, max_kv_len)."""
-    return lengths.max()
+    """The longest length of the batch as a 0-d device tensor (max_qo_len, max_kv_len); 0 for no request."""
+    check_inputs(lengths=lengths)
+    return lengths.max() if lengths.shape[0] else lengths.new_zeros(())
 
 
 def owners(starts: torch.Tensor, count: int) -> torch.Tensor:
@@ -64,6 +90,7 @@ def owners(starts: torch.Tensor, count: int) -> torch.Tensor:
 def block_table_from_pool(seq_lens: torch.Tensor, page_size: int, pool: torch.Tensor, width: int) -> torch.Tensor:
     """``reference.assign_blocks``: request after request takes its pages from the front of ``pool``; entries past a
     request's pages point at spare pages. ``width`` (>= the most pages a request needs) comes from the host."""
+    check_inputs(page_size, seq_lens=seq_lens, pool=pool)
     needed = pages_per_request(seq_lens.long(), page_size)
     starts = torch.cumsum(needed, 0) - needed
     total = needed.sum()
@@ -85,6 +112,7 @@ def _new_token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
 def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int,
                  num_tokens: int) -> torch.Tensor:
     """``reference.slot_mapping``: slots (int64) of the step's new tokens, -1 for a padding request's queries."""
+    check_inputs(page_size, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
     request, position = _new_token_positions(query_start_loc, seq_lens, num_tokens)
     safe = position.clamp(min=0)
     slots = block_table[request, safe // page_size].long() * page_size + safe % page_size
@@ -93,6 +121,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
 
 def kv_indices(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
     """FlashInfer's ``kv_indices`` (int32): each request's pages in order, ``num_pages`` of them in all."""
+    check_inputs(kv_indptr=kv_indptr, block_table=block_table)
     request = owners(kv_indptr, num_pages)
     column = torch.arange(num_pages, device=kv_indptr.device) - kv_indptr[request]
     return block_table[request, column].to(torch.int32)
@@ -102,6 +131,7 @@ def flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size:
                    indices: Callable = kv_indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reference.flashinfer_csr``: ``(kv_indptr, kv_indices, kv_last_page_len)`` (FlashInfer MLA's ``kv_len_arr`` is
     ``seq_lens`` itself); ``indices`` builds kv_indices (this module's, or the Triton kernel)."""
+    check_inputs(page_size, seq_lens=seq_lens, block_table=block_table)
     pages = pages_per_request(seq_lens, page_size)
     indptr = cumulative(pages)
     last = torch.where(pages > 0, seq_lens - (pages - 1) * page_size, 0).to(torch.int32)
@@ -110,6 +140,10 @@ def flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size:
 
 def token_page_table(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, width: int) -> torch.Tensor:
     """``reference.token_page_table``: ``page_table_1`` ``[B, width]`` (int64), -1 past each request's length."""
+    check_inputs(page_size, seq_lens=seq_lens, block_table=block_table)
+    if width > block_table.shape[1] * page_size:
+        raise ValueError(f"token_page_table: width {width} exceeds the block table's capacity ({block_table.shape[1]} "
+                         f"blocks x page size {page_size})")
     column = torch.arange(width, device=block_table.device)
     slots = block_table[:, column // page_size].long() * page_size + column % page_size
     return torch.where(column[None, :] < seq_lens[:, None], slots, -1)
@@ -118,6 +152,7 @@ def token_page_table(seq_lens: torch.Tensor, block_table: torch.Tensor, page_siz
 def flat_token_slots(kv_start_loc: torch.Tensor, block_table: torch.Tensor, page_size: int,
                      num_kv_tokens: int) -> torch.Tensor:
     """``reference.flat_token_slots``: every request's token slots (int64), request after request."""
+    check_inputs(page_size, kv_start_loc=kv_start_loc, block_table=block_table)
     request = owners(kv_start_loc, num_kv_tokens)
     position = torch.arange(num_kv_tokens, device=kv_start_loc.device) - kv_start_loc[request]
     return block_table[request, position // page_size].long() * page_size + position % page_size
@@ -125,6 +160,8 @@ def flat_token_slots(kv_start_loc: torch.Tensor, block_table: torch.Tensor, page
 
 def dcp_local_lens(seq_lens: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
     """``reference.dcp_local_len`` for every request: the tokens ``rank`` holds."""
+    check_dcp_rank(rank, world, interleave)
+    check_inputs(seq_lens=seq_lens)
     base = seq_lens // interleave // world * interleave
     return base + (seq_lens - base * world - rank * interleave).clamp(0, interleave)
 
@@ -133,7 +170,8 @@ def dcp_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bloc
                      page_size: int, num_tokens: int, rank: int, world: int, interleave: int) -> torch.Tensor:
     """``reference.dcp_slot_mapping``, computed as vLLM does: block-table entry ``j`` covers the global positions of
     a virtual page of ``page_size * world`` tokens, of which ``rank`` holds ``page_size``."""
-    check_dcp(page_size, world, interleave)
+    check_dcp(page_size, world, interleave, rank)
+    check_inputs(page_size, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
     request, position = _new_token_positions(query_start_loc, seq_lens, num_tokens)
     virtual = page_size * world
     safe = position.clamp(min=0)
@@ -147,6 +185,8 @@ def dcp_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bloc
 def transform_indices_paged(topk_indices: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """PAGED: each query token's top-k positions -> cache slots of its request; invalid (< 0 or >= kv_len) -> -1."""
+    check_inputs(page_size, topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                 block_table=block_table)
     request = owners(query_start_loc, topk_indices.shape[0])
     index = topk_indices.long()
     valid = (index >= 0) & (index < seq_lens[request][:, None])
@@ -157,7 +197,10 @@ def transform_indices_paged(topk_indices: torch.Tensor, query_start_loc: torch.T
 
 def transform_indices_ragged(topk_indices: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                              kv_start_loc: torch.Tensor) -> torch.Tensor:
-    """RAGGED: positions -> rows of the request-after-request gathered K (``idx + cu_seqlens_k[req]``); invalid -> -1."""
+    """RAGGED: positions -> rows of the request-after-request gathered K (``idx + cu_seqlens_k[req]``); invalid
+    -> -1."""
+    check_inputs(topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                 kv_start_loc=kv_start_loc)
     request = owners(query_start_loc, topk_indices.shape[0])
     index = topk_indices.long()
     valid = (index >= 0) & (index < seq_lens[request][:, None])
@@ -168,6 +211,8 @@ def build_step(lengths: torch.Tensor, block_table: torch.Tensor, page_size: int,
                indices: Callable = kv_indices) -> dict[str, torch.Tensor]:
     """Everything a decode/prefill step needs, from ``lengths`` ``[2, B]`` int32 (q_lens; kv_lens) already on the
     device (one host-to-device copy) and the persistent device block table. Equals ``reference.build_step``."""
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 2 or lengths.shape[0] != 2:
+        raise ValueError(f"lengths must be [2, B] (q_lens; kv_lens), got {describe(lengths)}")
     q_lens, seq_lens = lengths[0], lengths[1]
     query_start_loc, kv_start_loc = cumulative(q_lens), cumulative(seq_lens)
     kv_indptr, kv_indices_, last_page_len = flashinfer_csr(seq_lens, block_table, page_size, sizes.num_pages, indices)

@@ -12,7 +12,11 @@ ground truth it is checked against.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+from mla_bench.lengths import check_lengths
 
 
 def cumulative(lengths: list[int]) -> list[int]:
@@ -23,8 +27,20 @@ def cumulative(lengths: list[int]) -> list[int]:
     return out
 
 
+def check_page_size(page_size: int) -> None:
+    """ValueError unless ``page_size`` is a positive int (a page size of 0 would divide by zero deep inside)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
 def blocks_needed(kv_len: int, page_size: int) -> int:
+    check_page_size(page_size)
     return -(-kv_len // page_size)
+
+
+def check_kv_lens(kv_lens: list[int]) -> tuple[int, ...]:
+    """``kv_lens`` by the rules of ``mla_bench.lengths`` (ints, none negative), as a tuple."""
+    return check_lengths(kv_lens, kv_lens)[1]
 
 
 def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Generator,
@@ -36,6 +52,7 @@ def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Ge
     """
     if spare_blocks < 1:
         raise ValueError("spare_blocks must be >= 1: padding entries need a page no request owns")
+    kv_lens = check_kv_lens(kv_lens)
     num_blocks = sum(blocks_needed(n, page_size) for n in kv_lens) + spare_blocks
     pool = torch.randperm(num_blocks, generator=generator)
     return assign_blocks(kv_lens, page_size, pool), num_blocks
@@ -45,12 +62,12 @@ def assign_blocks(kv_lens: list[int], page_size: int, pool: torch.Tensor) -> tor
     """The block table when request after request takes its pages from the front of ``pool`` (a permutation of
     the block ids); entry ``j`` past request ``b``'s last page is spare page ``(b + j) % spares`` of the pages
     left over. Width: the most pages any request needs (at least 1)."""
-    needed = [blocks_needed(n, page_size) for n in kv_lens]
+    needed = [blocks_needed(n, page_size) for n in check_kv_lens(kv_lens)]
     pool = pool.tolist()
     if len(pool) <= sum(needed):
         raise ValueError(f"a pool of {len(pool)} blocks leaves no spare page after the {sum(needed)} the requests need")
     spare = pool[sum(needed):]
-    width = max(max(needed), 1)
+    width = max(max(needed, default=0), 1)
     rows, start = [], 0
     for b, n in enumerate(needed):
         rows.append(pool[start:start + n] + [spare[(b + j) % len(spare)] for j in range(n, width)])
@@ -58,19 +75,30 @@ def assign_blocks(kv_lens: list[int], page_size: int, pool: torch.Tensor) -> tor
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def check_block_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int, num_blocks: int) -> None:
-    """ValueError unless the int32 ``[B, max_blocks]`` block table holds every request's length and each entry a
-    request reads (its first ``ceil(kv_len / page_size)``) names one of the cache's ``num_blocks`` pages: a kernel
-    given a bad entry reads another request's page or faults, so ``plan`` refuses it."""
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != len(kv_lens):
-        raise ValueError(f"block_table must be int32 [{len(kv_lens)}, max_blocks], got {block_table.dtype} "
-                         f"{list(block_table.shape)}")
+def check_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int,
+                dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)) -> None:
+    """ValueError unless the page size is positive, ``kv_lens`` are lengths and ``block_table`` is a ``[B, width]``
+    tensor of ``dtypes`` with room for every request's ``kv_len``: past its width a builder would index out of
+    range, or read another row."""
+    kv_lens = check_kv_lens(kv_lens)
+    check_page_size(page_size)
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in dtypes or block_table.dim() != 2 \
+            or block_table.shape[0] != len(kv_lens):
+        raise ValueError(f"block_table must be {' or '.join(str(d) for d in dtypes)} [{len(kv_lens)}, max_blocks], "
+                         f"got {describe(block_table)}")
     capacity = block_table.shape[1] * page_size
     too_long = [b for b, n in enumerate(kv_lens) if n > capacity]
     if too_long:
         b = too_long[0]
         raise ValueError(f"request {b}: kv_len {kv_lens[b]} exceeds the block table's capacity "
                          f"({block_table.shape[1]} blocks x page size {page_size} = {capacity} tokens)")
+
+
+def check_block_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int, num_blocks: int) -> None:
+    """``check_table`` for an int32 table, and each entry a request reads (its first ``ceil(kv_len / page_size)``)
+    names one of the cache's ``num_blocks`` pages: a kernel given a bad entry reads another request's page or
+    faults, so ``plan`` refuses it."""
+    check_table(block_table, kv_lens, page_size, dtypes=(torch.int32,))
     table = block_table.cpu()  # read on the host: one copy of the table out, nothing in
     used = torch.tensor([blocks_needed(n, page_size) for n in kv_lens])
     in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
@@ -78,6 +106,19 @@ def check_block_table(block_table: torch.Tensor, kv_lens: list[int], page_size: 
     if bool(bad.any()):
         b, j = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} points outside the cache ({num_blocks} blocks)")
+
+
+def check_topk(topk_indices: torch.Tensor, q_lens: list[int]) -> None:
+    """ValueError unless the top-k indices are an integer ``[sum(q_lens), topk]`` tensor (one row a query token)."""
+    if not isinstance(topk_indices, torch.Tensor) or topk_indices.dtype not in (torch.int32, torch.int64) \
+            or topk_indices.dim() != 2 or topk_indices.shape[0] != sum(q_lens):
+        raise ValueError(f"topk_indices must be int32 or int64 [{sum(q_lens)} query tokens, topk], got "
+                         f"{describe(topk_indices)}")
+
+
+def describe(value: object) -> str:
+    """A tensor's dtype and shape, or the type of anything else, for error messages."""
+    return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_size: int) -> torch.Tensor:
@@ -88,12 +129,14 @@ def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_siz
 
 def flat_token_slots(block_table: torch.Tensor, kv_lens: list[int], page_size: int) -> torch.Tensor:
     """The flattened token page table: slots of all requests' tokens, request after request (int64)."""
+    check_table(block_table, kv_lens, page_size)
     parts = [request_token_slots(block_table, b, n, page_size) for b, n in enumerate(kv_lens)]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def token_page_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int) -> torch.Tensor:
     """``page_table_1`` ``[B, max kv_len]`` (int64): the slot of each request's token ``j``, -1 past its length."""
+    check_table(block_table, kv_lens, page_size)
     table = torch.full((len(kv_lens), max(kv_lens, default=0)), -1, dtype=torch.int64)
     for b, n in enumerate(kv_lens):
         table[b, :n] = request_token_slots(block_table, b, n, page_size)
@@ -103,6 +146,8 @@ def token_page_table(block_table: torch.Tensor, kv_lens: list[int], page_size: i
 def slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """Slots of the step's new tokens (the last ``q_len`` positions of each request), request after request; -1 for
     the queries of a padding request (``kv_len == 0``), which store nothing."""
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
+    check_table(block_table, kv_lens, page_size)
     slots = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         row = block_table[b].tolist()
@@ -115,6 +160,7 @@ def flashinfer_csr(kv_lens: list[int], block_table: torch.Tensor,
                    page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged KV as CSR, int32: ``kv_indptr`` ``[B+1]`` (page offsets), ``kv_indices`` (each request's
     pages in order) and ``kv_last_page_len`` ``[B]`` (tokens in the last page; 0 for a request with no page)."""
+    check_table(block_table, kv_lens, page_size)
     pages = [blocks_needed(n, page_size) for n in kv_lens]
     rows = block_table.tolist()
     indices = [page for row, n in zip(rows, pages) for page in row[:n]]
@@ -143,17 +189,20 @@ def block_table_from_token_table(table: torch.Tensor, kv_lens: list[int], page_s
 
 
 def max_qo_len(q_lens: list[int]) -> int:
-    """The longest query of the batch (not the last request's: ATOM shipped that bug)."""
-    return max(q_lens)
+    """The longest query of the batch (not the last request's: ATOM shipped that bug); 0 for no request."""
+    return max(q_lens, default=0)
 
 
 def max_kv_len(kv_lens: list[int]) -> int:
-    return max(kv_lens)
+    return max(kv_lens, default=0)
 
 
 def transform_indices_paged(topk_indices: torch.Tensor, q_lens: list[int], kv_lens: list[int],
                             block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """PAGED transform: logical position -> physical slot ``page_table_1[req, idx]``; invalid -> -1."""
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
+    check_table(block_table, kv_lens, page_size)
+    check_topk(topk_indices, q_lens)
     out = torch.full_like(topk_indices, -1)
     starts = cumulative(q_lens)
     for b, kv_len in enumerate(kv_lens):
@@ -168,6 +217,8 @@ def transform_indices_paged(topk_indices: torch.Tensor, q_lens: list[int], kv_le
 
 def transform_indices_ragged(topk_indices: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
     """RAGGED transform: logical position -> row of the request-after-request gathered K; invalid -> -1."""
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
+    check_topk(topk_indices, q_lens)
     out = torch.full_like(topk_indices, -1)
     q_starts, kv_starts = cumulative(q_lens), cumulative(kv_lens)
     for b, kv_len in enumerate(kv_lens):
@@ -184,6 +235,7 @@ def dcp_rank_of_position(position: int, world: int, interleave: int) -> int:
 
 def dcp_local_len(kv_len: int, rank: int, world: int, interleave: int) -> int:
     """Tokens of a request of length ``kv_len`` held by ``rank`` (vLLM's ``get_dcp_local_seq_lens``)."""
+    check_dcp_rank(rank, world, interleave)
     base = (kv_len // interleave // world) * interleave
     rem = kv_len - base * world
     return base + min(max(rem - rank * interleave, 0), interleave)
@@ -194,18 +246,33 @@ def dcp_local_position(position: int, world: int, interleave: int) -> int:
     return (position // (interleave * world)) * interleave + position % interleave
 
 
-def check_dcp(page_size: int, world: int, interleave: int) -> None:
-    """DCP layouts this bench (and vLLM) support: the interleave divides the page size."""
-    if world < 1 or interleave < 1 or page_size % interleave:
-        raise ValueError(f"DCP needs world >= 1 and an interleave that divides the page size; got world={world}, "
-                         f"interleave={interleave}, page_size={page_size}")
+def check_dcp_rank(rank: int, world: int, interleave: int) -> None:
+    """ValueError unless ``world >= 1``, ``interleave >= 1`` and ``0 <= rank < world``."""
+    if world < 1 or interleave < 1 or not 0 <= rank < world:
+        raise ValueError(f"DCP needs world >= 1, interleave >= 1 and 0 <= rank < world; got rank={rank}, "
+                         f"world={world}, interleave={interleave}")
+
+
+def check_dcp(page_size: int, world: int, interleave: int, rank: int = 0) -> None:
+    """DCP layouts this bench (and vLLM) support: a valid rank (``check_dcp_rank``) and an interleave that divides
+    the page size."""
+    check_dcp_rank(rank, world, interleave)
+    check_page_size(page_size)
+    if page_size % interleave:
+        raise ValueError(f"DCP needs an interleave that divides the page size; got interleave={interleave}, "
+                         f"page_size={page_size}")
 
 
 def dcp_slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.Tensor, page_size: int, rank: int,
                      world: int, interleave: int) -> torch.Tensor:
     """Slots on ``rank`` of the step's new tokens: a token the rank holds goes to its local position in the
     request's pages (every rank uses the same block table); tokens other ranks hold get -1."""
-    check_dcp(page_size, world, interleave)
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
+    check_dcp(page_size, world, interleave, rank)
+    try:
+        check_table(block_table, [dcp_local_len(n, rank, world, interleave) for n in kv_lens], page_size)
+    except ValueError as exc:
+        raise ValueError(f"DCP rank {rank} of {world} (kv_len: the tokens this rank holds): {exc}") from None
     slots = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         positions = range(kv_len - q_len, kv_len) if kv_len else [-1] * q_len  # a padding request stores nothing
