@@ -34,11 +34,16 @@ MATMUL_N = 8192
 COPY_BYTES = 1 << 30
 COPY_PAGE = 4096            # time_copy moves whole pages of this many bytes each way
 COPY_TRIES = 4              # ... and times this many sizes a page apart, keeping the fastest
+SPREAD_WINDOWS = 5          # TimingStats.spread: the range of the medians of this many consecutive slices
 
 
 @dataclass
 class TimingStats:
-    """Per-launch times in milliseconds."""
+    """Per-launch times in milliseconds. ``spread``: the largest minus the smallest median of ``SPREAD_WINDOWS``
+    consecutive slices of the samples, in launch order. A GPU has slower spells (an H100 ran a 22 us decode at 22.0
+    us in most windows of 2000 replays and at 24.5-25 in some, at the same clock), from tens of milliseconds to longer
+    than a whole measurement. A spell within the measurement moves whole slices, where the IQR of all samples barely
+    moves, and the gate reads both as noise; a spell over the whole measurement shows in neither."""
 
     median: float
     p25: float
@@ -48,6 +53,7 @@ class TimingStats:
     count: int
     method: str = GRAPH     # GRAPH or EVENTS
     fallback: str = ""      # why graphs were not used
+    spread: float = 0.0
 
     @property
     def iqr(self) -> float:
@@ -58,14 +64,16 @@ class TimingStats:
         if not samples_ms:
             raise ValueError("no timing samples")
         ordered = sorted(samples_ms)
+        size = -(-len(samples_ms) // SPREAD_WINDOWS)
+        windows = [statistics.median(samples_ms[i:i + size]) for i in range(0, len(samples_ms), size)]
         return cls(median=statistics.median(ordered), p25=_quantile(ordered, 0.25), p75=_quantile(ordered, 0.75),
                    minimum=ordered[0], mean=statistics.fmean(ordered), count=len(ordered), method=method,
-                   fallback=fallback)
+                   fallback=fallback, spread=max(windows) - min(windows))
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        """``{prefix: median, prefix_p25, prefix_p75, prefix_iqr, prefix_min}`` for a Result."""
+        """``{prefix: median, prefix_p25, prefix_p75, prefix_iqr, prefix_min, prefix_spread}`` for a Result."""
         return {prefix: self.median, f"{prefix}_p25": self.p25, f"{prefix}_p75": self.p75,
-                f"{prefix}_iqr": self.iqr, f"{prefix}_min": self.minimum}
+                f"{prefix}_iqr": self.iqr, f"{prefix}_min": self.minimum, f"{prefix}_spread": self.spread}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

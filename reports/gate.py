@@ -9,13 +9,14 @@ A finding is fatal when:
 - results that passed in the baseline are absent from the run (one finding per suite and impl, saying why: the
   impl is not installed here, did not run, or the workloads were not run): coverage lost, unless
   ``allow_missing`` (a run meant to cover part of the baseline: another sweep, filters, a machine without a peer);
-- a passed result lacks a gated metric (error metrics, NaN/Inf count, latency median and IQR) that the baseline's
-  passed result has, or holds a value no measurement gives (not finite, negative, a median <= 0): it would pass
-  every comparison below;
+- a passed result lacks a gated metric (error metrics, NaN/Inf count, latency median, IQR and spread) that the
+  baseline's passed result has, or holds a value no measurement gives (not finite, negative, a median <= 0): it
+  would pass every comparison below;
 - an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
   (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
-  noise_factor * max(IQR of either))``; latencies are compared only when both runs ran on the same GPU model.
+  noise_factor * max(IQR or spread of either))`` (the spread: see ``mla_bench.timing.TimingStats``); latencies are
+  compared only when both runs ran on the same GPU model.
 
 Results that failed in both runs, failed results now unsupported, allowed missing results and incomparable latencies
 are reported but not fatal.
@@ -31,7 +32,7 @@ from reports.pairing import duplicates, pair, same_gpu
 
 BAD = ("failed", "error")
 MISSING_SHOWN = 3  # workload labels a missing finding names
-LATENCY_METRICS = ("run_ms", "run_ms_iqr")
+LATENCY_METRICS = ("run_ms", "run_ms_iqr", "run_ms_spread")
 # Error metrics and the Tolerance field that bounds each.
 ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "cos_diff", "lse_max_abs": "lse_abs"}
 
@@ -193,11 +194,12 @@ def _latency(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
     median, base_median = new.metrics.get("run_ms"), base.metrics.get("run_ms")
     if median is None or base_median is None:
         return []
-    noise = max(new.metrics.get("run_ms_iqr", 0.0), base.metrics.get("run_ms_iqr", 0.0))
-    threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * noise)
+    iqr, spread = (max(new.metrics.get(name, 0.0), base.metrics.get(name, 0.0))
+                   for name in ("run_ms_iqr", "run_ms_spread"))  # a file of session 56 or older has no spread
+    threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * max(iqr, spread))
     if median > threshold or math.isnan(median):
         return [_finding("latency", new, f"median {median:.4g} ms > {threshold:.4g} ms (baseline {base_median:.4g} "
-                         f"ms, IQR {noise:.3g} ms)", True)]
+                         f"ms, IQR {iqr:.3g} ms, spread {spread:.3g} ms)", True)]
     return []
 
 

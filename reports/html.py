@@ -229,9 +229,10 @@ def _latency(run: Run, plots: list[Plot]) -> str:
     impls = sorted({r.impl for r in results})
     rows = _by_label(results)
     out = "<h2>Latency, bandwidth and the roofline</h2>" + "".join(_img(p) for p in plots)
-    out += ("<h3>Impls side by side</h3><p class='muted'>median run time &plusmn; IQR, bandwidth and compute as a "
-            "fraction of the ceilings measured in this run, plan time, timer; \"warm L2\" where the workload is "
-            "so small that its rotating input sets stay within a few times the L2</p>")
+    out += ("<h3>Impls side by side</h3><p class='muted'>median run time &plusmn; IQR, the spread of the medians of "
+            "its slices, bandwidth and compute as a fraction of the ceilings measured in this run, plan time, timer; "
+            "\"warm L2\" where the workload is so small that its rotating input sets stay within a few times the "
+            "L2</p>")
     if len(rows) > FULL_ROWS:
         shown = set(sorted(rows, key=lambda label: -len(rows[label]))[:FULL_ROWS])
         out += (f"<p>the {FULL_ROWS} of {len(rows)} workloads timed on the most impls; the plots draw the others and "
@@ -246,7 +247,8 @@ def _latency_cell(r: Result | None) -> str:
     if r is None:
         return '<td class="muted">-</td>'
     m = r.metrics
-    text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}<br>"
+    spread = f", spread {m['run_ms_spread']:.2g}" if "run_ms_spread" in m else ""  # not in runs of session 56 or older
+    text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}{spread}<br>"
             f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
             f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
             f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"

@@ -3,8 +3,8 @@
 Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several times
 the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its details),
 are built and planned (plan time measured on the host, per set), then ``run`` is timed over the
-rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``). Metrics: median and IQR of
-run and plan, GB/s and TFLOP/s (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and
+rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS``.
+Metrics: median, IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and
 bf16 matmul rate measured in the same run (yielded once per device as the ``ceilings`` result).
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so.
 """
@@ -28,6 +28,9 @@ from suites.base import RunContext, load_impls
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
 MEMORY_FRACTION = 0.3  # the rotating input sets may use at most this share of the free device memory
+# Each (impl, workload) is timed over about this long, so that its slices sample the device's slower spells (see
+# timing.TimingStats.spread), however short a launch: up to 18,000 launches of a 22 us decode.
+WINDOW_MS, MAX_ITERS = 400.0, 20_000
 
 
 class LatencySuite:
@@ -77,7 +80,8 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         for i in range(sets):
             problem = build_problem(input_set(workload, i), device)
             plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
-        stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device)
+        stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device,
+                                     target_ms=WINDOW_MS, max_iters=MAX_ITERS)
     except UnsupportedConfig as exc:
         return result("unsupported", message=str(exc))
     except Exception:  # noqa: BLE001 - an impl's crash is its result

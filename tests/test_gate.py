@@ -17,9 +17,9 @@ def _acc(impl="k", status="passed", rel=2e-3, label="w1", nonfinite=0, seed=0) -
                   message={"passed": "", "unsupported": "no fp8 cache"}.get(status, "kernel: rel_l2 too large"))
 
 
-def _lat(median, iqr=0.001, impl="k", label="w1") -> Result:
-    return Result("latency", "latency", "passed", impl=impl, workload={"label": label}, label=label,
-                  metrics={"run_ms": median, "run_ms_iqr": iqr})
+def _lat(median, iqr=0.001, impl="k", label="w1", spread=None) -> Result:
+    metrics = {"run_ms": median, "run_ms_iqr": iqr} | ({} if spread is None else {"run_ms_spread": spread})
+    return Result("latency", "latency", "passed", impl=impl, workload={"label": label}, label=label, metrics=metrics)
 
 
 def _run(*results, gpu="NVIDIA H100 80GB HBM3") -> Run:
@@ -59,6 +59,17 @@ def test_latency_slowdown_beyond_noise_is_fatal():
     # Noisy timings widen the threshold: 3 IQRs of 0.02 ms allow up to 0.160 ms.
     assert _fatal(base, _run(_lat(0.150, iqr=0.020))) == []
     assert [f.kind for f in _fatal(base, _run(_lat(0.170, iqr=0.020)))] == ["latency"]
+
+
+def test_a_spread_of_either_run_widens_the_latency_threshold_like_an_iqr():
+    """128 heads b1 ctx4096 on an H100: 22.2 us in the baseline, 26.1 in a run that met a slower spell."""
+    base = _run(_lat(0.0222, iqr=0.0007))
+    assert [f.kind for f in _fatal(base, _run(_lat(0.0261, iqr=0.0007, spread=0.0002)))] == ["latency"]
+    assert _fatal(base, _run(_lat(0.0261, iqr=0.0007, spread=0.0030))) == []  # 3 x 3.0 us allow up to 31.2 us
+    assert _fatal(_run(_lat(0.0222, iqr=0.0007, spread=0.0030)), _run(_lat(0.0261, iqr=0.0007, spread=0.0002))) == []
+    found = _fatal(base, _run(_lat(0.0330, iqr=0.0007, spread=0.0030)))
+    assert [f.kind for f in found] == ["latency"] and "spread 0.003 ms" in found[0].message
+    assert [f.kind for f in _fatal(base, _run(_lat(0.0222, spread=-1.0)))] == ["impossible value"]
 
 
 def test_a_passed_result_without_its_gated_metrics_or_with_impossible_ones_is_fatal():
