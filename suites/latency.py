@@ -1,11 +1,12 @@
 """Latency: plan time and run time of every impl on every workload of the sweep, on a CUDA device.
 
-Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several times
-the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its details),
-are built and planned (plan time measured on the host, per set), then ``run`` is timed over the
-rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS``.
-Metrics: median, IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and
-bf16 matmul rate measured in the same run (yielded once per device as the ``ceilings`` result).
+Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several
+times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its
+details), are built and planned (plan time measured on the host, per set), then ``run`` is timed over the rotating
+sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS``. Metrics: median,
+IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s
+(``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the
+same run (yielded once per device as the ``ceilings`` result).
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so.
 """
 
