@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from reports.console import COMPARE_ROWS
+from reports.limits import COMPARE_ROWS, REPORT_ROWS
 
 
 class _Console:
@@ -195,7 +195,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if problem:
         return _usage_error(problem)
     try:
-        console.print(f"report: {write_report(run, target)}")
+        console.print(f"report: {write_report(run, target, args.rows)}")
     except OSError as exc:  # a path the checks could not foresee (/proc, a full disk)
         return _usage_error(f"cannot write the report at {target}: {exc.strerror or exc}")
     return 0
@@ -344,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write the self-contained HTML report of a run")
     p.add_argument("run", help="run.json")
     p.add_argument("-o", "--output", help="report path (default: report.html beside the run file)")
+    p.add_argument("--rows", type=_int_from(0), default=REPORT_ROWS,
+                   help=f"a pass/fail matrix or latency table of more workloads is summarized, every failure kept "
+                        f"(default {REPORT_ROWS}; 0: never)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("compare", help="table of the differences between two runs")

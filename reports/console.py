@@ -15,6 +15,7 @@ from rich.text import Text
 
 from mla_bench.results import STATUSES, Result, Run
 from reports.gate import BAD, Finding, GateLimits
+from reports.limits import COMPARE_ROWS
 from reports.pairing import HEADLINE, duplicates, headline, pair, same_gpu
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "unsupported": "yellow", "error": "bold red"}
@@ -67,7 +68,6 @@ def untested_text(impl: str, reasons: Counter, limit: int = 3, width: int = 160)
     return text
 
 
-COMPARE_ROWS = 200  # a comparison of more results lists what changed first and counts what it leaves out
 NOTABLE = GateLimits().latency_slack  # a headline that moved by more than this fraction (10%) changed
 # What happened to a result from A to B (``_kind``), in the order a long comparison shows them.
 KINDS = ("new failure", "regression", "still failing", "failure not rerun", "fixed", "changed", "unchanged")

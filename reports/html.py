@@ -18,10 +18,10 @@ from typing import Iterable
 from mla_bench.results import STATUSES, Result, Run
 from reports.gate import BAD
 from reports.hidden_costs import hidden_cost_html
+from reports.limits import REPORT_ROWS
 from reports.plots import Plot, all_plots, layout_name
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
-FULL_ROWS = 100  # a pass/fail matrix or latency table of more workloads is summarized: thousands are unreadable
 SHORT = {"passed": "pass", "failed": "FAIL", "unsupported": "n/a", "error": "ERROR"}
 STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; }
@@ -43,18 +43,21 @@ def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def write_report(run: Run, path: str | Path) -> Path:
-    """Render the report to ``path``; each plot is also written as ``<stem>-<plot>.png`` beside it."""
+def write_report(run: Run, path: str | Path, rows: int = REPORT_ROWS) -> Path:
+    """Render the report to ``path``; each plot is also written as ``<stem>-<plot>.png`` beside it. ``rows``: see
+    ``render``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plots = all_plots(run)
     for plot in plots:
         path.with_name(f"{path.stem}-{plot.name}.png").write_bytes(plot.png)
-    path.write_text(render(run, plots))
+    path.write_text(render(run, plots, rows))
     return path
 
 
-def render(run: Run, plots: list[Plot]) -> str:
+def render(run: Run, plots: list[Plot], rows: int = REPORT_ROWS) -> str:
+    """The report's HTML; a pass/fail matrix or latency table of more than ``rows`` workloads is summarized (0:
+    never)."""
     named = {p.name: p for p in plots}
     parts = [
         "<!DOCTYPE html>",
@@ -67,13 +70,13 @@ def render(run: Run, plots: list[Plot]) -> str:
         _summary(run),
         _environment(run),
     ]
-    parts += _matrices(run)
+    parts += _matrices(run, rows or len(run.results))
     parts.append(_bench_checks(run))
     heatmaps = [p for p in plots if p.name.startswith("errors-")]
     if heatmaps:
         parts.append("<h2>Error heatmaps (layout x context)</h2>")
         parts += [_img(p) for p in heatmaps]
-    parts.append(_latency(run, [named[n] for n in ("latency", "roofline") if n in named]))
+    parts.append(_latency(run, [named[n] for n in ("latency", "roofline") if n in named], rows or len(run.results)))
     parts.append(_capability_matrix(run))
     parts.append(_hidden_costs(run))
     parts.append(_failures(run))
@@ -140,9 +143,9 @@ def _environment(run: Run) -> str:
     return out
 
 
-def _matrices(run: Run) -> list[str]:
+def _matrices(run: Run, limit: int) -> list[str]:
     """A pass/fail matrix (workload x impl) per suite and check, for results that name an impl; one of more than
-    ``FULL_ROWS`` workloads is summarized (``_summarized_matrix``)."""
+    ``limit`` workloads is summarized (``_summarized_matrix``)."""
     groups: dict[tuple[str, str], list[Result]] = defaultdict(list)
     for r in run.results:
         if r.impl and "capab" not in r.check.lower():
@@ -155,7 +158,7 @@ def _matrices(run: Run) -> list[str]:
         impls = sorted({r.impl for r in results})
         rows = _by_label(results)
         title = esc(suite) if suite == check else f"{esc(suite)}: {esc(check)}"
-        table = _matrix(rows, impls) if len(rows) <= FULL_ROWS else _summarized_matrix(rows, impls)
+        table = _matrix(rows, impls) if len(rows) <= limit else _summarized_matrix(rows, impls)
         out.append(f"<h3>{title}</h3>" + table)
     return out
 
@@ -221,7 +224,7 @@ def _bench_checks(run: Run) -> str:
     return "<h2>Checks of the bench's own parts</h2>" + _table(["suite", "check", "what", "status", "message"], rows)
 
 
-def _latency(run: Run, plots: list[Plot]) -> str:
+def _latency(run: Run, plots: list[Plot], limit: int) -> str:
     results = [r for r in run.results if r.suite == "latency" and r.impl and r.status == "passed"]
     if not results:
         notes = {r.brief for r in run.results if r.suite == "latency"}
@@ -233,9 +236,9 @@ def _latency(run: Run, plots: list[Plot]) -> str:
             "its slices, bandwidth and compute as a fraction of the ceilings measured in this run, plan time, timer; "
             "\"warm L2\" where the workload is so small that its rotating input sets stay within a few times the "
             "L2</p>")
-    if len(rows) > FULL_ROWS:
-        shown = set(sorted(rows, key=lambda label: -len(rows[label]))[:FULL_ROWS])
-        out += (f"<p>the {FULL_ROWS} of {len(rows)} workloads timed on the most impls; the plots draw the others and "
+    if len(rows) > limit:
+        shown = set(sorted(rows, key=lambda label: -len(rows[label]))[:limit])
+        out += (f"<p>the {limit} of {len(rows)} workloads timed on the most impls; the plots draw the others and "
                 "the run file holds every number</p>")
         rows = {label: cells for label, cells in rows.items() if label in shown}
     body = [[esc(label)] + [_latency_cell(cells.get(impl)) for impl in impls] for label, cells in rows.items()]

@@ -14,7 +14,8 @@ from test_report import _figures, _latency, _printed, _workload, rich_run
 from mla_bench.cli import main
 from mla_bench.results import Result, Run, save_run
 from reports.console import compare_table
-from reports.html import FULL_ROWS, render
+from reports.html import render
+from reports.limits import REPORT_ROWS
 from reports.plots import MAX_LINES_PER_PANEL, latency_plots
 
 IMPLS = [f"impl{i:02}" for i in range(12)]
@@ -68,7 +69,7 @@ def test_large_report_stays_small_and_names_every_failure():
 
 def test_summarized_matrix_counts_passing_workloads_per_mode_and_layout():
     results = [Result("accuracy", "accuracy", "passed", impl="a", workload=_workload(64 + i), label=f"w{i}")
-               for i in range(FULL_ROWS)]
+               for i in range(REPORT_ROWS)]
     results += [Result("accuracy", "accuracy", "unsupported", impl="b", workload=_workload(64), label="w0"),
                 Result("accuracy", "accuracy", "failed", impl="b", workload=_workload(64, "nvfp4"), label="bad",
                        message="too far off")]
@@ -82,17 +83,28 @@ def test_summarized_matrix_counts_passing_workloads_per_mode_and_layout():
 
 def test_small_matrix_lists_every_workload():
     results = [Result("accuracy", "accuracy", "passed", impl="a", workload=_workload(64 + i), label=f"w{i}")
-               for i in range(FULL_ROWS)]
+               for i in range(REPORT_ROWS)]
     matrix = _section(render(Run(environment={}, results=results), []), "Pass/fail matrix")
-    assert all(f"<td>w{i}</td>" in matrix for i in range(FULL_ROWS)) and "mode and layout" not in matrix
+    assert all(f"<td>w{i}</td>" in matrix for i in range(REPORT_ROWS)) and "mode and layout" not in matrix
+
+
+def test_the_report_command_summarizes_over_rows_and_never_with_rows_0(tmp_path):
+    results = [Result("accuracy", "accuracy", "passed", impl="a", workload=_workload(64 + i), label=f"w{i}")
+               for i in range(30)]
+    run = save_run(Run(environment={}, results=results), tmp_path / "run.json")
+    for rows, summarized in (("20", True), ("30", False), ("0", False)):
+        assert main(["report", str(run), "-o", str(tmp_path / f"r{rows}.html"), "--rows", rows]) == 0
+        matrix = _section((tmp_path / f"r{rows}.html").read_text(), "Pass/fail matrix")
+        assert ("mode and layout" in matrix) == summarized
+        assert all(f"<td>w{i}</td>" in matrix for i in range(30)) != summarized
 
 
 def test_latency_table_keeps_the_workloads_timed_on_most_impls():
-    results = [_latency("a", 64 + i, 0.01) for i in range(3 * FULL_ROWS)]
-    results += [_latency("b", 64 + i, 0.02) for i in range(0, 3 * FULL_ROWS, 3)]  # FULL_ROWS workloads on two impls
+    results = [_latency("a", 64 + i, 0.01) for i in range(3 * REPORT_ROWS)]
+    results += [_latency("b", 64 + i, 0.02) for i in range(0, 3 * REPORT_ROWS, 3)]  # a third on two impls
     table = _section(render(Run(environment={}, results=results), []), "Latency")
-    assert table.count("<tr>") == FULL_ROWS + 1
-    assert f"the {FULL_ROWS} of {3 * FULL_ROWS} workloads timed on the most impls" in table
+    assert table.count("<tr>") == REPORT_ROWS + 1
+    assert f"the {REPORT_ROWS} of {3 * REPORT_ROWS} workloads timed on the most impls" in table
     assert "<td>decode b2 ctx64</td>" in table and "<td>decode b2 ctx65</td>" not in table
 
 
