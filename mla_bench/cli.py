@@ -218,8 +218,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     a, b = _load(args.a), _load(args.b)
     if a is None or b is None:
         return 2
-    limit = args.rows or len(a.results) + len(b.results)
-    console.print(compare_table(a, b, title=Text(f"{args.a} -> {args.b}").plain, limit=limit))
+    console.print(compare_table(a, b, title=Text(f"{args.a} -> {args.b}").plain, limit=args.rows))
     return 0
 
 

@@ -114,9 +114,9 @@ class Costs:
 
     def describe_copies(self) -> str:
         """The copies seen, the most bytes first (the culprit leads)."""
-        def total(item: tuple[str, int]) -> int:
+        def largest_first(item: tuple[str, int]) -> int:
             return -int(item[0].split()[1]) * item[1]
-        return ", ".join(f"{what} x{n}" for what, n in sorted(self.copy_events.items(), key=total)) or "none"
+        return ", ".join(f"{what} x{n}" for what, n in sorted(self.copy_events.items(), key=largest_first)) or "none"
 
 
 def profile_costs(fn: Callable[[], Any], device: torch.device | str) -> tuple[Any, Costs]:
@@ -160,8 +160,8 @@ def _twin_mark(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """The trace mark of a value read or an explicit move, None for any other call."""
     if func in _VALUE_READS:
         return f"{_VALUE_READ} {_VALUE_READS[func]}"
-    if func not in _MOVES or not args or not isinstance(args[0], torch.Tensor):
-        return None
+    if func not in _MOVES or not args or not isinstance(args[0], torch.Tensor) or not args[0].nbytes:
+        return None  # not a move, or one of no bytes
     target = _move_target(func, args[1:], kwargs)
     return None if target is None else f"{_MOVE} {target} {args[0].nbytes} {args[0].data_ptr()}"
 
@@ -175,6 +175,8 @@ def _move_target(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
             return value.device.type
         if isinstance(value, (str, torch.device)):
             return torch.device(value).type
+        if type(value) is int:  # a bare device index names a GPU
+            return "cuda"
     return None
 
 

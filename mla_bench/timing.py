@@ -34,7 +34,8 @@ MATMUL_N = 8192
 COPY_BYTES = 1 << 30
 COPY_PAGE = 4096            # time_copy moves whole pages of this many bytes each way
 COPY_TRIES = 4              # ... and times this many sizes a page apart, keeping the fastest
-SPREAD_WINDOWS = 5          # TimingStats.spread: the range of the medians of this many consecutive slices
+SPREAD_WINDOWS = 5          # TimingStats.spread: the range of the medians of this many consecutive slices,
+SPREAD_MIN_SAMPLES = 10     # ... each of at least this many samples (else the spread is 0)
 
 
 @dataclass
@@ -64,11 +65,9 @@ class TimingStats:
         if not samples_ms:
             raise ValueError("no timing samples")
         ordered = sorted(samples_ms)
-        size = -(-len(samples_ms) // SPREAD_WINDOWS)
-        windows = [statistics.median(samples_ms[i:i + size]) for i in range(0, len(samples_ms), size)]
         return cls(median=statistics.median(ordered), p25=_quantile(ordered, 0.25), p75=_quantile(ordered, 0.75),
                    minimum=ordered[0], mean=statistics.fmean(ordered), count=len(ordered), method=method,
-                   fallback=fallback, spread=max(windows) - min(windows))
+                   fallback=fallback, spread=_spread(samples_ms))
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """``{prefix: median, prefix_p25, prefix_p75, prefix_iqr, prefix_min, prefix_spread}`` for a Result."""
@@ -77,6 +76,17 @@ class TimingStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _spread(samples_ms: list[float]) -> float:
+    """``TimingStats.spread``: over ``SPREAD_WINDOWS`` slices of equal size (to one sample), in launch order; 0 when a
+    slice would hold fewer than ``SPREAD_MIN_SAMPLES`` (a slice's median is then one or two launches, not a spell)."""
+    n = len(samples_ms)
+    if n < SPREAD_WINDOWS * SPREAD_MIN_SAMPLES:
+        return 0.0
+    bounds = [n * k // SPREAD_WINDOWS for k in range(SPREAD_WINDOWS + 1)]
+    medians = [statistics.median(samples_ms[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return max(medians) - min(medians)
 
 
 def _quantile(ordered: list[float], q: float) -> float:

@@ -90,8 +90,8 @@ def _positions(q_lens, kv_lens, device) -> tuple[torch.Tensor, torch.Tensor]:
     positions, query_rows, start = [], [], 0
     for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         if q_len > kv_len:
-            raise ValueError(f"mla_layer: request {i} has q_len {q_len} > kv_len {kv_len}: its queries are the last "
-                             "tokens of its keys")
+            raise ValueError(f"mla_layer: request {i}: query longer than context (q_len={q_len} > kv_len={kv_len}): a "
+                             "layer's new tokens are the last of its keys")
         positions.extend(range(kv_len))
         query_rows.extend(range(start + kv_len - q_len, start + kv_len))
         start += kv_len

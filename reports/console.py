@@ -77,7 +77,8 @@ KIND_STYLE = {"new failure": "bold red", "regression": "red", "still failing": "
 
 def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_ROWS) -> Table:
     """Status in A and B and the headline number (accuracy: kernel rel_l2, latency: median ms) with its change;
-    latency changes only between runs on the same GPU model. Up to ``limit`` results: every one, in run order.
+    latency changes only between runs on the same GPU model. Up to ``limit`` results (0: no limit): every one, in run
+    order.
     More: every failure, error and regression (``_kind``), then the other changes, largest first, up to ``limit``
     rows; unchanged results are counted. The caption says what the table could not show."""
     other_gpu = not same_gpu(a, b)
@@ -89,7 +90,7 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
             relative, change, withheld = None, "other GPU", withheld + 1
         rows.append((_kind(ra, rb, relative), abs(relative or 0.0), suite, check, impl, ra, rb, va, vb, change))
     notes = []
-    summarized = len(rows) > limit
+    summarized = 0 < limit < len(rows)
     if summarized:
         kinds = Counter(row[0] for row in rows)
         rows.sort(key=lambda row: (KINDS.index(row[0]), -row[1]))  # stable: run order among equals
@@ -120,12 +121,13 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
 def _kind(ra: Result | None, rb: Result | None, relative: float | None) -> str:
     """What happened to a result from A to B: a new failure (failed or errored in B only), a regression (passed
     in A, unsupported or absent in B; or its headline over ``NOTABLE`` worse), still failing, a failure not rerun
-    (absent from B), fixed, changed (another status, or the headline over ``NOTABLE`` better) or unchanged."""
+    (absent from B), fixed (passed in B), changed (another status, or the headline over ``NOTABLE`` better) or
+    unchanged."""
     bad_a, bad_b = ra is not None and ra.status in BAD, rb is not None and rb.status in BAD
     if bad_b:
         return "still failing" if bad_a else "new failure"
     if bad_a:
-        return "fixed" if rb is not None else "failure not rerun"
+        return "failure not rerun" if rb is None else "fixed" if rb.status == "passed" else "changed"
     lost = ra is not None and ra.status == "passed" and (rb is None or rb.status != "passed")
     if lost or (relative is not None and relative > NOTABLE):
         return "regression"

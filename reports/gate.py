@@ -15,8 +15,8 @@ A finding is fatal when:
 - an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
   (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
-  noise_factor * max(IQR or spread of either))`` (the spread: see ``mla_bench.timing.TimingStats``); latencies are
-  compared only when both runs ran on the same GPU model.
+  noise_factor * IQR, spread)``, each the larger of either run's (the spread, already a range of slice medians: see
+  ``mla_bench.timing.TimingStats``); latencies are compared only when both runs ran on the same GPU model.
 
 Results that failed in both runs, failed results now unsupported, allowed missing results and incomparable latencies
 are reported but not fatal.
@@ -195,8 +195,8 @@ def _latency(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
     if median is None or base_median is None:
         return []
     iqr, spread = (max(new.metrics.get(name, 0.0), base.metrics.get(name, 0.0))
-                   for name in ("run_ms_iqr", "run_ms_spread"))  # a file of session 56 or older has no spread
-    threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * max(iqr, spread))
+                   for name in ("run_ms_iqr", "run_ms_spread"))  # files written before the spread existed lack it
+    threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * iqr, spread)
     if median > threshold or math.isnan(median):
         return [_finding("latency", new, f"median {median:.4g} ms > {threshold:.4g} ms (baseline {base_median:.4g} "
                          f"ms, IQR {iqr:.3g} ms, spread {spread:.3g} ms)", True)]

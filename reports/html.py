@@ -238,8 +238,8 @@ def _latency(run: Run, plots: list[Plot], limit: int) -> str:
             "L2</p>")
     if len(rows) > limit:
         shown = set(sorted(rows, key=lambda label: -len(rows[label]))[:limit])
-        out += (f"<p>the {limit} of {len(rows)} workloads timed on the most impls; the plots draw the others and "
-                "the run file holds every number</p>")
+        out += (f"<p>the {limit} of {len(rows)} workloads timed on the most impls (--rows); the run file holds every "
+                "number</p>")
         rows = {label: cells for label, cells in rows.items() if label in shown}
     body = [[esc(label)] + [_latency_cell(cells.get(impl)) for impl in impls] for label, cells in rows.items()]
     return out + _table(["workload", *[esc(i) for i in impls]], body)
@@ -250,7 +250,7 @@ def _latency_cell(r: Result | None) -> str:
     if r is None:
         return '<td class="muted">-</td>'
     m = r.metrics
-    spread = f", spread {m['run_ms_spread']:.2g}" if "run_ms_spread" in m else ""  # not in runs of session 56 or older
+    spread = f", spread {m['run_ms_spread']:.2g}" if "run_ms_spread" in m else ""  # older run files lack it
     text = (f"{m.get('run_ms', float('nan')):.4g} ms &plusmn; {m.get('run_ms_iqr', float('nan')):.2g}{spread}<br>"
             f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
             f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"

@@ -61,7 +61,8 @@ class PlainDecode(Impl):
             if kv_len == 0:
                 continue
             positions, offset = self.positions(p, b)
-            slots = block_table[b].long()[positions // p.meta.page_size] * p.meta.page_size + positions % p.meta.page_size
+            page = p.meta.page_size
+            slots = block_table[b].long()[positions // page] * page + positions % page
             keys = rows[slots.to(rows.device)]
             for i in range(self.rows_of(p, b)):
                 seen = (positions <= offset + i).to(keys.device)
@@ -174,7 +175,7 @@ class HangsInRun(PlainDecode):
     name = "planted_hangs"
 
     def run(self, p):
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # outlives the test
         if os.environ.get("PLANTED_HANG_CHILD_PIDFILE"):
             with open(os.environ["PLANTED_HANG_CHILD_PIDFILE"], "w") as pidfile:
                 pidfile.write(str(child.pid))

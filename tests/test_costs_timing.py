@@ -44,14 +44,14 @@ def test_timing_stats_median_and_iqr():
     stats = timing.TimingStats.of([5.0, 1.0, 2.0, 4.0, 3.0])
     assert (stats.median, stats.p25, stats.p75, stats.iqr, stats.minimum) == (3.0, 2.0, 4.0, 2.0, 1.0)
     assert stats.metrics("run_ms") == {"run_ms": 3.0, "run_ms_p25": 2.0, "run_ms_p75": 4.0, "run_ms_iqr": 2.0,
-                                       "run_ms_min": 1.0, "run_ms_spread": 4.0}  # five slices of one sample
+                                       "run_ms_min": 1.0, "run_ms_spread": 0.0}  # too few samples for slices
     with pytest.raises(ValueError):
         timing.TimingStats.of([])
 
 
 def test_a_slower_spell_moves_the_spread_where_the_iqr_barely_moves():
     """An H100's spells: most windows of a 22 us decode at 22.0 us, one in five at 25 (session 57)."""
-    rng = random.Random()
+    rng = random.Random(0)
     steady = [22.0 + rng.uniform(-0.2, 0.2) for _ in range(5000)]
     spell = steady[:2000] + [25.0 + rng.uniform(-0.2, 0.2) for _ in range(1000)] + steady[3000:]
     for samples in (steady, spell):
@@ -60,6 +60,13 @@ def test_a_slower_spell_moves_the_spread_where_the_iqr_barely_moves():
     assert 2.8 < timing.TimingStats.of(spell).spread < 3.2
     # the slices are in launch order: the same samples sorted would make every slice a spell of its own
     assert timing.TimingStats.of(sorted(spell)).spread > timing.TimingStats.of(spell).spread
+
+
+def test_the_spread_slices_are_even_and_none_is_a_lone_outlier():
+    """21 samples in fives by ceiling would leave one sample alone in the last slice, its median the outlier."""
+    assert timing.TimingStats.of([10.0] * 20 + [30.0]).spread == 0.0  # under 10 a slice: no spread
+    assert timing.TimingStats.of([10.0] * 55 + [30.0]).spread == 0.0  # slices of 11-12: one outlier moves none
+    assert timing.TimingStats.of([10.0] * 48 + [30.0] * 8).spread == 20.0  # a spell of 8 in the last slice of 11
 
 
 def test_rotation_exceeds_the_l2_several_times():

@@ -202,7 +202,23 @@ def test_a_dcp_combine_that_gives_nan_for_an_empty_request_is_flagged_though_bot
     (dict(mccs=()), "mccs is empty"),
     (dict(dcp_worlds=(2, 1)), "W=1 is the single-rank side itself"),
     (dict(dcp_interleaves=(-1,)), "dcp_interleave must be a positive int, got -1"),
+    (dict(dcp_worlds=2), "dcp_worlds must be a tuple of ints"),
+    (dict(mccs=(64.0,)), "mccs must be a tuple of ints"),
 ])
 def test_bad_suite_options_are_refused_before_anything_runs(kw, message):
     with pytest.raises(ValueError, match=message):
         EquivalenceSuite(**kw)
+
+
+def test_lses_near_zero_in_the_right_base_are_not_taken_for_another_base():
+    """|lse| < 0.05 is within the tolerance of its reference times 1.44 too: only a wrong base is a finding."""
+    from types import SimpleNamespace
+
+    from suites.equivalence import _own_findings
+
+    out = torch.randn(6, 4, 128, dtype=torch.float64)
+    lse = torch.empty(6, 4, dtype=torch.float64).uniform_(-0.04, 0.04)
+    side = SimpleNamespace(name="near_zero")
+    assert _own_findings(side, (out, lse), (out, lse)) == []
+    wide = lse * 100
+    assert "a base 2 read as natural log" in _own_findings(side, (out, wide / 0.6931471805599453), (out, wide))[0]

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from impls.torch_eager import TorchEager, TorchEagerHostCache
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.hidden_costs import COST_METRICS, count_trace, profile_costs
+from mla_bench.hidden_costs import COST_METRICS, _move_target, count_trace, profile_costs
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplEntry, resolve
 from mla_bench.results import Result
@@ -138,6 +138,9 @@ def test_cpu_counts_see_value_reads_and_device_moves_no_operator_shows():
     assert costs.moved_bytes == 2 * x.nbytes and costs.copy_events == {f"d2h {x.nbytes} B (to cpu)": 2}
     _, costs = profile_costs(lambda: x.to(torch.float64), "cpu")
     assert costs.moved_bytes == 0 and costs.syncs == 0
+    _, costs = profile_costs(lambda: x[:0].to("cpu"), "cpu")  # a move of no bytes is no copy
+    assert costs.copy_events == {} and costs.d2h_copies == 0
+    assert _move_target(torch.Tensor.to, (0,), {}) == "cuda"  # a bare device index names a GPU
 
 
 def test_profiling_leaves_no_profiler_chatter_on_stderr_unless_the_user_asks_for_it():

@@ -59,7 +59,8 @@ def test_mha_path_equals_absorbed_path(preset, mix):
 
 @pytest.mark.parametrize("layer", [mla_layer_mha, mla_layer_absorbed])
 @pytest.mark.parametrize("q_lens, kv_lens, rows, message", [
-    ((2, 1), (0, 5), 5, "request 0 has q_len 2 > kv_len 0"),  # a layer's new tokens are keys: no padding rows
+    # a layer's new tokens are keys: no padding rows
+    ((2, 1), (0, 5), 5, "request 0: query longer than context \\(q_len=2 > kv_len=0\\)"),
     ((1, 2), (4, 1), 5, "request 1: query longer than context"),
     ((1, 1.0), (4, 3), 7, "q_lens must hold ints, got 1.0"),
     ((1, True), (4, 3), 7, "q_lens must hold ints, got True"),

@@ -181,3 +181,16 @@ def test_the_compare_command_caps_its_rows_by_rows_and_lists_every_result_with_r
     with pytest.raises(SystemExit):
         main(["compare", str(a), str(b), "--rows", "-1"])
     assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_compare_calls_a_failure_fixed_only_when_it_passes_and_limit_0_lists_every_result():
+    before = [Result("accuracy", "accuracy", "failed", impl="a", workload=_workload(64 + i), label=f"w{i}",
+                     metrics={"kernel.rel_l2": 0.1}) for i in range(4)]
+    after = [Result("accuracy", "accuracy", status, impl="a", workload=_workload(64 + i), label=f"w{i}",
+                    metrics={"kernel.rel_l2": 0.001}) for i, status in enumerate(["passed", "unsupported"] * 2)]
+    a, b = Run(environment={}, results=before), Run(environment={}, results=after)
+    text = _printed(compare_table(a, b, limit=3))  # the two fixed rows, then one of the two changed
+    assert re.search(r"fixed .* w0 ", text) and re.search(r"fixed .* w2 ", text) and re.search(r"changed .* w1 ", text)
+    assert "fixed 2" in text and "changed 2 (1" in text
+    full = _printed(compare_table(a, b, limit=0))
+    assert "what" not in full and all(f" w{i} " in full for i in range(4))

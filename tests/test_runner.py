@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -92,7 +95,12 @@ def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_with_its_children
     run = execute(RunOptions(impls=["planted_impls:HangsInRun", "planted_impls:PlainDecode"], device="cpu",
                              preset="tiny", modes=["decode"], isolate=True, stall_timeout=5))
     assert time.monotonic() - start < 30
-    assert _ends_within(int(pidfile.read_text()), seconds=5)
+    child = int(pidfile.read_text())
+    try:
+        assert _ends_within(child, seconds=5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)  # a regression must not leave it behind on CI
     hung = [r for r in run.results if r.impl == "planted_hangs"]
     assert [r.status for r in hung] == ["error"] and hung[0].label.startswith("decode tiny")
     assert f"made no progress for 5 s (--stall-timeout) and was killed during '{hung[0].label}'" in hung[0].message
