@@ -10,6 +10,7 @@ the block table's capacity) stays with that caller.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any
 
@@ -27,6 +28,23 @@ def check_lengths(q_lens: Any, kv_lens: Any,
         if q > kv > 0 and not queries_may_exceed_keys:
             raise ValueError(f"request {i}: query longer than context (q_len={q} > kv_len={kv})")
     return q_lens, kv_lens
+
+
+def check_kv_lens(kv_lens: Any) -> tuple[int, ...]:
+    """``kv_lens`` alone (no queries to match) as a tuple of Python ints, each an int >= 0: ValueError naming the
+    request."""
+    kv_lens = _ints("kv_lens", kv_lens)
+    for i, kv in enumerate(kv_lens):
+        if kv < 0:
+            raise ValueError(f"request {i}: kv_len must be >= 0, got {kv}")
+    return kv_lens
+
+
+def check_page_size(page_size: Any) -> None:
+    """ValueError unless ``page_size`` is a positive int (Python or numpy; a page size of 0 would divide by zero
+    deep inside)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
 
 
 def _ints(name: str, values: Any) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_bench.errors import describe
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
 from reference.checks import check_ragged_rows, check_rows, check_same_device, check_tensor, check_values
 from reference.core import masked_softmax
@@ -46,8 +47,7 @@ def check_indexed_inputs(q: torch.Tensor, rows_name: str, rows: torch.Tensor, in
     check_tensor("q", q, 3, last=LATENT_DIM)
     check_tensor(rows_name, rows, 2, last=LATENT_DIM)
     if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.dtype not in (torch.int32, torch.int64):
-        got = f"{indices.dtype} {list(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
-        raise ValueError(f"{indices_name} must be int32/int64 [T, topk], got {got}")
+        raise ValueError(f"{indices_name} must be int32/int64 [T, topk], got {describe(indices)}")
     check_same_device(q=q, **{rows_name: rows, indices_name: indices})
     check_rows(indices_name, indices, q.shape[0], "q.shape[0]")
 

@@ -27,7 +27,7 @@ Checks (one Result each):
 - the capability matrix (``suites.capability``).
 
 ``write`` and ``gather`` default to the Triton cache ops each on its own, so either can be swapped for another
-implementation of the same signature.
+implementation of the same signature; the check of a given op is named ``given write`` / ``given gather``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mla_bench.errors import describe
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache, get_layout
 from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.metadata import fast, reference
@@ -76,10 +77,12 @@ class RoundtripSuite:
             yield _guarded("codec bounds", layout.name, lambda: check_codec_bounds(layout, ctx.seed))
             yield _guarded("edge inputs", layout.name, lambda: check_edge_inputs(layout, ctx.seed))
         write, gather, unavailable = self._cache_ops(ctx.device)
+        names = {"write": f"{'given' if self.write else 'triton'} write",
+                 "gather": f"{'given' if self.gather else 'triton'} gather"}
         for layout in layouts.values():
             ctx.progress(f"roundtrip cache ops {layout.name}")
-            for check, run in (("triton write", check_write), ("triton gather", check_gather)):
-                reason = unavailable[check](layout)
+            for op, run in (("write", check_write), ("gather", check_gather)):
+                check, reason = names[op], unavailable[op](layout)
                 if reason:
                     yield Result(SUITE, check, "unsupported", label=layout.name, message=reason)
                 else:
@@ -95,8 +98,8 @@ class RoundtripSuite:
                                   ctx.seed, ctx.progress)
 
     def _cache_ops(self, device: torch.device) -> tuple[Callable, Callable, dict[str, Callable]]:
-        """The write and gather under test (each the given one, else the Triton op), and per check why it cannot run
-        on a layout here (None when it can): the write check uses the write, the gather check both."""
+        """The write and gather under test (each the given one, else the Triton op), and per op's check why it cannot
+        run on a layout here (None when it can): the write check uses the write, the gather check both."""
         from impls.triton import cache_ops  # imported on use: Triton kernels need the interpreter set first
 
         def triton_reason(layout: CacheLayout) -> str | None:
@@ -104,8 +107,8 @@ class RoundtripSuite:
                 return f"no Triton cache kernel for layout {layout.name}"
             return cache_ops.triton_unavailable(device)
         return (self.write or cache_ops.write_cache_triton, self.gather or cache_ops.gather_cache_triton,
-                {"triton write": lambda layout: None if self.write else triton_reason(layout),
-                 "triton gather": lambda layout: None if self.write and self.gather else triton_reason(layout)})
+                {"write": lambda layout: None if self.write else triton_reason(layout),
+                 "gather": lambda layout: None if self.write and self.gather else triton_reason(layout)})
 
 
 def _guarded(check: str, label: str, run: Callable[[], tuple[list[str], dict]]) -> Result:
@@ -266,8 +269,7 @@ def bit_mismatches(actual: torch.Tensor, expected: torch.Tensor) -> tuple[int, s
     """(values whose bits differ, how): a NaN matches any NaN; the first differing value, and how many are NaN where
     a number is expected (poisoned slots read); (0, None) when equal."""
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return expected.numel(), (f"{actual.dtype} {list(actual.shape)} instead of {expected.dtype} "
-                                  f"{list(expected.shape)}")
+        return expected.numel(), f"{describe(actual)} instead of {describe(expected)}"
     actual, expected = actual.cpu(), expected.cpu()
     as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[actual.dtype]
     wrong = (actual.view(as_int) != expected.view(as_int)) & ~(torch.isnan(actual) & torch.isnan(expected))

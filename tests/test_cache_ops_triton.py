@@ -188,9 +188,10 @@ def test_gather_returns_fp32_and_bf16_of_the_exact_dequantization():
     (dict(values=torch.zeros(2, 575)), r"values must be \[N, 576\]"),
     (dict(values=torch.zeros(2, 576, dtype=torch.float64)), "values must be one of"),
     (dict(values=torch.zeros(576, 2).t()), "contiguous rows"),
-    (dict(slots=torch.tensor([0, 1, 2])), r"slot_mapping must be \[2\]"),
+    (dict(slots=torch.tensor([0, 1, 2])), r"slot_mapping must be an int32 or int64 tensor \[2\], got torch.int64"),
     (dict(slots=torch.tensor([0.0, 1.0])), "int32 or int64"),
     (dict(slots=torch.tensor([0, 8])), "points past the cache"),
+    (dict(slots=torch.tensor([3, 3])), "slot_mapping writes 2 tokens to slot 3"),  # as write_cache refuses
 ])
 def test_bad_write_arguments_are_refused_by_name(bad, message):
     cache = small_cache("bf16", torch.ones(1, LATENT_DIM))

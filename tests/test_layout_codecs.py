@@ -215,7 +215,7 @@ def _cache() -> PagedCache:
 
 
 @pytest.mark.parametrize("call, says", [
-    (lambda: PagedCache.empty(LAYOUT, 4, 0), "page_size must be an int >= 1, got 0"),
+    (lambda: PagedCache.empty(LAYOUT, 4, 0), "page_size must be a positive int, got 0"),
     (lambda: PagedCache(LAYOUT, torch.empty(4, 0, 656, dtype=torch.uint8)), "page size must be >= 1, got 0"),
     (lambda: PagedCache.empty(LAYOUT, -1, 16), "num_blocks must be an int >= 0, got -1"),
     (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([0.5, 1.7, 2.2])),  # was truncated to 0, 1, 2

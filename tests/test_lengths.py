@@ -7,12 +7,16 @@ negative length nor the counts of a mismatch; Workload and the reference refused
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from impls.triton.decode import plan_decode
+from mla_bench.layouts import PagedCache, get_layout
+from mla_bench.lengths import check_kv_lens, check_page_size
+from mla_bench.metadata import reference
 from mla_bench.problem import build_problem
 from mla_bench.workload import Workload
 from reference.absorbed import latent_mqa
@@ -95,3 +99,27 @@ def test_only_a_shard_may_have_queries_longer_than_its_keys():
         plan((1, kv + 1), (9, kv), problem_q_lens=(1, kv + 1))
     visible = torch.tensor([9, *range(1, kv + 1), kv], dtype=torch.int32)
     assert plan((1, kv + 1), (9, kv), visible, problem_q_lens=(1, kv + 1)).visible is visible
+
+
+@pytest.mark.parametrize("call", [check_kv_lens, lambda kv_lens: reference.allocate_block_table(
+    kv_lens, 4, torch.Generator().manual_seed(0))])
+@pytest.mark.parametrize("kv_lens, says", [
+    ([3, 1.0], "request 1: kv_lens must hold ints, got 1.0"),
+    ([3, -1], "request 1: kv_len must be >= 0, got -1"),
+    ("12", "kv_lens must be a sequence of ints, got '12'"),
+])
+def test_kv_lens_alone_are_refused_naming_kv_lens(call, kv_lens, says):
+    """Builders that take only kv_lens name them in the message, not q_lens or a q_len they were not given."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(kv_lens)
+
+
+def test_numpy_page_sizes_are_taken_alike():
+    """A numpy int page size passes the page-size rule and ``PagedCache.empty``; a bool or a float neither."""
+    assert PagedCache.empty(get_layout("bf16"), 2, np.int64(4)).page_size == 4
+    check_page_size(np.int32(4))
+    for bad in (True, 4.0, 0):
+        with pytest.raises(ValueError, match=re.escape(f"page_size must be a positive int, got {bad!r}")):
+            check_page_size(bad)
+        with pytest.raises(ValueError, match=re.escape(f"page_size must be a positive int, got {bad!r}")):
+            PagedCache.empty(get_layout("bf16"), 2, bad)

@@ -192,15 +192,15 @@ def _gather_rounding_scales_to_bf16(cache, slots, dtype):
 
 
 @pytest.mark.parametrize("ops, check, says", [
-    ({"write": _planted_write(scale_bytes=lambda scale: f32_bytes(1 / scale))}, "triton write",
+    ({"write": _planted_write(scale_bytes=lambda scale: f32_bytes(1 / scale))}, "given write",
      "tile scales fp32 (bytes 512-527) in"),
-    ({"write": _planted_write(rows=lambda c, s: s % c.page_size * c.num_blocks + s // c.page_size)}, "triton write",
+    ({"write": _planted_write(rows=lambda c, s: s % c.page_size * c.num_blocks + s // c.page_size)}, "given write",
      "slots no token goes to changed"),
-    ({"write": _planted_write(skip_padding=False)}, "triton write", "(padding written, or a wrong slot"),
-    ({"write": _planted_write(check_every_row=True)}, "triton write",
+    ({"write": _planted_write(skip_padding=False)}, "given write", "(padding written, or a wrong slot"),
+    ({"write": _planted_write(check_every_row=True)}, "given write",
      "NaN/Inf in padding rows (slot -1, never written) refused"),
-    ({"write": _write_validating_the_top_slot}, "triton write", "an empty write (0 tokens) raised RuntimeError"),
-    ({"gather": _gather_rounding_scales_to_bf16}, "triton gather",
+    ({"write": _write_validating_the_top_slot}, "given write", "an empty write (0 tokens) raised RuntimeError"),
+    ({"gather": _gather_rounding_scales_to_bf16}, "given gather",
      "values differ from the reference dequantization, first at token"),
 ])
 def test_planted_cache_op_bugs_are_flagged(ops, check, says):

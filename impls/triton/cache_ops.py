@@ -12,9 +12,9 @@
 NaN/Inf inputs are refused by default, like the reference codec, before anything is written; with
 ``propagate_nonfinite=True`` they are written as the codec writes them (NaN that decodes as NaN). The flag never
 reaches the kernels: they always encode non-finite values the codec's way, and the flag only decides whether the
-host-side check refuses them first. That check and the slot range check share one host synchronization;
-``validate=False`` skips both (for timing or graph capture): non-finite values are then written as if propagated,
-and out-of-range slots are the caller's bug.
+host-side check refuses them first. That check, the slot range check and the refusal of two tokens for one slot
+(as ``write_cache``) share one host synchronization; ``validate=False`` skips them (for timing or graph capture):
+non-finite values are then written as if propagated, and out-of-range or shared slots are the caller's bug.
 
 On CPU the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this module is imported.
 """
@@ -31,6 +31,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from impls.triton import cache_ops_kernels as kernels
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache
+from mla_bench.layouts.ops import check_distinct_slots, check_slots
 
 WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GATHER_DTYPES = (torch.float32, torch.bfloat16)
@@ -69,7 +70,7 @@ def write_cache_triton(cache: PagedCache, values: torch.Tensor, slot_mapping: to
                          f"{list(values.shape)} with strides {list(values.stride())}")
     if values.dtype not in WRITE_DTYPES:
         raise ValueError(f"write_cache_triton: values must be one of {WRITE_DTYPES}, got {values.dtype}")
-    _check_slots("slot_mapping", slot_mapping, values.shape[0])
+    check_slots("slot_mapping", slot_mapping, values.shape[0])
     _check_device(cache, values, slot_mapping)
     if values.shape[0] == 0:
         return
@@ -88,9 +89,7 @@ def gather_cache_triton(cache: PagedCache, token_slots: torch.Tensor, out_dtype:
     _check_cache(cache)
     if out_dtype not in GATHER_DTYPES:
         raise ValueError(f"gather_cache_triton: out_dtype must be one of {GATHER_DTYPES}, got {out_dtype}")
-    if token_slots.dim() != 1:
-        raise ValueError(f"gather_cache_triton: token_slots must be 1-D, got {list(token_slots.shape)}")
-    _check_slots("token_slots", token_slots, token_slots.shape[0])
+    check_slots("token_slots", token_slots)
     _check_device(cache, token_slots)
     out = torch.empty(token_slots.shape[0], LATENT_DIM, dtype=out_dtype, device=cache.data.device)
     if token_slots.numel() == 0:
@@ -128,13 +127,6 @@ def _check_cache(cache: PagedCache) -> None:
         raise ValueError("triton cache ops: the cache's data must be contiguous")
 
 
-def _check_slots(name: str, slots: torch.Tensor, n: int) -> None:
-    if slots.dim() != 1 or slots.shape[0] != n:
-        raise ValueError(f"{name} must be [{n}], got {list(slots.shape)}")
-    if slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {slots.dtype}")
-
-
 def _check_device(cache: PagedCache, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.device != cache.data.device:
@@ -143,14 +135,19 @@ def _check_device(cache: PagedCache, *tensors: torch.Tensor) -> None:
 
 
 def _validate_write(cache: PagedCache, values: torch.Tensor, slots: torch.Tensor, propagate_nonfinite: bool) -> None:
-    """Slot range and (unless propagating) finiteness of the rows that are written, in one host sync."""
+    """Slot range, distinct slots and (unless propagating) finiteness of the rows that are written, in one host
+    sync (a second only to name a shared slot)."""
     kept = slots >= 0
     nonfinite = ~torch.isfinite(values) & kept[:, None]
-    top, count = torch.stack([torch.where(kept, slots.long(), -1).max(),
-                              nonfinite.sum() if not propagate_nonfinite else slots.new_zeros((), dtype=torch.long)
-                              ]).tolist()
+    ordered = torch.sort(slots.long()).values
+    shared = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    top, repeats, count = torch.stack([
+        torch.where(kept, slots.long(), -1).max(), shared.sum(),
+        nonfinite.sum() if not propagate_nonfinite else slots.new_zeros((), dtype=torch.long)]).tolist()
     if top >= cache.num_slots:
         raise ValueError(f"slot_mapping points past the cache: slot {top} of {cache.num_slots}")
+    if repeats:
+        check_distinct_slots(slots[kept])
     if count:
         token, column = nonfinite.nonzero()[0].tolist()
         raise ValueError(f"layout {cache.layout.name}: {count} NaN/Inf input values (first at token {token}, "

@@ -9,10 +9,14 @@ exactly these bytes. Layouts with a per-layer scale take it as ``tensor_scale`` 
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from mla_bench.errors import describe
+from mla_bench.lengths import check_page_size
 
 LATENT_DIM = 576  # kv_c (512) + k_pe (64), the cache entry of every MLA model the bench targets
 NOPE_DIM = 512
@@ -48,7 +52,7 @@ class CacheLayout(ABC):
             check_tensor_scale(self.name, tensor_scale)
         raw = self._encode(x, tensor_scale)
         if raw.dtype != torch.uint8 or raw.shape != (x.shape[0], self.bytes_per_token):
-            raise ValueError(f"layout {self.name}: its encoder wrote {raw.dtype} {list(raw.shape)}, expected uint8 "
+            raise ValueError(f"layout {self.name}: its encoder wrote {describe(raw)}, expected uint8 "
                              f"[{x.shape[0]}, {self.bytes_per_token}] ({self.bytes_per_token} bytes per token)")
         return raw
 
@@ -89,7 +93,7 @@ class CacheLayout(ABC):
     def check_raw(self, raw: torch.Tensor) -> None:
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != self.bytes_per_token:
             raise ValueError(f"layout {self.name}: expected uint8 bytes of shape [N, {self.bytes_per_token}], "
-                             f"got {raw.dtype} {list(raw.shape)}")
+                             f"got {describe(raw)}")
 
     def __repr__(self) -> str:
         return f"<layout {self.name}: {self.bytes_per_token} B/token>"
@@ -117,8 +121,7 @@ class PagedCache:
     def __post_init__(self) -> None:
         if self.data.dtype != torch.uint8 or self.data.dim() != 3 or self.data.shape[2] != self.layout.bytes_per_token:
             raise ValueError(f"PagedCache for {self.layout.name}: data must be uint8 "
-                             f"[num_blocks, page_size, {self.layout.bytes_per_token}], got "
-                             f"{self.data.dtype} {list(self.data.shape)}")
+                             f"[num_blocks, page_size, {self.layout.bytes_per_token}], got {describe(self.data)}")
         if self.data.shape[1] < 1:
             raise ValueError(f"PagedCache for {self.layout.name}: page size must be >= 1, got {self.data.shape[1]}")
         if self.layout.needs_tensor_scale:
@@ -128,10 +131,10 @@ class PagedCache:
     def empty(cls, layout: CacheLayout, num_blocks: int, page_size: int, device: torch.device | str = "cpu",
               tensor_scale: float | None = None) -> "PagedCache":
         """A poisoned cache of ``num_blocks`` pages."""
-        for name, value, least in (("num_blocks", num_blocks, 0), ("page_size", page_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"PagedCache.empty: {name} must be an int >= {least}, got {value!r}")
-        data = torch.full((num_blocks, page_size, layout.bytes_per_token), POISON_BYTE, dtype=torch.uint8,
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 0:
+            raise ValueError(f"PagedCache.empty: num_blocks must be an int >= 0, got {num_blocks!r}")
+        check_page_size(page_size)
+        data = torch.full((int(num_blocks), int(page_size), layout.bytes_per_token), POISON_BYTE, dtype=torch.uint8,
                           device=device)
         return cls(layout, data, tensor_scale)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from mla_bench.errors import describe
 from mla_bench.layouts.base import PagedCache
-from mla_bench.metadata.reference import describe
 
 
 def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -18,32 +18,39 @@ def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Ten
     for one slot are refused: which one a kernel keeps is a race."""
     if not isinstance(values, torch.Tensor) or values.dim() != 2:
         raise ValueError(f"values must be a tensor [N, 576], got {describe(values)}")
-    slots = _slots("slot_mapping", slot_mapping, cache, values.shape[0])
+    check_slots("slot_mapping", slot_mapping, values.shape[0])
+    slots = slot_mapping.to(device=cache.data.device, dtype=torch.int64)
     keep = slots >= 0
     kept = slots[keep]
     if bool((kept >= cache.num_slots).any()):
         raise ValueError(f"slot_mapping points past the cache ({cache.num_slots} slots)")
-    unique, counts = kept.unique(return_counts=True)
-    shared = (counts > 1).nonzero().flatten()
-    if shared.numel():
-        raise ValueError(f"slot_mapping writes {int(counts[shared[0]])} tokens to slot {int(unique[shared[0]])}")
+    check_distinct_slots(kept)
     encoded = cache.layout.quantize(values[keep.to(values.device)], cache.tensor_scale).to(cache.data.device)
     cache.rows()[slots[keep]] = encoded
 
 
 def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
     """Decode the tokens at ``token_slots`` ``[M]`` into float64 ``[M, 576]``."""
-    slots = _slots("token_slots", token_slots, cache)
+    check_slots("token_slots", token_slots)
+    slots = token_slots.to(device=cache.data.device, dtype=torch.int64)
     if slots.numel() and (bool((slots < 0).any()) or bool((slots >= cache.num_slots).any())):
         raise ValueError(f"token slots must lie in [0, {cache.num_slots})")
     return cache.layout.dequantize(cache.rows()[slots], cache.tensor_scale)
 
 
-def _slots(name: str, slots: torch.Tensor, cache: PagedCache, count: int | None = None) -> torch.Tensor:
-    """``slots`` as int64 on the cache's device, after checking it is an integer ``[count]`` tensor (a float slot
-    would be truncated to another slot, a bool taken as 0 / 1)."""
+def check_slots(name: str, slots: torch.Tensor, count: int | None = None) -> None:
+    """ValueError unless ``slots`` is an int32 or int64 ``[count]`` tensor (a float slot would be truncated to
+    another slot, a bool taken as 0 / 1). Reads no value."""
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1 \
             or (count is not None and slots.shape[0] != count):
         raise ValueError(f"{name} must be an int32 or int64 tensor [{'N' if count is None else count}], got "
                          f"{describe(slots)}")
-    return slots.to(device=cache.data.device, dtype=torch.int64)
+
+
+def check_distinct_slots(slots: torch.Tensor) -> None:
+    """ValueError if two of the (non-negative) ``slots`` a write keeps are one slot: which token a kernel keeps is a
+    race. Reads the slots on the host."""
+    unique, counts = slots.unique(return_counts=True)
+    shared = (counts > 1).nonzero().flatten()
+    if shared.numel():
+        raise ValueError(f"slot_mapping writes {int(counts[shared[0]])} tokens to slot {int(unique[shared[0]])}")

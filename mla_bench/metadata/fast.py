@@ -7,9 +7,10 @@ host (``HostSizes``), as engines do. Each builder equals its namesake in ``mla_b
 by the metadata suite on thousands of random request mixes), and the tests run them on the ``meta`` device, where
 any host read raises. ``impls/triton/kv_indices.py`` has a Triton kernel for ``kv_indices``.
 
-Every request-indexed input is a 1-D int tensor on one device; ``block_table`` is ``[B, width]`` int32. Each builder
-checks what the host knows (page size, dtypes, shapes, one batch size: ``check_inputs``); lengths beyond the block
-table are the caller's to refuse (``reference.check_table`` on the host lengths), as reading them would synchronize.
+Every request-indexed input is a 1-D int tensor on one device; ``block_table`` is ``[B, width]`` int32. Each public
+builder checks what the host knows once (page size, dtypes, shapes, one batch size: ``check_inputs``) and calls the
+unchecked ``_`` helpers; lengths beyond the block table are the caller's to refuse (``reference.check_table`` on the
+host lengths), as reading them would synchronize.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Callable
 
 import torch
 
-from mla_bench.metadata.reference import blocks_needed, check_dcp, check_dcp_rank, check_page_size, describe
+from mla_bench.errors import describe
+from mla_bench.lengths import check_page_size
+from mla_bench.metadata.reference import blocks_needed, check_dcp, check_dcp_rank
 
 _TWO_DIMENSIONAL = ("block_table", "topk_indices")
 _NOT_PER_REQUEST = ("topk_indices", "pool")  # inputs whose first dimension is not the batch
@@ -64,6 +67,10 @@ def cumulative(lengths: torch.Tensor) -> torch.Tensor:
     """``[0, l0, l0 + l1, ...]`` (int32 ``[B+1]``): query_start_loc / qo_indptr, cu_seqlens_k, kv_indptr. The sum is
     written in place after the leading 0 (padding a cumsum would cost a device-to-device copy)."""
     check_inputs(lengths=lengths)
+    return _cumulative(lengths)
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
     torch.cumsum(lengths, 0, dtype=torch.int32, out=out[1:])
     return out
@@ -71,12 +78,20 @@ def cumulative(lengths: torch.Tensor) -> torch.Tensor:
 
 def pages_per_request(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     check_inputs(page_size, seq_lens=seq_lens)
+    return _pages_per_request(seq_lens, page_size)
+
+
+def _pages_per_request(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     return (seq_lens + page_size - 1) // page_size
 
 
 def max_len(lengths: torch.Tensor) -> torch.Tensor:
     """The longest length of the batch as a 0-d device tensor (max_qo_len, max_kv_len); 0 for no request."""
     check_inputs(lengths=lengths)
+    return _max_len(lengths)
+
+
+def _max_len(lengths: torch.Tensor) -> torch.Tensor:
     return lengths.max() if lengths.shape[0] else lengths.new_zeros(())
 
 
@@ -91,7 +106,7 @@ def block_table_from_pool(seq_lens: torch.Tensor, page_size: int, pool: torch.Te
     """``reference.assign_blocks``: request after request takes its pages from the front of ``pool``; entries past a
     request's pages point at spare pages. ``width`` (>= the most pages a request needs) comes from the host."""
     check_inputs(page_size, seq_lens=seq_lens, pool=pool)
-    needed = pages_per_request(seq_lens.long(), page_size)
+    needed = _pages_per_request(seq_lens.long(), page_size)
     starts = torch.cumsum(needed, 0) - needed
     total = needed.sum()
     column = torch.arange(width, device=pool.device)[None, :]
@@ -113,6 +128,11 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
                  num_tokens: int) -> torch.Tensor:
     """``reference.slot_mapping``: slots (int64) of the step's new tokens, -1 for a padding request's queries."""
     check_inputs(page_size, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
+    return _slot_mapping(query_start_loc, seq_lens, block_table, page_size, num_tokens)
+
+
+def _slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                  num_tokens: int) -> torch.Tensor:
     request, position = _new_token_positions(query_start_loc, seq_lens, num_tokens)
     safe = position.clamp(min=0)
     slots = block_table[request, safe // page_size].long() * page_size + safe % page_size
@@ -122,18 +142,27 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
 def kv_indices(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
     """FlashInfer's ``kv_indices`` (int32): each request's pages in order, ``num_pages`` of them in all."""
     check_inputs(kv_indptr=kv_indptr, block_table=block_table)
+    return _kv_indices(kv_indptr, block_table, num_pages)
+
+
+def _kv_indices(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
     request = owners(kv_indptr, num_pages)
     column = torch.arange(num_pages, device=kv_indptr.device) - kv_indptr[request]
     return block_table[request, column].to(torch.int32)
 
 
 def flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, num_pages: int,
-                   indices: Callable = kv_indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   indices: Callable = _kv_indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reference.flashinfer_csr``: ``(kv_indptr, kv_indices, kv_last_page_len)`` (FlashInfer MLA's ``kv_len_arr`` is
     ``seq_lens`` itself); ``indices`` builds kv_indices (this module's, or the Triton kernel)."""
     check_inputs(page_size, seq_lens=seq_lens, block_table=block_table)
-    pages = pages_per_request(seq_lens, page_size)
-    indptr = cumulative(pages)
+    return _flashinfer_csr(seq_lens, block_table, page_size, num_pages, indices)
+
+
+def _flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, num_pages: int,
+                    indices: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pages = _pages_per_request(seq_lens, page_size)
+    indptr = _cumulative(pages)
     last = torch.where(pages > 0, seq_lens - (pages - 1) * page_size, 0).to(torch.int32)
     return indptr, indices(indptr, block_table, num_pages), last
 
@@ -153,6 +182,11 @@ def flat_token_slots(kv_start_loc: torch.Tensor, block_table: torch.Tensor, page
                      num_kv_tokens: int) -> torch.Tensor:
     """``reference.flat_token_slots``: every request's token slots (int64), request after request."""
     check_inputs(page_size, kv_start_loc=kv_start_loc, block_table=block_table)
+    return _flat_token_slots(kv_start_loc, block_table, page_size, num_kv_tokens)
+
+
+def _flat_token_slots(kv_start_loc: torch.Tensor, block_table: torch.Tensor, page_size: int,
+                      num_kv_tokens: int) -> torch.Tensor:
     request = owners(kv_start_loc, num_kv_tokens)
     position = torch.arange(num_kv_tokens, device=kv_start_loc.device) - kv_start_loc[request]
     return block_table[request, position // page_size].long() * page_size + position % page_size
@@ -208,23 +242,24 @@ def transform_indices_ragged(topk_indices: torch.Tensor, query_start_loc: torch.
 
 
 def build_step(lengths: torch.Tensor, block_table: torch.Tensor, page_size: int, sizes: HostSizes,
-               indices: Callable = kv_indices) -> dict[str, torch.Tensor]:
+               indices: Callable = _kv_indices) -> dict[str, torch.Tensor]:
     """Everything a decode/prefill step needs, from ``lengths`` ``[2, B]`` int32 (q_lens; kv_lens) already on the
     device (one host-to-device copy) and the persistent device block table. Equals ``reference.build_step``."""
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 2 or lengths.shape[0] != 2:
         raise ValueError(f"lengths must be [2, B] (q_lens; kv_lens), got {describe(lengths)}")
     q_lens, seq_lens = lengths[0], lengths[1]
-    query_start_loc, kv_start_loc = cumulative(q_lens), cumulative(seq_lens)
-    kv_indptr, kv_indices_, last_page_len = flashinfer_csr(seq_lens, block_table, page_size, sizes.num_pages, indices)
+    check_inputs(page_size, lengths=q_lens, block_table=block_table)
+    query_start_loc, kv_start_loc = _cumulative(q_lens), _cumulative(seq_lens)
+    kv_indptr, kv_indices_, last_page_len = _flashinfer_csr(seq_lens, block_table, page_size, sizes.num_pages, indices)
     return {
         "query_start_loc": query_start_loc,
         "kv_start_loc": kv_start_loc,
         "seq_lens": seq_lens,
-        "slot_mapping": slot_mapping(query_start_loc, seq_lens, block_table, page_size, sizes.num_tokens),
+        "slot_mapping": _slot_mapping(query_start_loc, seq_lens, block_table, page_size, sizes.num_tokens),
         "kv_indptr": kv_indptr,
         "kv_indices": kv_indices_,
         "kv_last_page_len": last_page_len,
-        "token_slots": flat_token_slots(kv_start_loc, block_table, page_size, sizes.num_kv_tokens),
-        "max_qo_len": max_len(q_lens),
-        "max_kv_len": max_len(seq_lens),
+        "token_slots": _flat_token_slots(kv_start_loc, block_table, page_size, sizes.num_kv_tokens),
+        "max_qo_len": _max_len(q_lens),
+        "max_kv_len": _max_len(seq_lens),
     }

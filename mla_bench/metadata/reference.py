@@ -12,11 +12,10 @@ ground truth it is checked against.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from mla_bench.lengths import check_lengths
+from mla_bench.errors import describe
+from mla_bench.lengths import check_kv_lens, check_lengths, check_page_size
 
 
 def cumulative(lengths: list[int]) -> list[int]:
@@ -27,20 +26,9 @@ def cumulative(lengths: list[int]) -> list[int]:
     return out
 
 
-def check_page_size(page_size: int) -> None:
-    """ValueError unless ``page_size`` is a positive int (a page size of 0 would divide by zero deep inside)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-
-
 def blocks_needed(kv_len: int, page_size: int) -> int:
     check_page_size(page_size)
     return -(-kv_len // page_size)
-
-
-def check_kv_lens(kv_lens: list[int]) -> tuple[int, ...]:
-    """``kv_lens`` by the rules of ``mla_bench.lengths`` (ints, none negative), as a tuple."""
-    return check_lengths(kv_lens, kv_lens)[1]
 
 
 def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Generator,
@@ -114,11 +102,6 @@ def check_topk(topk_indices: torch.Tensor, q_lens: list[int]) -> None:
             or topk_indices.dim() != 2 or topk_indices.shape[0] != sum(q_lens):
         raise ValueError(f"topk_indices must be int32 or int64 [{sum(q_lens)} query tokens, topk], got "
                          f"{describe(topk_indices)}")
-
-
-def describe(value: object) -> str:
-    """A tensor's dtype and shape, or the type of anything else, for error messages."""
-    return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_size: int) -> torch.Tensor:
