@@ -5,7 +5,8 @@ access, an abort) becomes an ``error`` Result for that impl instead of the end o
 the workloads of shardable suites over GPUs, one worker per GPU (``CUDA_VISIBLE_DEVICES`` set to it); other
 suites run once, on the first worker. On CPU, ``devices`` gives that many CPU workers. ``stall_timeout`` kills a
 worker that sends nothing for that many seconds (a hung impl), with every process it started (a DCP run's ranks),
-which also ends as an ``error`` Result per impl.
+which also ends as an ``error`` Result per impl. A worker dies with the runner, and a DCP rank with its worker,
+however either ends (``mla_bench.lifetime``).
 
 A worker is this module run as ``python -m mla_bench.runner``: it reads its job (JSON) on stdin and writes
 JSON lines (progress, results, done) on a private copy of stdout; anything the impls print goes to stderr,
@@ -34,6 +35,7 @@ import torch
 
 from mla_bench import environment
 from mla_bench.device import pick_device
+from mla_bench.lifetime import die_with_parent
 from mla_bench.registry import ImplEntry, discover, resolve
 from mla_bench.results import Result, Run
 from mla_bench.timing import CEILINGS_CHECK
@@ -337,7 +339,8 @@ def _execute_workers(options: RunOptions, device: torch.device, entries: list[Im
     for shard, slot in enumerate(slots):
         jobs[shard] = [{"options": asdict(options), "impls": [_spec(e) for e in group],
                         "names": [e.name for e in group], "suites": suite_names, "device": device.type,
-                        "shard": shard, "shards": len(slots), "visible_device": slot} for group in groups]
+                        "shard": shard, "shards": len(slots), "visible_device": slot, "parent": os.getpid()}
+                       for group in groups]
     suites = [(name, load_suite(name)) for name in suite_names]
     contexts = [_context(options, device, group, progress, shard, len(slots))
                 for shard in jobs for group in groups]
@@ -469,6 +472,7 @@ def _worker_main() -> int:
     os.dup2(2, 1)  # whatever the impls print (even from C) goes to stderr, not into the protocol
     sys.stdout = sys.stderr
     job = json.loads(sys.stdin.read())
+    die_with_parent(job["parent"])  # a worker outlives no runner, however the runner ends
     send: Callable[[dict], None] = lambda message: channel.write(json.dumps(message) + "\n")
 
     class Relay(Progress):

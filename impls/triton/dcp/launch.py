@@ -33,6 +33,7 @@ from impls.triton.dcp.step import dcp_step
 from impls.triton.latent_io import gather_latent
 from impls.triton.merge import rescale_partial
 from mla_bench.layouts import LATENT_DIM
+from mla_bench.lifetime import die_with_parent
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import TORCH_DTYPES, Problem, build_problem
 from mla_bench.timing import capture_graphs, warm_up
@@ -114,7 +115,8 @@ def _check_reorg(problem: Problem, shard, comm: HeadComm, chunk: int) -> float:
     return worst
 
 
-def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str) -> None:
+def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str, parent: int) -> None:
+    die_with_parent(parent)  # a rank outlives no worker, however the worker ends
     for key, value in SAFE_ENV.items():
         os.environ[key] = value
     torch.set_num_threads(1)
@@ -207,7 +209,8 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
         else:
             arg = source
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(rank, spec, arg, workdir), daemon=True) for rank in range(world)]
+        procs = [ctx.Process(target=_worker, args=(rank, spec, arg, workdir, os.getpid()), daemon=True)
+                 for rank in range(world)]
         # gloo ranks compute on the CPU: Triton's interpreter there, even on a GPU host
         with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
             for proc in procs:
