@@ -12,8 +12,18 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from mla_bench.errors import UnsupportedConfig
 from mla_bench.registry import Impl, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
+
+
+def refusal(exc: UnsupportedConfig) -> tuple[str, str]:
+    """The status and message of an impl's refusal: ``unsupported`` with its reason, or ``error`` when it gives none
+    (an unsupported result that does not say why tells its reader nothing)."""
+    if str(exc).strip():
+        return "unsupported", str(exc)
+    return "error", ("raised UnsupportedConfig with no reason: a refusal must say what it does not support\n"
+                     + traceback.format_exc())
 
 
 @dataclass

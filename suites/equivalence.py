@@ -44,7 +44,7 @@ from mla_bench.results import Result
 from mla_bench.tolerances import Tolerance, tolerance_for
 from mla_bench.workload import Mode, Workload
 from reference.expected import expected
-from suites.base import RunContext
+from suites.base import RunContext, refusal
 
 SUITE = "equivalence"
 DENSE_DECODE_IMPLS = ("triton_decode", "torch_eager")
@@ -267,7 +267,8 @@ def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], 
         results = [cached(f"{s.name}|{s.problem.workload.key}", s.result) for s in (a, b)]
         refs = [cached(f"ref|{s.name}|{s.problem.workload.key}", s.reference) for s in (a, b)]
     except UnsupportedConfig as exc:
-        return Result(SUITE, check, "unsupported", impl, workload.to_dict(), workload.label, message=str(exc))
+        status, message = refusal(exc)
+        return Result(SUITE, check, status, impl, workload.to_dict(), workload.label, message=message)
     except Exception:  # noqa: BLE001 - one side's crash is this check's result, not the suite's end
         return Result(SUITE, check, "error", impl, workload.to_dict(), workload.label,
                       message=traceback.format_exc())

@@ -23,6 +23,7 @@ from mla_bench.problem import Problem
 from mla_bench.registry import Impl
 from mla_bench.tolerances import tolerance_for
 from reference.expected import Expected, expected
+from suites.base import refusal
 
 STATUSES = ("passed", "failed", "unsupported", "error")
 
@@ -118,10 +119,8 @@ def _judge(impl: Impl, problem: Problem, refs: References | None) -> Verdict:
     try:
         plan = impl.plan(problem)
     except UnsupportedConfig as exc:
-        if not str(exc).strip():
-            return Verdict("error", message="plan raised UnsupportedConfig with no reason: a refusal must say what "
-                                            "it does not support\n" + traceback.format_exc())
-        return Verdict("unsupported", message=str(exc))
+        status, message = refusal(exc)
+        return Verdict(status, message=message)
     except Exception:  # noqa: BLE001 - any crash of an impl is a result, not a bench failure
         return Verdict("error", message=traceback.format_exc())
     try:

@@ -25,7 +25,7 @@ from mla_bench.registry import Impl
 from mla_bench.results import Result
 from mla_bench.workload import Workload, derive_seed
 from suites import sweeps
-from suites.base import RunContext, load_impls
+from suites.base import RunContext, load_impls, refusal
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
 MEMORY_FRACTION = 0.3  # the rotating input sets may use at most this share of the free device memory
@@ -84,7 +84,8 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device,
                                      target_ms=WINDOW_MS, max_iters=MAX_ITERS)
     except UnsupportedConfig as exc:
-        return result("unsupported", message=str(exc))
+        status, message = refusal(exc)
+        return result(status, message=message)
     except Exception:  # noqa: BLE001 - an impl's crash is its result
         return result("error", message=traceback.format_exc())
     plan = timing.TimingStats.of(plan_ms, method="host")

@@ -32,7 +32,7 @@ from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import Capabilities, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
 from mla_bench.workload import Workload
-from suites.base import RunContext
+from suites.base import RunContext, refusal
 
 SUITE = "placement"
 DEFAULT_PRESET = "deepseek-v3-tp8"
@@ -234,7 +234,8 @@ class PlacementSuite:
         try:
             step = measure_step(impl, problem, self.reps or (5 if problem.device.type == "cuda" else 1))
         except UnsupportedConfig as exc:
-            yield result("hidden_cost", "unsupported", message=str(exc))
+            status, message = refusal(exc)
+            yield result("hidden_cost", status, message=message)
             return
         except Exception:  # noqa: BLE001 - an impl's crash is its result
             yield result("hidden_cost", "error", message=traceback.format_exc())

@@ -257,13 +257,21 @@ def test_refusals_and_crashes_become_results():
         def run(self, plan):
             raise RuntimeError("boom")
 
+    class Mumbles(StaticDecode):
+        name = "planted_mumble"
+
+        def plan(self, problem):
+            raise UnsupportedConfig("")
+
     workloads = (Workload.uniform("prefill", 1, 4, 8, preset="deepseek-v3-tp8"), HOST)
-    found = {(r.impl, r.label): r for r in run_suite([TorchEagerHostCache, Crashes], workloads=workloads,
+    found = {(r.impl, r.label): r for r in run_suite([TorchEagerHostCache, Crashes, Mumbles], workloads=workloads,
                                                       builders=())}
     refused = found[("torch_eager_host_cache", workloads[0].label)]
     assert refused.status == "unsupported" and "mode prefill" in refused.message
     crashed = found[("planted_crash", HOST.label)]
     assert crashed.status == "error" and "boom" in crashed.message
+    mumbled = found[("planted_mumble", HOST.label)]  # a refusal that says nothing tells the reader nothing
+    assert mumbled.status == "error" and "UnsupportedConfig with no reason" in mumbled.message
 
 
 def test_bad_impls_builders_and_workloads_give_results_or_errors_naming_them():
