@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mla_bench.results import STATUSES, Result, Run
-from reports.gate import BAD, Finding, GateLimits
+from reports.gate import BAD, Finding, GateLimits, compare_pair
 from reports.limits import COMPARE_ROWS
 from reports.pairing import HEADLINE, duplicates, headline, pair, same_gpu
 
@@ -88,7 +88,8 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
         relative, change = _relative(va, vb), _change(va, vb)
         if suite == "latency" and other_gpu and change:
             relative, change, withheld = None, "other GPU", withheld + 1
-        rows.append((_kind(ra, rb, relative), abs(relative or 0.0), suite, check, impl, ra, rb, va, vb, change))
+        fatal = any(f.fatal for f in compare_pair(ra, rb, GateLimits(), not other_gpu))
+        rows.append((_kind(ra, rb, relative, fatal), abs(relative or 0.0), suite, check, impl, ra, rb, va, vb, change))
     notes = []
     summarized = 0 < limit < len(rows)
     if summarized:
@@ -118,20 +119,20 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
     return table
 
 
-def _kind(ra: Result | None, rb: Result | None, relative: float | None) -> str:
+def _kind(ra: Result | None, rb: Result | None, relative: float | None, fatal: bool) -> str:
     """What happened to a result from A to B: a new failure (failed or errored in B only), a regression (passed
-    in A, unsupported or absent in B; or its headline over ``NOTABLE`` worse), still failing, a failure not rerun
-    (absent from B), fixed (passed in B), changed (another status, or the headline over ``NOTABLE`` better) or
-    unchanged."""
+    in A, unsupported or absent in B, or a finding the gate with its default limits calls fatal: ``fatal``), still
+    failing, a failure not rerun (absent from B), fixed (passed in B), changed (another status, or the headline over
+    ``NOTABLE`` better or worse, within the gate's noise) or unchanged."""
     bad_a, bad_b = ra is not None and ra.status in BAD, rb is not None and rb.status in BAD
     if bad_b:
         return "still failing" if bad_a else "new failure"
     if bad_a:
         return "failure not rerun" if rb is None else "fixed" if rb.status == "passed" else "changed"
     lost = ra is not None and ra.status == "passed" and (rb is None or rb.status != "passed")
-    if lost or (relative is not None and relative > NOTABLE):
+    if lost or fatal:
         return "regression"
-    if ra is None or rb is None or ra.status != rb.status or (relative is not None and relative < -NOTABLE):
+    if ra is None or rb is None or ra.status != rb.status or (relative is not None and abs(relative) > NOTABLE):
         return "changed"
     return "unchanged"
 

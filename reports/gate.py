@@ -86,7 +86,7 @@ def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> GateOutc
                                 f"{baseline.environment.get('gpu')!r}, run GPU {run.environment.get('gpu')!r}",
                                 False))
     for base, new in pairs:
-        findings += _compare(base, new, limits, compare_latency)
+        findings += compare_pair(base, new, limits, compare_latency)
     return GateOutcome(findings + _missing(pairs, run, limits.allow_missing), compared)
 
 
@@ -98,8 +98,9 @@ def _duplicates(run: Run, which: str) -> list[Finding]:
             for group in duplicates(run).values()]
 
 
-def _compare(base: Result | None, new: Result | None, limits: GateLimits, compare_latency: bool) -> list[Finding]:
-    """The findings of one result: its status against the baseline's, then its metrics where both passed."""
+def compare_pair(base: Result | None, new: Result | None, limits: GateLimits, compare_latency: bool) -> list[Finding]:
+    """The findings of one result: its status against the baseline's, then its metrics where both passed (absent
+    results are the whole run's business: see ``gate``)."""
     if new is None:
         return []  # absent from the run: see _missing
     if new.status in BAD:

@@ -194,3 +194,15 @@ def test_compare_calls_a_failure_fixed_only_when_it_passes_and_limit_0_lists_eve
     assert "fixed 2" in text and "changed 2 (1" in text
     full = _printed(compare_table(a, b, limit=0))
     assert "what" not in full and all(f" w{i} " in full for i in range(4))
+
+
+def test_compare_calls_a_slowdown_a_regression_only_where_the_gate_would():
+    """+12% within three IQRs is a change the gate lets pass; +60% is a regression."""
+    a = [_latency("k", 1024 << i, 0.05) for i in range(3)]
+    b = [_latency("k", 1024 << i, ms) for i, ms in enumerate((0.056, 0.08, 0.05))]
+    for r in a + b:
+        r.metrics["run_ms_iqr"] = 0.005
+    text = _printed(compare_table(Run(environment={"gpu": "H100"}, results=a),
+                                  Run(environment={"gpu": "H100"}, results=b), limit=2))
+    assert re.search(r"changed .* ctx1024 ", text) and re.search(r"regression .* ctx2048 ", text), text
+    assert "regression 1," in text and "changed 1 " in text
