@@ -78,14 +78,14 @@ KIND_STYLE = {"new failure": "bold red", "regression": "red", "still failing": "
 def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_ROWS) -> Table:
     """Status in A and B and the headline number (accuracy: kernel rel_l2, latency: median ms) with its change;
     latency changes only between runs on the same GPU model. Up to ``limit`` results (0: no limit): every one, in run
-    order.
-    More: every failure, error and regression (``_kind``), then the other changes, largest first, up to ``limit``
-    rows; unchanged results are counted. The caption says what the table could not show."""
+    order. More: every failure, error and regression (``_kind``), then the other changes, largest first, up to
+    ``limit`` rows; unchanged results are counted. The caption says what the table could not show."""
     other_gpu = not same_gpu(a, b)
     rows, withheld = [], 0
     for (suite, check, impl, _), ra, rb in pair(a, b):
         va, vb = headline(ra), headline(rb)
-        relative, change = _relative(va, vb), _change(va, vb)
+        relative = _relative(va, vb)
+        change = _change(va, vb, relative)
         if suite == "latency" and other_gpu and change:
             relative, change, withheld = None, "other GPU", withheld + 1
         fatal = any(f.fatal for f in compare_pair(ra, rb, GateLimits(), not other_gpu))
@@ -147,9 +147,9 @@ def _relative(a: float | None, b: float | None) -> float | None:
     return 0.0 if a == 0 else (b - a) / a
 
 
-def _change(a: float | None, b: float | None) -> str:
-    """B relative to A, only where both are finite and A is not negative (from 0: "0" or "new nonzero")."""
-    relative = _relative(a, b)
+def _change(a: float | None, b: float | None, relative: float | None) -> str:
+    """``relative`` (``_relative(a, b)``) as text, only where both are finite and A is not negative (from 0: "0" or
+    "new nonzero")."""
     if relative is None or not math.isfinite(b):
         return ""
     if a == 0:

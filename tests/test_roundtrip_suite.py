@@ -62,12 +62,21 @@ def test_the_capability_matrix_covers_every_layout_and_transform(results):
 
 
 # ---- planted codec bugs -------------------------------------------------------------------------------------------
-class NoScaleFloor(FP8DSMLALayout):
-    """SGLang's fast path: tile scale amax / 448 with no floor, so an all-zero tile gets 0/0 = NaN."""
+class PlantedDSMLA(FP8DSMLALayout):
+    """fp8_ds_mla with one planted bug, named ``planted_name``, under the scale policy ``planted_pow2``."""
+
+    planted_name = ""
+    planted_pow2 = False
 
     def __init__(self) -> None:
-        super().__init__(pow2=False)
-        self.name = "planted_no_scale_floor"
+        super().__init__(pow2=self.planted_pow2)
+        self.name = self.planted_name
+
+
+class NoScaleFloor(PlantedDSMLA):
+    """SGLang's fast path: tile scale amax / 448 with no floor, so an all-zero tile gets 0/0 = NaN."""
+
+    planted_name = "planted_no_scale_floor"
 
     def _encode(self, x, tensor_scale):
         raw = super()._encode(x, tensor_scale)
@@ -77,12 +86,10 @@ class NoScaleFloor(FP8DSMLALayout):
         return torch.cat([codes, f32_bytes(scale), raw[:, NOPE_DIM + 16:]], dim=1)
 
 
-class TruncatedRope(FP8DSMLALayout):
+class TruncatedRope(PlantedDSMLA):
     """Rope values cut to bfloat16 by dropping the low 16 bits instead of rounding to nearest even."""
 
-    def __init__(self) -> None:
-        super().__init__(pow2=False)
-        self.name = "planted_truncated_rope"
+    planted_name = "planted_truncated_rope"
 
     def _encode(self, x, tensor_scale):
         raw = super()._encode(x, tensor_scale)
@@ -109,24 +116,21 @@ class TensorScaleOverNonfinite(FP8PerTensorLayout):
         return max(float(x.float().abs().max()) / E4M3_MAX, FLT_MIN)
 
 
-class Float32Rope(FP8DSMLALayout):
+class Float32Rope(PlantedDSMLA):
     """Rope stored as float32 (the cast to bf16 forgotten): 784 bytes a token where the format has 656."""
 
-    def __init__(self) -> None:
-        super().__init__(pow2=False)
-        self.name = "planted_float32_rope"
+    planted_name = "planted_float32_rope"
 
     def _encode(self, x, tensor_scale):
         raw = super()._encode(x, tensor_scale)
         return torch.cat([raw[:, :NOPE_DIM + 16], f32_bytes(x[:, NOPE_DIM:])], dim=1)
 
 
-class Pow2CodesExactScale(FP8DSMLALayout):
+class Pow2CodesExactScale(PlantedDSMLA):
     """Codes divided by the power-of-two scale, but the exact amax / 448 stored: pow2 in one place, not the other."""
 
-    def __init__(self) -> None:
-        super().__init__(pow2=True)
-        self.name = "planted_pow2_codes_exact_scale"
+    planted_name = "planted_pow2_codes_exact_scale"
+    planted_pow2 = True
 
     def _encode(self, x, tensor_scale):
         raw = super()._encode(x, tensor_scale)
