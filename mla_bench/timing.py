@@ -12,6 +12,13 @@ graph launch (which matters for kernels of a few microseconds).
 bandwidth (read + write bytes) and the bf16 matmul rate on 8192^3, measured once per device per process.
 ``time_copy(bytes)`` times a copy of a given size the same way as a kernel, for a size-matched reference.
 ``cuda_event_timer`` is a clock for pytest-benchmark that reads the GPU's own timeline.
+
+Events time what the GPU did between them only while the host is ahead of the GPU: if the GPU drains its queue, a
+start event fires at once and the launch after it is still being enqueued, so the sample is the host's time. A
+22 us decode graph takes the host 20-34 us to enqueue with its two events (an H100's host, from one second to the
+next), so per-launch samples were the host's in some seconds and the GPU's in others. ``_events`` therefore enqueues
+``CHUNK`` launches at a time behind a GPU sleep long enough for the host to queue them all, and keeps a chunk only if
+the GPU was still asleep when its last launch was queued (see ``_events``).
 """
 
 from __future__ import annotations
@@ -36,15 +43,17 @@ COPY_PAGE = 4096            # time_copy moves whole pages of this many bytes eac
 COPY_TRIES = 4              # ... and times this many sizes a page apart, keeping the fastest
 SPREAD_WINDOWS = 5          # TimingStats.spread: the range of the medians of this many consecutive slices,
 SPREAD_MIN_SAMPLES = 10     # ... each of at least this many samples (else the spread is 0)
+CHUNK = 32                  # launches queued behind one GPU sleep (far below the driver's queue depth)
+SLEEP_CYCLES = (1 << 12, 1 << 21, 1 << 27)  # the sleep's floor, start and cap in GPU clock cycles (~2 us, 1 ms, 70 ms)
 
 
 @dataclass
 class TimingStats:
     """Per-launch times in milliseconds. ``spread``: the largest minus the smallest median of ``SPREAD_WINDOWS``
-    consecutive slices of the samples, in launch order. A GPU has slower spells (an H100 ran a 22 us decode at 22.0
-    us in most windows of 2000 replays and at 24.5-25 in some, at the same clock), from tens of milliseconds to longer
-    than a whole measurement. A spell within the measurement moves whole slices, where the IQR of all samples barely
-    moves, and the gate reads both as noise; a spell over the whole measurement shows in neither."""
+    consecutive slices of the samples, in launch order. A slower spell within the measurement (anything that slows
+    every launch for tens of milliseconds) moves whole slices, where the IQR of all samples barely moves, and the gate
+    reads both as noise. The spells first seen this way (a 22 us decode at 24.5-26 us for seconds at a time) were the
+    host falling behind the GPU, which ``_events`` now prevents; ``host_behind`` counts samples where it could not."""
 
     median: float
     p25: float
@@ -55,19 +64,21 @@ class TimingStats:
     method: str = GRAPH     # GRAPH or EVENTS
     fallback: str = ""      # why graphs were not used
     spread: float = 0.0
+    host_behind: int = 0    # samples the host may have enqueued late (the sleep at its cap did not cover a chunk)
 
     @property
     def iqr(self) -> float:
         return self.p75 - self.p25
 
     @classmethod
-    def of(cls, samples_ms: list[float], method: str = GRAPH, fallback: str = "") -> "TimingStats":
+    def of(cls, samples_ms: list[float], method: str = GRAPH, fallback: str = "",
+           host_behind: int = 0) -> "TimingStats":
         if not samples_ms:
             raise ValueError("no timing samples")
         ordered = sorted(samples_ms)
         return cls(median=statistics.median(ordered), p25=_quantile(ordered, 0.25), p75=_quantile(ordered, 0.75),
                    minimum=ordered[0], mean=statistics.fmean(ordered), count=len(ordered), method=method,
-                   fallback=fallback, spread=_spread(samples_ms))
+                   fallback=fallback, spread=_spread(samples_ms), host_behind=host_behind)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """``{prefix: median, prefix_p25, prefix_p75, prefix_iqr, prefix_min, prefix_spread}`` for a Result."""
@@ -143,11 +154,12 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
                 fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
                 torch.cuda.synchronize()
         per_sample = len(fns) if len(launches) < len(fns) else 1  # callables run by one timed launch
-        rough = _events(launches, len(launches))   # one full rotation warm (and a first estimate)
+        rough, _ = _events(launches, len(launches))   # one full rotation warm (and a first estimate)
         per_launch = max(statistics.median(rough), 1e-3)
         _events(launches, int(min(max_iters, warmup_ms / per_launch)))
         iters = int(min(max_iters, max(min_iters, 3 * len(launches), target_ms / per_launch)))
-        return TimingStats.of([t / per_sample for t in _events(launches, iters)], method, fallback)
+        samples, behind = _events(launches, iters)
+        return TimingStats.of([t / per_sample for t in samples], method, fallback, behind)
 
 
 def time_copy(num_bytes: int, device: torch.device, l2_bytes: int) -> TimingStats:
@@ -207,16 +219,42 @@ def _capture_all(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
     return [graph.replay]
 
 
-def _events(launches: list[Callable[[], Any]], iters: int) -> list[float]:
-    """Milliseconds of each of ``iters`` launches (round robin), events queued back to back, one sync at the end."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        launches[i % len(launches)]()
-        ends[i].record()
+def _events(launches: list[Callable[[], Any]], iters: int) -> tuple[list[float], int]:
+    """Milliseconds of each of ``iters`` launches (round robin, events around each), and how many of them the host
+    may have enqueued late. Launches go in chunks of ``CHUNK``, each behind a GPU sleep and a ``woke`` event. If the
+    GPU has passed ``woke`` by the time the chunk's last launch is queued, the host was not ahead for the whole
+    chunk: its samples are dropped and the next sleep is twice as long. A chunk kept shortens the next sleep by an
+    eighth, so the sleep settles near what the host needs (about nothing where launches take the GPU longer than the
+    host). A chunk behind even at the cap (a launch that waits for the GPU: the events timer of a callable that
+    syncs) is kept and counted, and the rest go without sleeps. One sync at the end."""
+    timed: list[tuple[list[torch.cuda.Event], list[torch.cuda.Event]]] = []
+    kept = behind = done = 0
+    floor, sleep, cap = SLEEP_CYCLES
+    while kept < iters:
+        n = min(CHUNK, iters - kept)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        woke = torch.cuda.Event()
+        if sleep:
+            torch.cuda._sleep(sleep)
+        woke.record()
+        for start, end in zip(starts, ends):
+            start.record()
+            launches[done % len(launches)]()
+            end.record()
+            done += 1
+        ahead = not woke.query()
+        if not ahead and 0 < sleep < cap:
+            sleep = min(cap, 2 * sleep)   # drop the chunk, sleep longer
+            continue
+        timed.append((starts, ends))
+        kept += n
+        if ahead:
+            sleep = max(floor, sleep - sleep // 8) if sleep else 0
+        else:
+            behind, sleep = behind + n, 0   # behind even at the cap: the host cannot get ahead; stop sleeping
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return [s.elapsed_time(e) for starts, ends in timed for s, e in zip(starts, ends)], behind
 
 
 # ---- ceilings -----------------------------------------------------------------------------------------------------

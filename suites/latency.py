@@ -3,7 +3,8 @@
 Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several
 times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its
 details), are built and planned (plan time measured on the host, per set), then ``run`` is timed over the rotating
-sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS``. Metrics: median,
+sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS`` of launches, the
+host kept ahead of the GPU (``host_behind`` in the details counts samples where it could not be). Metrics: median,
 IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s
 (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the
 same run (yielded once per device as the ``ceilings`` result).
@@ -29,7 +30,7 @@ from suites.base import RunContext, load_impls, refusal
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
 MEMORY_FRACTION = 0.3  # the rotating input sets may use at most this share of the free device memory
-# Each (impl, workload) is timed over about this long, so that its slices sample the device's slower spells (see
+# Each (impl, workload) is timed over about this long of launches, so that its slices sample any slower spell (see
 # timing.TimingStats.spread), however short a launch: up to 18,000 launches of a 22 us decode.
 WINDOW_MS, MAX_ITERS = 400.0, 20_000
 
@@ -95,6 +96,7 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
                "matmul_fraction": work.tflops(stats.median) / ceilings.matmul_tflops,
                "input_sets": sets, "iterations": stats.count}
     return result("passed", metrics=metrics,
-                  details={"timer": stats.method, "fallback": stats.fallback, "device": ceilings.device_name,
+                  details={"timer": stats.method, "fallback": stats.fallback, "host_behind": stats.host_behind,
+                           "device": ceilings.device_name,
                            "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes,
                            "cold_l2": timing.rotation_is_cold(sets, work.bytes, ceilings.l2_bytes)})

@@ -4,6 +4,7 @@ the timer itself (graphs, fallback, cold-L2 rotation, ceilings, pytest-benchmark
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -91,8 +92,28 @@ def test_graph_timing_and_its_fallback_on_the_gpu():
     assert graphed.method == timing.GRAPH and graphed.median > 0 and graphed.count >= 20
     syncing = timing.time_rotation([lambda t=t: t.sum().item() for t in x], device)  # .item() cannot be captured
     assert syncing.method == timing.EVENTS and syncing.fallback
+    assert syncing.host_behind == syncing.count and graphed.host_behind == 0  # a syncing launch leaves no queue
     whole = timing.time_rotation([lambda t=t: t.mul_(1.0) for t in x], device, one_graph=True)
     assert whole.method == timing.GRAPH and whole.median == pytest.approx(graphed.median, rel=0.5)
+
+
+@pytest.mark.gpu
+def test_a_host_slower_than_the_gpu_is_not_timed():
+    """Each launch takes the host 200 us and the GPU a few: per-launch events time the GPU only if the host queues
+    launches ahead of it. Without the sleeps of ``_events`` every sample was the host's 200 us."""
+    device = torch.device("cuda")
+    x = torch.randn(1 << 16, device=device)
+
+    def slow_host() -> None:
+        until = time.perf_counter() + 200e-6
+        while time.perf_counter() < until:
+            pass
+        x.mul_(1.0)
+
+    gpu = timing.time_rotation([lambda: x.mul_(1.0)], device, use_graphs=False)
+    host_bound = timing.time_rotation([slow_host], device, use_graphs=False, target_ms=5, max_iters=200)
+    assert host_bound.host_behind == 0 and host_bound.count >= 20
+    assert host_bound.median < min(0.05, 3 * gpu.median), (host_bound.median, gpu.median)
 
 
 def test_a_copy_of_no_bytes_is_refused():
