@@ -61,11 +61,7 @@ def judge_workload(workload: Workload, impls: list[Impl], device: torch.device) 
         return
     for impl in accepted:
         verdict = judge(impl, problem, refs)
-        metrics = {}
-        for kind, values in (("kernel", verdict.kernel), ("e2e", verdict.e2e)):
-            if values is not None:
-                metrics.update({f"{kind}.{k}": v for k, v in values.to_dict().items()})
-        yield _result(workload, impl, verdict.status, metrics=metrics,
+        yield _result(workload, impl, verdict.status, metrics=verdict.metrics(),
                       message=verdict.message or "; ".join(verdict.violations),
                       details={"violations": verdict.violations, "tolerance": _tolerances(workload)})
 

@@ -125,12 +125,8 @@ def _judge_cell(name: str, impl, cell: Cell, problem: Problem, refs: References 
     status, message = verdict.status, verdict.message or "; ".join(verdict.violations)
     if status == "unsupported" and not names_combination(verdict.message, problem.workload):
         status, message = "failed", f"refused without naming the combination: {verdict.message!r}"
-    metrics = {}
-    for kind, errors in (("kernel", verdict.kernel), ("e2e", verdict.e2e)):
-        if errors is not None:
-            metrics.update({f"{kind}.{k}": v for k, v in errors.to_dict().items()})
     return Result(SUITE, "capability", status, impl=name, workload=problem.workload.to_dict(),
-                  label=f"{name}: {cell.name}", metrics=metrics,
+                  label=f"{name}: {cell.name}", metrics=verdict.metrics(),
                   details={"row": cell.row, "column": cell.column}, message=message)
 
 

@@ -8,12 +8,18 @@ by the kernel tolerance) and ``e2e`` (against the original values, judged by the
 ``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
 neither ``plan`` nor ``run`` may write into the problem's tensors (queries, cache pages, metadata): one that does
 ``failed``, naming them, and they are restored for the next impl.
+A plan is run twice, poisoned before each run, as a CUDA graph replays one plan: the second run is judged like the
+first (a workspace zeroed only in ``plan``, a counter left set, an index transform applied in place to a buffer of
+the plan: right once, wrong on every replay), and ``replay_max_abs`` says how far the two runs' outputs differ
+(0 for an impl that is deterministic run to run).
 """
 
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -35,10 +41,19 @@ class Verdict:
     e2e: ErrorMetrics | None = None
     violations: list[str] = field(default_factory=list)
     message: str = ""
+    replay_max_abs: float | None = None  # largest |second run - first run| over out and lse (NaN matches NaN)
 
     @property
     def ok(self) -> bool:
         return self.status in ("passed", "unsupported")
+
+    def metrics(self) -> dict[str, float]:
+        """The verdict's numbers for a Result: ``kernel.*`` and ``e2e.*`` errors, and ``replay_max_abs``."""
+        metrics = {f"{kind}.{name}": value for kind, errors in (("kernel", self.kernel), ("e2e", self.e2e))
+                   if errors is not None for name, value in errors.to_dict().items()}
+        if self.replay_max_abs is not None:
+            metrics["replay_max_abs"] = self.replay_max_abs
+        return metrics
 
 
 @dataclass
@@ -59,14 +74,16 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
     saved = {name: (owner, attr, tensor, tensor.clone())
              for name, (owner, attr, tensor) in input_tensors(problem).items()}
-    verdict = _judge(impl, problem, refs)
-    changed = _restore_changed(saved)
+    changed: list[str] = []
+    verdict = _judge(impl, problem, refs, between_runs=lambda: changed.extend(_restore_changed(saved)))
+    changed = list(dict.fromkeys(changed + _restore_changed(saved)))
     if not changed:
         return verdict
     violation = f"wrote into its inputs: {', '.join(changed)} (restored for the next impl)"
     if verdict.status == "error":
         return Verdict("error", message=f"{verdict.message}\n{violation}")
-    return Verdict("failed", verdict.kernel, verdict.e2e, verdict.violations + [violation])
+    return Verdict("failed", verdict.kernel, verdict.e2e, verdict.violations + [violation],
+                   replay_max_abs=verdict.replay_max_abs)
 
 
 def input_tensors(problem: Problem) -> dict[str, tuple[object, str, torch.Tensor]]:
@@ -114,8 +131,9 @@ def check_outputs(result: object, problem: Problem) -> tuple[torch.Tensor, torch
     return out, lse
 
 
-def _judge(impl: Impl, problem: Problem, refs: References | None) -> Verdict:
-    """Plan, run and compare (``judge`` without the check of the inputs)."""
+def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: Callable[[], None]) -> Verdict:
+    """Plan, run twice and compare (``judge`` without the check of the inputs, which ``between_runs`` restores so
+    that the second run reads what the first did)."""
     try:
         plan = impl.plan(problem)
     except UnsupportedConfig as exc:
@@ -125,17 +143,50 @@ def _judge(impl: Impl, problem: Problem, refs: References | None) -> Verdict:
         return Verdict("error", message=traceback.format_exc())
     try:
         refs = refs or References.of(problem)  # before run: what run writes into its inputs cannot move it
-        impl.poison(plan)
-        out, lse = check_outputs(impl.run(plan), problem)
-        if problem.device.type == "cuda":
-            torch.cuda.synchronize(problem.device)
-        caps = impl.capabilities
-        lse = normalize_lse(lse, caps.lse_base, caps.empty_lse)
-        kernel = compare(out, lse, refs.cache.out, refs.cache.lse)
-        e2e = compare(out, lse, refs.original.out, refs.original.lse)
+        first = _poisoned_run(impl, plan, problem)
+        kernel, e2e, violations = _errors(first, refs, problem)
     except Exception:  # noqa: BLE001
         return Verdict("error", message=traceback.format_exc())
+    between_runs()
+    try:
+        second = _poisoned_run(impl, plan, problem)
+        _, _, again = _errors(second, refs, problem)
+    except Exception:  # noqa: BLE001
+        return Verdict("error", message=f"the second run of the same plan raised:\n{traceback.format_exc()}")
+    violations += [f"second run of the same plan: {v}" for v in again]
+    return Verdict("failed" if violations else "passed", kernel, e2e, violations,
+                   replay_max_abs=_largest_difference(first, second))
+
+
+def _poisoned_run(impl: Impl, plan: object, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one run after poisoning, the lse normalized, both copied (the next run may reuse the
+    buffers)."""
+    impl.poison(plan)
+    out, lse = check_outputs(impl.run(plan), problem)
+    if problem.device.type == "cuda":
+        torch.cuda.synchronize(problem.device)
+    caps = impl.capabilities
+    return out.clone(), normalize_lse(lse, caps.lse_base, caps.empty_lse)
+
+
+def _errors(answer: tuple[torch.Tensor, torch.Tensor], refs: References,
+            problem: Problem) -> tuple[ErrorMetrics, ErrorMetrics, list[str]]:
+    """Kernel and end-to-end errors of one run's answer, and the tolerances it breaks."""
+    kernel = compare(*answer, refs.cache.out, refs.cache.lse)
+    e2e = compare(*answer, refs.original.out, refs.original.lse)
     w = problem.workload
     violations = [f"kernel: {v}" for v in tolerance_for(w.dtype, w.layout, "kernel").violations(kernel)]
     violations += [f"e2e: {v}" for v in tolerance_for(w.dtype, w.layout, "e2e").violations(e2e)]
-    return Verdict("failed" if violations else "passed", kernel, e2e, violations)
+    return kernel, e2e, violations
+
+
+def _largest_difference(first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> float:
+    """Largest |a - b| over paired tensors; equal values (infinities, NaN against NaN) differ by 0, a value against
+    NaN or a different infinity by inf."""
+    worst = 0.0
+    for a, b in zip(first, second):
+        a, b = a.double(), b.double()
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        diff = torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=math.inf))
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    return worst

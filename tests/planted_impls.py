@@ -124,6 +124,23 @@ class WritesOutputIntoQuery(PlainDecode):
         return view, lse
 
 
+class AccumulatesWithoutReset(PlainDecode):
+    """Merges its splits by adding into an accumulator of the plan that ``plan`` zeroes and ``run`` does not (a
+    split-KV reduction by atomic adds into a workspace cleared once): right on the first run, doubled when the plan
+    is run again, as a CUDA graph replays it."""
+
+    name = "planted_accumulates_without_reset"
+
+    def plan(self, problem):
+        return problem, torch.zeros(*problem.q.shape[:2], NOPE_DIM, device=problem.q.device)
+
+    def run(self, plan):
+        problem, accumulator = plan
+        out, lse = super().run(problem)
+        accumulator.add_(out.float())
+        return accumulator.to(out.dtype), lse
+
+
 class PlainSparse(Impl):
     """Sparse top-k over the paged bf16 cache with PAGED indices (physical slots, -1 invalid)."""
 
@@ -211,4 +228,4 @@ class SlowerTorchEager(TorchEager):
 
 
 PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex,
-                WritesOutputIntoQuery]
+                WritesOutputIntoQuery, AccumulatesWithoutReset]

@@ -109,6 +109,33 @@ def test_an_impl_writing_into_its_inputs_fails_naming_them_and_they_are_restored
     assert judge(planted.PlainDecode(), problem).status == "passed"
 
 
+def test_the_second_run_of_a_plan_is_judged_and_its_difference_from_the_first_reported():
+    problem = _problem()
+    plain = judge(planted.PlainDecode(), problem)
+    assert plain.status == "passed" and plain.replay_max_abs == 0.0
+    assert plain.metrics()["replay_max_abs"] == 0.0 and "kernel.rel_l2" in plain.metrics()
+    stale = judge(planted.AccumulatesWithoutReset(), problem)
+    assert stale.status == "failed" and stale.violations, stale.violations
+    assert all(v.startswith("second run of the same plan: ") for v in stale.violations), stale.violations
+    assert stale.kernel.rel_l2 < 1e-2 and stale.replay_max_abs > 0.1  # the first run was right
+    calls = iter(range(10))
+    jitter = judge(Bends(lambda p, out, lse: (out, lse + 1e-5 * next(calls))), problem)  # within every tolerance
+    assert jitter.status == "passed" and 0 < jitter.replay_max_abs < 1e-4, jitter.replay_max_abs
+
+
+def test_a_second_run_that_raises_is_an_error_naming_it():
+    calls = iter(range(2))
+
+    def second_raises(p, out, lse):
+        if next(calls):
+            raise RuntimeError("counter left set")
+        return out, lse
+
+    verdict = judge(Bends(second_raises), _problem())
+    assert verdict.status == "error" and "second run of the same plan raised" in verdict.message
+    assert "counter left set" in verdict.message
+
+
 BROKEN = textwrap.dedent('''
     from mla_bench.registry import Capabilities, Impl
 

@@ -71,6 +71,7 @@ def test_every_layout_page_size_and_query_mode_passes_the_judge(layout, page_siz
     # Quantized layouts report both errors: the kernel's own (tight) and end to end (the format's loss).
     assert verdict.kernel.rel_l2 < 4e-3
     assert verdict.e2e.rel_l2 >= verdict.kernel.rel_l2 or layout == "bf16"
+    assert verdict.replay_max_abs == 0.0  # no atomics: a replayed plan gives the same bits
 
 
 CONFIGS = [  # the merge reads all of a group's partials at once or a few per step
