@@ -121,6 +121,9 @@ def test_the_second_run_of_a_plan_is_judged_and_its_difference_from_the_first_re
     calls = iter(range(10))
     jitter = judge(Bends(lambda p, out, lse: (out, lse + 1e-5 * next(calls))), problem)  # within every tolerance
     assert jitter.status == "passed" and 0 < jitter.replay_max_abs < 1e-4, jitter.replay_max_abs
+    wrong = judge(planted.ReturnsZeros(), problem)  # wrong the same way twice: its violations are not repeated
+    assert wrong.status == "failed" and wrong.replay_max_abs == 0.0
+    assert not any(v.startswith("second run") for v in wrong.violations), wrong.violations
 
 
 def test_a_second_run_that_raises_is_an_error_naming_it():
