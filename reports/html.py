@@ -1,5 +1,6 @@
 """One self-contained HTML report of a run: environment, ceilings, pass/fail matrices, error heatmaps, latency and
-bandwidth with the roofline, impls side by side, the capability matrix and the hidden-cost table.
+bandwidth with the roofline, impls side by side, the capability matrix, the hidden-cost table and how each impl's
+plans replay.
 
 A results file may come from anyone: every string taken from it goes through ``html.escape`` (text and
 attributes), images are PNGs this module renders (embedded as base64 and also written beside the report), and
@@ -79,6 +80,7 @@ def render(run: Run, plots: list[Plot], rows: int = REPORT_ROWS) -> str:
     parts.append(_latency(run, [named[n] for n in ("latency", "roofline") if n in named], rows or len(run.results)))
     parts.append(_capability_matrix(run))
     parts.append(_hidden_costs(run))
+    parts.append(_replays(run))
     parts.append(_failures(run))
     parts.append("</body></html>")
     return "\n".join(p for p in parts if p)
@@ -272,6 +274,19 @@ def _hidden_costs(run: Run) -> str:
     """The placement suite's hidden-cost table (plan and run time, launches, copies, syncs, allocations)."""
     table = hidden_cost_html(run.results)
     return "<h2>Hidden costs (placement)</h2>" + table if table else ""
+
+
+def _replays(run: Run) -> str:
+    """Per impl: how many judged plans gave other values on their second run (``replay_max_abs``, see
+    ``suites.judge``), and the largest difference: 0 of N is an impl deterministic run to run."""
+    judged: dict[str, list[float]] = defaultdict(list)
+    for r in run.results:
+        if "replay_max_abs" in r.metrics:
+            judged[r.impl or "(bench)"].append(r.metrics["replay_max_abs"])
+    rows = [[esc(impl), _num(len(values)), _num(sum(v != 0 for v in values)), _num(max(values))]
+            for impl, values in sorted(judged.items())]
+    return ("<h2>Replays of one plan (run to run)</h2>"
+            + _table(["impl", "plans run twice", "second run differed", "largest difference"], rows)) if rows else ""
 
 
 def _failures(run: Run) -> str:

@@ -52,7 +52,8 @@ def rich_run(evil: str = "") -> Run:
                 status = "failed" if (impl == "beta" and kv == 4096) else "passed"
                 results.append(Result("accuracy", "accuracy", status, impl=impl, workload=_workload(kv, layout),
                                       label=f"decode ctx{kv} {layout}", message=f"kernel: rel_l2 {evil}",
-                                      metrics={"kernel.rel_l2": 1e-3 * kv ** 0.3, "e2e.rel_l2": 2e-3 * kv ** 0.3}))
+                                      metrics={"kernel.rel_l2": 1e-3 * kv ** 0.3, "e2e.rel_l2": 2e-3 * kv ** 0.3,
+                                               "replay_max_abs": 0.0 if impl == "beta" or kv < 512 else kv / 1e6}))
         for kv in (4096, 8192, 16384):
             results.append(_latency(impl, kv, 0.01 * kv / 4096 * (2 if impl == "beta" else 1), cold_l2=kv > 4096,
                                     spread=kv != 16384))
@@ -101,8 +102,12 @@ def test_report_sections_and_png_files(tmp_path):
     target = write_report(rich_run(), tmp_path / "report.html")
     page = target.read_text()
     for heading in ("Environment", "Ceilings measured", "Pass/fail matrix", "Error heatmaps", "Latency, bandwidth",
-                    "Impls side by side", "Capability matrix", "Hidden costs", "Failures and errors"):
+                    "Impls side by side", "Capability matrix", "Hidden costs", "Replays of one plan",
+                    "Failures and errors"):
         assert heading in page, heading
+    replays = page[page.index("Replays of one plan"):page.index("Failures and errors")]
+    assert re.findall(r"<td>([a-z]+)</td><td class=\"num\">(\d+)</td><td class=\"num\">(\d+)</td>", replays) == [
+        ("alpha", "6", "4"), ("beta", "6", "0")]  # alpha's ctx512 and ctx4096 in both layouts differed
     pngs = sorted(p.name for p in tmp_path.glob("report-*.png"))
     assert pngs == ["report-errors-0.png", "report-errors-1.png", "report-latency.png", "report-roofline.png"]
     assert len(re.findall(r'src="data:image/png;base64,', page)) == len(pngs)
