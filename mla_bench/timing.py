@@ -11,7 +11,7 @@ graph launch (which matters for kernels of a few microseconds).
 ``measure_ceilings(device)`` gives the two numbers every result is a fraction of: device-to-device copy
 bandwidth (read + write bytes) and the bf16 matmul rate on 8192^3, measured once per device per process.
 ``time_copy(bytes)`` times a copy of a given size the same way as a kernel, for a size-matched reference.
-``cuda_event_timer`` is a clock for pytest-benchmark that reads the GPU's own timeline.
+``cuda_event_timer`` is a clock for pytest-benchmark that reads the GPU's own timeline (host gaps included).
 
 Events time what the GPU did between them only while the host is ahead of the GPU: if the GPU drains its queue, a
 start event fires at once and the launch after it is still being enqueued, so the sample is the host's time. A
@@ -304,7 +304,10 @@ def measure_ceilings(device: torch.device) -> Ceilings:
 # ---- pytest-benchmark ---------------------------------------------------------------------------------------------
 class CudaEventTimer:
     """A clock (seconds) read from CUDA events: ``@pytest.mark.benchmark(timer=cuda_event_timer)`` makes
-    pytest-benchmark time what the GPU did between two calls, not what the host spent launching."""
+    pytest-benchmark time the GPU's timeline between two calls instead of the host's. That timeline includes the
+    GPU waiting for the host: each call drains the queue, so a round's first launch (and every launch that the host
+    takes longer to enqueue than the GPU to run) is timed from when the host began enqueueing it. For launches of
+    tens of microseconds or less, read the latency suite, whose timer keeps the host ahead (``_events``)."""
 
     def __init__(self) -> None:
         self._origin: torch.cuda.Event | None = None
