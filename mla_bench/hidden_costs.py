@@ -17,8 +17,9 @@ What each count means depends on what the trace can see:
 - on a CPU-only run host and device memory are one: ``launches`` are top-level operator calls (each would launch
   at least one kernel on a GPU); same-dtype ``aten::copy_`` calls are ``d2d`` copies (a dtype conversion is
   compute, as on a GPU where it is a kernel, not a memcpy); explicit moves to a named device
-  (``Tensor.to(device)``, ``.cpu()``, ``.cuda()``) are ``d2h`` (to the CPU) or ``h2d`` (to a GPU) copies of the
-  tensor's bytes whether or not they copy here, since on a GPU run they would cross the bus (one that copies
+  (``Tensor.to(device)``, ``.to(other_tensor)``, ``.cpu()``, ``.cuda()``) are ``d2h`` (to the CPU) or ``h2d`` (to a
+  GPU) copies of the tensor's bytes whether or not they copy here, since on a GPU run they may cross the bus (the
+  twin cannot tell a host-cache tensor from a GPU one, so it errs toward reporting the copy; one that copies
   nothing here counts once per tensor and device in a call; a copy inside one is not a ``d2d`` copy too);
   ``syncs`` are host reads of tensor values that would wait for a GPU (``.item()``, ``bool(t)``, ``int(t)``:
   ``aten::_local_scalar_dense``; ``.tolist()``, ``.numpy()``, ``numpy.asarray(t)``; output sizes that depend on
