@@ -17,8 +17,8 @@ Events time what the GPU did between them only while the host is ahead of the GP
 start event fires at once and the launch after it is still being enqueued, so the sample is the host's time. A
 22 us decode graph takes the host 20-34 us to enqueue with its two events (an H100's host, from one second to the
 next), so per-launch samples were the host's in some seconds and the GPU's in others. ``_events`` therefore enqueues
-``CHUNK`` launches at a time behind a GPU sleep long enough for the host to queue them all, and keeps a chunk only if
-the GPU was still asleep when its last launch was queued (see ``_events``).
+launches in chunks behind a GPU sleep long enough for the host to queue them all, and keeps a chunk only if the GPU
+was still asleep when its last launch was queued (see ``_events`` and ``Pacer``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ COPY_PAGE = 4096            # time_copy moves whole pages of this many bytes eac
 COPY_TRIES = 4              # ... and times this many sizes a page apart, keeping the fastest
 SPREAD_WINDOWS = 5          # TimingStats.spread: the range of the medians of this many consecutive slices,
 SPREAD_MIN_SAMPLES = 10     # ... each of at least this many samples (else the spread is 0)
-CHUNK = 32                  # launches queued behind one GPU sleep (far below the driver's queue depth)
+CHUNK = 32                  # launches queued behind one GPU sleep at first (halved where the queue is too short)
 SLEEP_CYCLES = (1 << 12, 1 << 21, 1 << 27)  # the sleep's floor, start and cap in GPU clock cycles (~2 us, 1 ms, 70 ms)
+SHRINK_AFTER = 4            # the sleep shortens by an eighth after this many chunks kept in a row
 
 
 @dataclass
@@ -64,7 +65,7 @@ class TimingStats:
     method: str = GRAPH     # GRAPH or EVENTS
     fallback: str = ""      # why graphs were not used
     spread: float = 0.0
-    host_behind: int = 0    # samples the host may have enqueued late (the sleep at its cap did not cover a chunk)
+    host_behind: int = 0    # samples the host may have enqueued late (it could not get ahead: see _events)
 
     @property
     def iqr(self) -> float:
@@ -154,11 +155,12 @@ def time_rotation(fns: list[Callable[[], Any]], device: torch.device, target_ms:
                 fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
                 torch.cuda.synchronize()
         per_sample = len(fns) if len(launches) < len(fns) else 1  # callables run by one timed launch
-        rough, _ = _events(launches, len(launches))   # one full rotation warm (and a first estimate)
+        pacer = Pacer()  # what the warm-up learns about the host's pace carries into the measurement
+        rough, _ = _events(launches, len(launches), pacer)   # one full rotation warm (and a first estimate)
         per_launch = max(statistics.median(rough), 1e-3)
-        _events(launches, int(min(max_iters, warmup_ms / per_launch)))
+        _events(launches, int(min(max_iters, warmup_ms / per_launch)), pacer)
         iters = int(min(max_iters, max(min_iters, 3 * len(launches), target_ms / per_launch)))
-        samples, behind = _events(launches, iters)
+        samples, behind = _events(launches, iters, pacer)
         return TimingStats.of([t / per_sample for t in samples], method, fallback, behind)
 
 
@@ -219,40 +221,70 @@ def _capture_all(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
     return [graph.replay]
 
 
-def _events(launches: list[Callable[[], Any]], iters: int) -> tuple[list[float], int]:
+@dataclass
+class Pacer:
+    """How ``_events`` keeps the host ahead: the GPU sleep before each chunk (GPU clock cycles), the chunk's size,
+    how many chunks in a row were kept, and whether it gave up (the host cannot get ahead: see ``_events``)."""
+
+    sleep: int = SLEEP_CYCLES[1]
+    chunk: int = CHUNK
+    kept_in_a_row: int = 0
+    gave_up: bool = False
+
+    def kept_ahead(self) -> None:
+        """A chunk was queued ahead: after ``SHRINK_AFTER`` in a row, sleep an eighth less (never under the floor), so
+        the sleep settles near what the host needs with a drop now and then, not one chunk in six."""
+        self.kept_in_a_row += 1
+        if self.kept_in_a_row % SHRINK_AFTER == 0:
+            self.sleep = max(SLEEP_CYCLES[0], self.sleep - self.sleep // 8)
+
+    def fell_behind(self, first_launch_late: bool) -> bool:
+        """A chunk was not queued ahead: sleep twice as long, up to the cap; at the cap, halve the chunk (a launch
+        queue too short for it blocks the host while the GPU sleeps); give up when one launch outlasts the capped
+        sleep (it syncs, or its host part takes longer than 70 ms). True: keep the chunk (given up), else drop it."""
+        self.kept_in_a_row = 0
+        at_cap = self.sleep == SLEEP_CYCLES[2]
+        if at_cap and (first_launch_late or self.chunk == 1):
+            self.gave_up = True
+        elif self.sleep < SLEEP_CYCLES[2]:
+            self.sleep = min(SLEEP_CYCLES[2], 2 * self.sleep)
+        else:
+            self.chunk //= 2
+        return self.gave_up
+
+
+def _events(launches: list[Callable[[], Any]], iters: int, pacer: Pacer | None = None) -> tuple[list[float], int]:
     """Milliseconds of each of ``iters`` launches (round robin, events around each), and how many of them the host
-    may have enqueued late. Launches go in chunks of ``CHUNK``, each behind a GPU sleep and a ``woke`` event. If the
-    GPU has passed ``woke`` by the time the chunk's last launch is queued, the host was not ahead for the whole
-    chunk: its samples are dropped and the next sleep is twice as long. A chunk kept shortens the next sleep by an
-    eighth, so the sleep settles near what the host needs (about nothing where launches take the GPU longer than the
-    host). A chunk behind even at the cap (a launch that waits for the GPU: the events timer of a callable that
-    syncs) is kept and counted, and the rest go without sleeps. One sync at the end."""
+    may have enqueued late. Launches go in chunks (``pacer.chunk``), each behind a GPU sleep and a ``woke`` event.
+    If the GPU has passed ``woke`` by the time the chunk's last launch is queued, the host was not ahead for the
+    whole chunk: the chunk is dropped and the pacer sleeps longer (``Pacer.fell_behind``). Once the pacer gives up,
+    chunks go without sleeps and every one not queued ahead counts as behind. One sync at the end."""
+    pacer = pacer or Pacer()
     timed: list[tuple[list[torch.cuda.Event], list[torch.cuda.Event]]] = []
     kept = behind = done = 0
-    floor, sleep, cap = SLEEP_CYCLES
     while kept < iters:
-        n = min(CHUNK, iters - kept)
+        n = min(pacer.chunk, iters - kept)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         woke = torch.cuda.Event()
-        if sleep:
-            torch.cuda._sleep(sleep)
+        if not pacer.gave_up:
+            torch.cuda._sleep(pacer.sleep)
         woke.record()
-        for start, end in zip(starts, ends):
+        first_launch_late = False
+        for i, (start, end) in enumerate(zip(starts, ends)):
             start.record()
             launches[done % len(launches)]()
             end.record()
             done += 1
-        ahead = not woke.query()
-        if not ahead and 0 < sleep < cap:
-            sleep = min(cap, 2 * sleep)   # drop the chunk, sleep longer
-            continue
+            first_launch_late = first_launch_late or (i == 0 and woke.query())
+        if not woke.query():
+            pacer.kept_ahead()
+        elif not (pacer.gave_up or pacer.fell_behind(first_launch_late)):
+            continue  # dropped
+        else:
+            behind += n
         timed.append((starts, ends))
         kept += n
-        if ahead:
-            sleep = max(floor, sleep - sleep // 8) if sleep else 0
-        else:
-            behind, sleep = behind + n, 0   # behind even at the cap: the host cannot get ahead; stop sleeping
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for starts, ends in timed for s, e in zip(starts, ends)], behind
 

@@ -139,7 +139,8 @@ def check_workload(impl: Impl, workload: Workload, device: torch.device) -> dict
         return {"label": workload.label, "status": "error", "message": traceback.format_exc()[-800:]}
     return {"label": workload.label, "status": verdict.status, "violations": verdict.violations,
             "kernel": verdict.kernel.to_dict() if verdict.kernel else None,
-            "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "message": verdict.message[-800:]}
+            "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "replay_max_abs": verdict.replay_max_abs,
+            "message": verdict.message[-800:]}
 
 
 def config_check_workload(shape: Shape) -> Workload:

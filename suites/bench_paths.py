@@ -127,7 +127,8 @@ def row(part: str, label: str, variant: str, timing: dict | None, flops: float =
 
 def verdict_text(verdict) -> str:
     if verdict.status == "passed":
-        return f"passed (kernel rel_l2 {verdict.kernel.rel_l2:.2e}, lse {verdict.kernel.lse_max_abs:.1e})"
+        return (f"passed (kernel rel_l2 {verdict.kernel.rel_l2:.2e}, lse {verdict.kernel.lse_max_abs:.1e}, "
+                f"replay {verdict.replay_max_abs:.1e})")
     return f"{verdict.status} {verdict.violations} {verdict.message[-600:]}"
 
 

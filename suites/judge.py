@@ -8,15 +8,16 @@ by the kernel tolerance) and ``e2e`` (against the original values, judged by the
 ``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
 neither ``plan`` nor ``run`` may write into the problem's tensors (queries, cache pages, metadata): one that does
 ``failed``, naming them, and they are restored for the next impl.
-A plan is run twice, poisoned before each run, as a CUDA graph replays one plan: a second run that differs from the
-first is judged like it (a workspace zeroed only in ``plan``, a counter left set, an index transform applied in place to a buffer of
-the plan: right once, wrong on every replay), and ``replay_max_abs`` says how far the two runs' outputs differ
-(0 for an impl that is deterministic run to run).
+A plan that passes is run again, poisoned again, as a CUDA graph replays one plan: a second run that differs from
+the first is judged like it (a workspace zeroed only in ``plan``, a counter left set, an index transform applied in
+place to a buffer of the plan: right once, wrong on every replay; the verdict then carries the second run's errors),
+and ``replay_max_abs`` says how far the two runs' outputs differ (0 for an impl that is deterministic run to run).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -76,7 +77,7 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
              for name, (owner, attr, tensor) in input_tensors(problem).items()}
     changed: list[str] = []
     verdict = _judge(impl, problem, refs, between_runs=lambda: changed.extend(_restore_changed(saved)))
-    changed = list(dict.fromkeys(changed + _restore_changed(saved)))
+    changed = _once_each(changed + _restore_changed(saved))
     if not changed:
         return verdict
     violation = f"wrote into its inputs: {', '.join(changed)} (restored for the next impl)"
@@ -107,6 +108,14 @@ def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Ten
             tensor.copy_(copy)
             changed.append(f"{name} ({differ} elements)")
     return changed
+
+
+def _once_each(changed: list[str]) -> list[str]:
+    """``_restore_changed``'s entries of both runs, each tensor and kind of change once (the first run's count)."""
+    first: dict[str, str] = {}
+    for entry in changed:
+        first.setdefault(re.sub(r"\(\d+ elements\)", "(elements)", entry), entry)
+    return list(first.values())
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -147,14 +156,19 @@ def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: 
         kernel, e2e, violations = _errors(first, refs, problem)
     except Exception:  # noqa: BLE001
         return Verdict("error", message=traceback.format_exc())
+    if violations:  # a second run would only repeat what the first broke
+        return Verdict("failed", kernel, e2e, violations)
     between_runs()
     try:
         second = _poisoned_run(impl, plan, problem)
-        difference = _largest_difference(first, second)
-        again = _errors(second, refs, problem)[2] if difference else []  # the same bits break the same bounds
+        shapes = [f"{name} has shape {list(b.shape)}, the first run's {list(a.shape)}"
+                  for name, a, b in zip(("out", "lse"), first, second) if a.shape != b.shape]
+        difference = math.inf if shapes else _largest_difference(first, second)
+        if difference:
+            kernel, e2e, again = _errors(second, refs, problem) if not shapes else (kernel, e2e, shapes)
+            violations = [f"second run of the same plan: {v}" for v in again]
     except Exception:  # noqa: BLE001
         return Verdict("error", message=f"the second run of the same plan raised:\n{traceback.format_exc()}")
-    violations += [f"second run of the same plan: {v}" for v in again]
     return Verdict("failed" if violations else "passed", kernel, e2e, violations, replay_max_abs=difference)
 
 
@@ -166,7 +180,7 @@ def _poisoned_run(impl: Impl, plan: object, problem: Problem) -> tuple[torch.Ten
     if problem.device.type == "cuda":
         torch.cuda.synchronize(problem.device)
     caps = impl.capabilities
-    return out.clone(), normalize_lse(lse, caps.lse_base, caps.empty_lse)
+    return out.clone(), normalize_lse(lse.clone(), caps.lse_base, caps.empty_lse)
 
 
 def _errors(answer: tuple[torch.Tensor, torch.Tensor], refs: References,
@@ -181,12 +195,12 @@ def _errors(answer: tuple[torch.Tensor, torch.Tensor], refs: References,
 
 
 def _largest_difference(first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> float:
-    """Largest |a - b| over paired tensors; equal values (infinities, NaN against NaN) differ by 0, a value against
-    NaN or a different infinity by inf."""
+    """Largest |a - b| over paired tensors of one shape; equal values (infinities, NaN against NaN) differ by 0, a
+    value against NaN or an infinity by inf."""
     worst = 0.0
     for a, b in zip(first, second):
         a, b = a.double(), b.double()
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        diff = torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=math.inf))
+        diff = torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=math.inf, posinf=math.inf))
         worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
     return worst
