@@ -248,7 +248,8 @@ def _latency(run: Run, plots: list[Plot], limit: int) -> str:
 
 
 def _latency_cell(r: Result | None) -> str:
-    """A latency result's median and IQR, bandwidth, compute, plan time and timer."""
+    """A latency result's median and IQR, bandwidth, compute, plan time and timer (and how many samples the host
+    may have enqueued late: those can include the host's time)."""
     if r is None:
         return '<td class="muted">-</td>'
     m = r.metrics
@@ -257,7 +258,9 @@ def _latency_cell(r: Result | None) -> str:
             f"{m.get('gbps', float('nan')):.0f} GB/s ({m.get('copy_fraction', float('nan')):.0%} of copy)<br>"
             f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
             f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"
-            + (" &middot; warm L2" if r.details.get("cold_l2") is False else ""))
+            + (" &middot; warm L2" if r.details.get("cold_l2") is False else "")
+            + (f" &middot; host behind in {r.details['host_behind']} of {m.get('iterations', '?')} samples"
+               if r.details.get("host_behind") else ""))
     return f'<td class="num">{text}</td>'
 
 

@@ -38,8 +38,8 @@ def _latency(impl: str, kv: int, ms: float, batch: int = 2, cold_l2: bool = True
     return Result("latency", "latency", "passed", impl=impl, workload=w, label=f"decode b{batch} ctx{kv}",
                   metrics={"run_ms": ms, "run_ms_iqr": ms / 50, "plan_ms": 0.05, "bytes": nbytes, "flops": flops,
                            "gbps": nbytes / ms / 1e6, "tflops": flops / ms / 1e9, "copy_fraction": 0.5,
-                           "matmul_fraction": 0.1} | ({"run_ms_spread": ms / 20} if spread else {}),
-                  details={"timer": "cuda_graph", "cold_l2": cold_l2})
+                           "matmul_fraction": 0.1, "iterations": 1000} | ({"run_ms_spread": ms / 20} if spread else {}),
+                  details={"timer": "cuda_graph", "cold_l2": cold_l2, "host_behind": 32 if kv == 8192 else 0})
 
 
 def rich_run(evil: str = "") -> Run:
@@ -114,6 +114,7 @@ def test_report_sections_and_png_files(tmp_path):
     assert "http://" not in page and "https://" not in page  # nothing to fetch: self-contained
     assert page.count("&middot; warm L2") == 2  # the ctx4096 cells, whose rotation stayed within the L2
     assert page.count(", spread 0.0") == 4  # not the ctx16384 cells: their results predate the spread
+    assert page.count("host behind in 32 of 1000 samples") == 2  # the ctx8192 cells
 
 
 def _chromium() -> str | None:
