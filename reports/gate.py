@@ -199,8 +199,10 @@ def _latency(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
                    for name in ("run_ms_iqr", "run_ms_spread"))  # files written before the spread existed lack it
     threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * iqr, spread)
     if median > threshold or math.isnan(median):
+        behind = new.details.get("host_behind")
+        host = f"; the host was behind in {behind} samples, which may time the host" if behind else ""
         return [_finding("latency", new, f"median {median:.4g} ms > {threshold:.4g} ms (baseline {base_median:.4g} "
-                         f"ms, IQR {iqr:.3g} ms, spread {spread:.3g} ms)", True)]
+                         f"ms, IQR {iqr:.3g} ms, spread {spread:.3g} ms){host}", True)]
     return []
 
 

@@ -61,6 +61,15 @@ def test_latency_slowdown_beyond_noise_is_fatal():
     assert [f.kind for f in _fatal(base, _run(_lat(0.170, iqr=0.020)))] == ["latency"]
 
 
+def test_a_slowdown_timed_with_the_host_behind_says_so():
+    base = _run(_lat(0.100))
+    late = _lat(0.130)
+    late.details = {"host_behind": 64}
+    (found,) = _fatal(base, _run(late))
+    assert "the host was behind in 64 samples" in found.message
+    assert "host" not in _fatal(base, _run(_lat(0.130)))[0].message
+
+
 def test_a_spread_of_either_run_widens_the_latency_threshold_once():
     """128 heads b1 ctx4096 on an H100: 22.2 us in the baseline, 26.1 in a run that met a slower spell. The spread
     (a range of slice medians) counts once, not noise_factor times as the IQR does."""
