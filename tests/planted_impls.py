@@ -51,6 +51,9 @@ class PlainDecode(Impl):
         """How many query rows of request ``b`` are computed."""
         return problem.meta.q_lens[b]
 
+    def softmax_scale(self, problem) -> float:
+        return problem.scale
+
     def run(self, p):
         rows = p.cache.rows().view(torch.bfloat16)
         out = torch.zeros(p.q.shape[0], p.q.shape[1], NOPE_DIM, dtype=p.q.dtype, device=p.q.device)
@@ -66,7 +69,7 @@ class PlainDecode(Impl):
             keys = rows[slots.to(rows.device)]
             for i in range(self.rows_of(p, b)):
                 seen = (positions <= offset + i).to(keys.device)
-                o, l = _softmax_rows(p.q[starts[b] + i], keys[seen], p.scale)
+                o, l = _softmax_rows(p.q[starts[b] + i], keys[seen], self.softmax_scale(p))
                 out[starts[b] + i], lse[starts[b] + i] = o.to(out.dtype), l
         return out, lse
 
@@ -109,6 +112,41 @@ class LastQueryLenAsMax(PlainDecode):
 
     def rows_of(self, problem, b):
         return min(problem.meta.q_lens[b], problem.meta.q_lens[-1])
+
+
+class ScaleFromHeadDim(PlainDecode):
+    """Derives the softmax scale from the absorbed head dim, 1/sqrt(576), instead of the model's 1/sqrt(192) (with
+    its YaRN factor) that the caller passes."""
+
+    name = "planted_scale_from_head_dim"
+
+    def softmax_scale(self, problem):
+        return problem.q.shape[-1] ** -0.5
+
+
+class CausalOffByOne(PlainDecode):
+    """With several new tokens (MTP, speculative decoding), lets each see the token after it."""
+
+    name = "planted_causal_off_by_one"
+
+    def positions(self, problem, b):
+        positions, offset = super().positions(problem, b)
+        return positions, offset + 1
+
+
+class NaNForEmptyRequest(PlainDecode):
+    """Returns NaN rows for a request with no cached tokens (a softmax over nothing), not out 0 and lse -inf."""
+
+    name = "planted_nan_for_empty_request"
+
+    def run(self, p):
+        out, lse = super().run(p)
+        starts = cumulative(list(p.meta.q_lens))
+        for b, kv_len in enumerate(p.meta.kv_lens):
+            if kv_len == 0:
+                out[starts[b]:starts[b + 1]] = float("nan")
+                lse[starts[b]:starts[b + 1]] = float("nan")
+        return out, lse
 
 
 class WritesOutputIntoQuery(PlainDecode):
@@ -228,4 +266,4 @@ class SlowerTorchEager(TorchEager):
 
 
 PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex,
-                WritesOutputIntoQuery, AccumulatesWithoutReset]
+                WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim, CausalOffByOne, NaNForEmptyRequest]
