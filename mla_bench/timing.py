@@ -18,7 +18,8 @@ start event fires at once and the launch after it is still being enqueued, so th
 22 us decode graph takes the host 20-34 us to enqueue with its two events (an H100's host, from one second to the
 next), so per-launch samples were the host's in some seconds and the GPU's in others. ``_events`` therefore enqueues
 launches in chunks behind a GPU sleep long enough for the host to queue them all, and keeps a chunk only if the GPU
-was still asleep when its last launch was queued (see ``_events`` and ``Pacer``).
+had not reached the chunk's first launch when its last was queued, or counts it in ``host_behind`` where the host
+cannot get ahead (see ``_events`` and ``Pacer``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ COPY_PAGE = 4096            # time_copy moves whole pages of this many bytes eac
 COPY_TRIES = 4              # ... and times this many sizes a page apart, keeping the fastest
 SPREAD_WINDOWS = 5          # TimingStats.spread: the range of the medians of this many consecutive slices,
 SPREAD_MIN_SAMPLES = 10     # ... each of at least this many samples (else the spread is 0)
-CHUNK = 32                  # launches queued behind one GPU sleep at first (halved where the queue is too short)
+CHUNK = 32                  # launches queued behind one GPU sleep at first (see Pacer.fell_behind)
 SLEEP_CYCLES = (1 << 12, 1 << 21, 1 << 27)  # the sleep's floor, start and cap in GPU clock cycles (~2 us, 1 ms, 70 ms)
 SHRINK_AFTER = 4            # the sleep shortens by an eighth after this many chunks kept in a row
 
@@ -223,52 +224,66 @@ def _capture_all(fns: list[Callable[[], Any]]) -> list[Callable[[], Any]]:
 
 @dataclass
 class Pacer:
-    """How ``_events`` keeps the host ahead: the GPU sleep before each chunk (GPU clock cycles), the chunk's size,
-    how many chunks in a row were kept, and whether it gave up (the host cannot get ahead: see ``_events``)."""
+    """How ``_events`` keeps the host ahead: the GPU sleep (in GPU clock cycles) before a call's first chunk, which
+    starts on an idle GPU, and before each later chunk, which queues behind the previous one's work; the chunk's
+    size; how many chunks in a row were kept; and whether it gave up (see ``fell_behind``)."""
 
-    sleep: int = SLEEP_CYCLES[1]
+    opening: int = SLEEP_CYCLES[1]
+    following: int = SLEEP_CYCLES[1]
     chunk: int = CHUNK
     kept_in_a_row: int = 0
     gave_up: bool = False
 
-    def kept_ahead(self) -> None:
+    def sleep(self, first: bool) -> int:
+        return self.opening if first else self.following
+
+    def kept_ahead(self, first: bool) -> None:
         """A chunk was queued ahead: after ``SHRINK_AFTER`` in a row, sleep an eighth less (never under the floor), so
         the sleep settles near what the host needs with a drop now and then, not one chunk in six."""
         self.kept_in_a_row += 1
         if self.kept_in_a_row % SHRINK_AFTER == 0:
-            self.sleep = max(SLEEP_CYCLES[0], self.sleep - self.sleep // 8)
+            self._set(first, max(SLEEP_CYCLES[0], self.sleep(first) - self.sleep(first) // 8))
 
-    def fell_behind(self, first_launch_late: bool) -> bool:
-        """A chunk was not queued ahead: sleep twice as long, up to the cap; at the cap, halve the chunk (a launch
-        queue too short for it blocks the host while the GPU sleeps); give up when one launch outlasts the capped
+    def fell_behind(self, first: bool, queued: int, first_launch_late: bool) -> bool:
+        """A chunk of ``queued`` launches was not queued ahead: sleep twice as long, up to the cap; at the cap, halve
+        the chunk and the sleep (a launch queue too short for the chunk blocks the host while the GPU sleeps, and a
+        host slower than the capped sleep a chunk needs a shorter chunk); give up when one launch outlasts the capped
         sleep (it syncs, or its host part takes longer than 70 ms). True: keep the chunk (given up), else drop it."""
         self.kept_in_a_row = 0
-        at_cap = self.sleep == SLEEP_CYCLES[2]
-        if at_cap and (first_launch_late or self.chunk == 1):
+        sleep, cap = self.sleep(first), SLEEP_CYCLES[2]
+        if sleep == cap and (first_launch_late or queued == 1):
             self.gave_up = True
-        elif self.sleep < SLEEP_CYCLES[2]:
-            self.sleep = min(SLEEP_CYCLES[2], 2 * self.sleep)
+        elif sleep < cap:
+            self._set(first, min(cap, 2 * sleep))
         else:
-            self.chunk //= 2
+            self.chunk = max(1, min(self.chunk, queued) // 2)
+            self._set(first, sleep // 2)
         return self.gave_up
+
+    def _set(self, first: bool, sleep: int) -> None:
+        if first:
+            self.opening = sleep
+        else:
+            self.following = sleep
 
 
 def _events(launches: list[Callable[[], Any]], iters: int, pacer: Pacer | None = None) -> tuple[list[float], int]:
     """Milliseconds of each of ``iters`` launches (round robin, events around each), and how many of them the host
     may have enqueued late. Launches go in chunks (``pacer.chunk``), each behind a GPU sleep and a ``woke`` event.
-    If the GPU has passed ``woke`` by the time the chunk's last launch is queued, the host was not ahead for the
-    whole chunk: the chunk is dropped and the pacer sleeps longer (``Pacer.fell_behind``). Once the pacer gives up,
-    chunks go without sleeps and every one not queued ahead counts as behind. One sync at the end."""
+    If the GPU has passed ``woke`` by the time the chunk's last launch is queued, some launch of the chunk may have
+    started before the host had queued it: the chunk is dropped and the pacer sleeps longer (``Pacer.fell_behind``).
+    Once the pacer gives up, chunks go without sleeps, all are kept, and those not queued ahead count as behind. One
+    sync at the end."""
     pacer = pacer or Pacer()
     timed: list[tuple[list[torch.cuda.Event], list[torch.cuda.Event]]] = []
     kept = behind = done = 0
     while kept < iters:
-        n = min(pacer.chunk, iters - kept)
+        first, n = not timed, min(pacer.chunk, iters - kept)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         woke = torch.cuda.Event()
         if not pacer.gave_up:
-            torch.cuda._sleep(pacer.sleep)
+            torch.cuda._sleep(pacer.sleep(first))
         woke.record()
         first_launch_late = False
         for i, (start, end) in enumerate(zip(starts, ends)):
@@ -276,10 +291,11 @@ def _events(launches: list[Callable[[], Any]], iters: int, pacer: Pacer | None =
             launches[done % len(launches)]()
             end.record()
             done += 1
-            first_launch_late = first_launch_late or (i == 0 and woke.query())
+            if i == 0:
+                first_launch_late = woke.query()
         if not woke.query():
-            pacer.kept_ahead()
-        elif not (pacer.gave_up or pacer.fell_behind(first_launch_late)):
+            pacer.kept_ahead(first)
+        elif not (pacer.gave_up or pacer.fell_behind(first, n, first_launch_late)):
             continue  # dropped
         else:
             behind += n

@@ -259,7 +259,7 @@ def _latency_cell(r: Result | None) -> str:
             f"{m.get('tflops', float('nan')):.1f} TFLOP/s ({m.get('matmul_fraction', float('nan')):.0%})<br>"
             f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"
             + (" &middot; warm L2" if r.details.get("cold_l2") is False else "")
-            + (f" &middot; host behind in {r.details['host_behind']} of {m.get('iterations', '?')} samples"
+            + (f" &middot; host behind in {esc(r.details['host_behind'])} of {esc(m.get('iterations', '?'))} samples"
                if r.details.get("host_behind") else ""))
     return f'<td class="num">{text}</td>'
 

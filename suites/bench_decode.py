@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -139,8 +140,14 @@ def check_workload(impl: Impl, workload: Workload, device: torch.device) -> dict
         return {"label": workload.label, "status": "error", "message": traceback.format_exc()[-800:]}
     return {"label": workload.label, "status": verdict.status, "violations": verdict.violations,
             "kernel": verdict.kernel.to_dict() if verdict.kernel else None,
-            "e2e": verdict.e2e.to_dict() if verdict.e2e else None, "replay_max_abs": verdict.replay_max_abs,
+            "e2e": verdict.e2e.to_dict() if verdict.e2e else None,
+            "replay_max_abs": _json_number(verdict.replay_max_abs),
             "message": verdict.message[-800:]}
+
+
+def _json_number(value: float | None) -> float | str | None:
+    """``value`` as strict JSON holds it: a non-finite number as its name."""
+    return value if value is None or math.isfinite(value) else str(value)
 
 
 def config_check_workload(shape: Shape) -> Workload:

@@ -42,7 +42,8 @@ class Verdict:
     e2e: ErrorMetrics | None = None
     violations: list[str] = field(default_factory=list)
     message: str = ""
-    replay_max_abs: float | None = None  # largest |second run - first run| over out and lse (NaN matches NaN)
+    replay_max_abs: float | None = None  # largest |run 2 - run 1| over out and lse (NaN matches NaN; inf for
+    # another shape or an infinity against a number); None where the plan was not run twice (it failed at once)
 
     @property
     def ok(self) -> bool:
@@ -141,8 +142,8 @@ def check_outputs(result: object, problem: Problem) -> tuple[torch.Tensor, torch
 
 
 def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: Callable[[], None]) -> Verdict:
-    """Plan, run twice and compare (``judge`` without the check of the inputs, which ``between_runs`` restores so
-    that the second run reads what the first did)."""
+    """Plan, run, compare, and run a passing plan again (``judge`` without the check of the inputs, which
+    ``between_runs`` restores so that the second run reads what the first did)."""
     try:
         plan = impl.plan(problem)
     except UnsupportedConfig as exc:

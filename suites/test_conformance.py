@@ -6,7 +6,7 @@ One test per (impl, workload) of the tiny sweep bent to the impl's declared head
 (``suites.sweeps.conformance``), over every mode and layout. A combination the impl does not declare, or that its
 ``plan`` refuses with ``UnsupportedConfig``, is skipped with that reason; everything else must pass
 ``suites.judge.judge`` (poisoned outputs and unused pages, permuted blocks, the bench's tolerances, inputs left
-as they were, and a second run of the same plan right too: an impl that keeps state between runs fails).
+as they were, and a second run of the same plan within the tolerances too).
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ class Timeline:
         self.pending.append(self.gpu)
         return start
 
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.gpu)
+        self.pending.clear()
+
     def launch(self) -> None:
         self.launches += 1
         self.enqueue(self.host_us * random.uniform(0.8, 1.6), self.gpu_us)
@@ -71,7 +75,7 @@ def timeline(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", sleep)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: state["t"].synchronize())
 
     def use(t: Timeline) -> Timeline:
         state["t"] = t
@@ -96,6 +100,15 @@ def test_samples_are_the_gpus_time_however_slow_the_host(timeline, host_us, gpu_
     assert len(samples) == 600 and behind == 0
     assert _median_us(samples) == pytest.approx(gpu_us, rel=0.05)
     assert max(samples) * 1e3 < gpu_us + 1.0  # no kept sample includes the host's time
+    # The GPU sleeps about as long as the host queues, plus the drops on the way (doublings, halvings at the cap).
+    assert t.slept_us < 0.7e6 + 2 * 600 * host_us
+
+
+def test_a_short_queue_costs_a_few_capped_sleeps_not_one_a_chunk(timeline):
+    t = timeline(Timeline(5.0, 20.0, queue=40))
+    pacer = timing.Pacer()
+    timing._events([t.launch], 2500, pacer)  # the 50 ms warm-up
+    assert pacer.chunk < timing.CHUNK and t.slept_us < 0.5e6
 
 
 def test_without_pacing_the_same_samples_are_the_hosts(timeline):
@@ -122,8 +135,9 @@ def test_drops_are_rare_once_the_sleep_has_settled(timeline):
 
 
 def test_a_gpu_bound_launch_ends_with_almost_no_sleep(timeline):
-    """The sleeps shrink geometrically (an eighth every SHRINK_AFTER chunks): about 34 ms in all from a 1 ms start,
-    then nearly nothing."""
+    """Each call's first chunk starts on an idle GPU and needs a sleep as long as the host takes to queue it; later
+    chunks queue behind the previous one's work, and their sleep shrinks geometrically (an eighth every SHRINK_AFTER
+    chunks) from 1 ms: about 34 ms in all, then nearly nothing."""
     t = timeline(Timeline(5.0, 50.0))
     pacer = timing.Pacer()
     samples, behind = timing._events([t.launch], 2000, pacer)
@@ -149,16 +163,18 @@ def test_the_pacer_shrinks_after_chunks_in_a_row_and_gives_up_only_at_the_cap():
     floor, start, cap = timing.SLEEP_CYCLES
     pacer = timing.Pacer()
     for _ in range(timing.SHRINK_AFTER - 1):
-        pacer.kept_ahead()
-    assert pacer.sleep == start
-    pacer.kept_ahead()
-    assert pacer.sleep == start - start // 8
-    assert not pacer.fell_behind(first_launch_late=True) and pacer.kept_in_a_row == 0  # below the cap: sleep more
-    while pacer.sleep < cap:
-        assert not pacer.fell_behind(first_launch_late=False)
-    assert pacer.sleep == cap and not pacer.fell_behind(first_launch_late=False)
-    assert pacer.chunk == timing.CHUNK // 2 and not pacer.gave_up
-    assert pacer.fell_behind(first_launch_late=True) and pacer.gave_up  # one launch outlasts the capped sleep
+        pacer.kept_ahead(first=False)
+    assert pacer.sleep(first=False) == start
+    pacer.kept_ahead(first=False)
+    assert pacer.sleep(first=False) == start - start // 8 and pacer.sleep(first=True) == start
+    assert not pacer.fell_behind(False, 32, first_launch_late=True) and pacer.kept_in_a_row == 0  # below the cap
+    while pacer.sleep(first=False) < cap:
+        assert not pacer.fell_behind(False, 32, first_launch_late=False)
+    assert pacer.sleep(first=False) == cap and not pacer.fell_behind(False, 20, first_launch_late=False)
+    assert pacer.chunk == 10 and pacer.sleep(first=False) == cap // 2 and not pacer.gave_up  # halved from 20 queued
+    pacer.fell_behind(False, 10, first_launch_late=False)
+    assert pacer.sleep(first=False) == cap
+    assert pacer.fell_behind(False, 10, first_launch_late=True) and pacer.gave_up  # one launch outlasts the cap
     for _ in range(1000):
-        timing.Pacer.kept_ahead(pacer)
-    assert pacer.sleep == floor
+        pacer.kept_ahead(first=True)
+    assert pacer.sleep(first=True) == floor
