@@ -1,7 +1,8 @@
 """Deliberately broken MLA impls, each with one bug that real kernels shipped, and their correct twins.
 
 Every suite must flag each planted bug: the tests run them through the conformance suite (pytest plugin) and
-through ``mla-bench run``. ``PlainDecode`` and ``PlainSparse`` are the same code without a bug; they must pass,
+through ``mla-bench run``. ``PlainDecode``, ``PlainFP8Decode`` and ``PlainSparse`` are the same code without a
+bug; they must pass,
 so a flagged planted impl is flagged for its bug, not for the harness.
 """
 
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -54,8 +56,11 @@ class PlainDecode(Impl):
     def softmax_scale(self, problem) -> float:
         return problem.scale
 
+    def keys(self, problem, slots: torch.Tensor) -> torch.Tensor:
+        """The cached latent rows at ``slots``, ``[N, 576]``."""
+        return problem.cache.rows().view(torch.bfloat16)[slots]
+
     def run(self, p):
-        rows = p.cache.rows().view(torch.bfloat16)
         out = torch.zeros(p.q.shape[0], p.q.shape[1], NOPE_DIM, dtype=p.q.dtype, device=p.q.device)
         lse = torch.full(p.q.shape[:2], float("-inf"), device=p.q.device)
         starts = cumulative(list(p.meta.q_lens))
@@ -66,7 +71,7 @@ class PlainDecode(Impl):
             positions, offset = self.positions(p, b)
             page = p.meta.page_size
             slots = block_table[b].long()[positions // page] * page + positions % page
-            keys = rows[slots.to(rows.device)]
+            keys = self.keys(p, slots.to(p.cache.data.device))
             for i in range(self.rows_of(p, b)):
                 seen = (positions <= offset + i).to(keys.device)
                 o, l = _softmax_rows(p.q[starts[b] + i], keys[seen], self.softmax_scale(p))
@@ -147,6 +152,29 @@ class NaNForEmptyRequest(PlainDecode):
                 out[starts[b]:starts[b + 1]] = float("nan")
                 lse[starts[b]:starts[b + 1]] = float("nan")
         return out, lse
+
+
+class PlainFP8Decode(PlainDecode):
+    """``PlainDecode`` over the fp8_e4m3 cache (one scale per layer), dequantizing what it reads: correct."""
+
+    name = "plain_fp8_decode"
+    capabilities = replace(DECODE, layouts=frozenset({"fp8_e4m3"}))
+
+    def tensor_scale(self, problem) -> float:
+        return problem.cache.tensor_scale
+
+    def keys(self, problem, slots):
+        return problem.cache.layout.dequantize(problem.cache.rows()[slots], self.tensor_scale(problem)).float()
+
+
+class FP8ScaleIgnored(PlainFP8Decode):
+    """Reads the fp8_e4m3 cache as if its per-layer scale were 1 (a kernel that takes no ``k_scale`` while the
+    quantizer fitted one): the scales of the quantizer and the kernel differ."""
+
+    name = "planted_fp8_scale_ignored"
+
+    def tensor_scale(self, problem):
+        return 1.0
 
 
 class WritesOutputIntoQuery(PlainDecode):
@@ -266,4 +294,5 @@ class SlowerTorchEager(TorchEager):
 
 
 PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex,
-                WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim, CausalOffByOne, NaNForEmptyRequest]
+                WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim, CausalOffByOne, NaNForEmptyRequest,
+                FP8ScaleIgnored]
