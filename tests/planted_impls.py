@@ -2,8 +2,7 @@
 
 Every suite must flag each planted bug: the tests run them through the conformance suite (pytest plugin) and
 through ``mla-bench run``. ``PlainDecode``, ``PlainFP8Decode`` and ``PlainSparse`` are the same code without a
-bug; they must pass,
-so a flagged planted impl is flagged for its bug, not for the harness.
+bug; they must pass, so a flagged planted impl is flagged for its bug, not for the harness.
 """
 
 from __future__ import annotations
