@@ -79,7 +79,8 @@ def conformance(tmp_path_factory) -> dict[str, Counter]:
     planted bug."""
     work = tmp_path_factory.mktemp("third_party")
     (work / "mypkg.py").write_text(THIRD_PARTY)
-    impls = ["mypkg:Broken", "mypkg:MyMLA", "planted_impls:PlainDecode", "planted_impls:PlainSparse", "torch_eager"]
+    impls = ["mypkg:Broken", "mypkg:MyMLA", "planted_impls:PlainDecode", "planted_impls:PlainFP8Decode",
+             "planted_impls:PlainSparse", "torch_eager"]
     impls += [f"planted_impls:{cls.__name__}" for cls in planted_impls.PLANTED_BUGS]
     args = [sys.executable, "-m", "pytest", "--pyargs", "suites", "-m", "conformance", "-q", "-p", "no:cacheprovider",
             f"--junitxml={work / 'junit.xml'}"] + [f"--mla-impl={impl}" for impl in impls]
@@ -97,6 +98,7 @@ def test_a_third_party_impl_passes_and_its_refusals_are_skipped_with_reasons(con
     assert any("unsupported mode prefill" in r for r in reasons) and any("dtype float32" in r for r in reasons)
     for twin in ("plain_decode", "plain_sparse", "torch_eager"):
         assert conformance[twin]["passed"] >= 2 and conformance[twin]["failed"] == 0, twin
+    assert conformance["plain_fp8_decode"]["passed"] >= 1 and conformance["plain_fp8_decode"]["failed"] == 0
 
 
 def test_an_impl_whose_constructor_raises_fails_one_test_and_the_other_impls_still_run(conformance):
