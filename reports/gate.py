@@ -18,8 +18,9 @@ A finding is fatal when:
   noise_factor * IQR, spread)``, each the larger of either run's (the spread, already a range of slice medians: see
   ``mla_bench.timing.TimingStats``); latencies are compared only when both runs ran on the same GPU model.
 
-Results that failed in both runs, failed results now unsupported, allowed missing results and incomparable latencies
-are reported but not fatal.
+Results that failed in both runs, failed results now unsupported, allowed missing results, incomparable latencies and
+plans that replayed bit for bit in the baseline but not in the run (``replay_max_abs``: no longer deterministic run
+to run, which is no error, but worth knowing) are reported but not fatal.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "c
 @dataclass
 class Finding:
     kind: str  # nothing compared, duplicate, new failure, now unsupported, accuracy, latency, still failing,
-    #            missing, not compared
+    #            missing, not compared, replay
     suite: str
     impl: str
     label: str
@@ -119,7 +120,7 @@ def compare_pair(base: Result | None, new: Result | None, limits: GateLimits, co
     found = _unusable_metrics(base, new)
     if found:
         return found
-    found = _accuracy(base, new, limits)
+    found = _accuracy(base, new, limits) + _replay(base, new)
     if new.suite == "latency" and compare_latency:
         found += _latency(base, new, limits)
     return found
@@ -189,6 +190,15 @@ def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
             found.append(_finding("accuracy", new, f"{name} {value:.3g} > baseline {base.metrics[name]:.3g} + "
                                   f"{limits.error_slack:g} x bound {bound:.3g}", True))
     return found
+
+
+def _replay(base: Result, new: Result) -> list[Finding]:
+    """A note where the baseline's plan gave the same bits on its second run and the run's plan did not."""
+    before, now = base.metrics.get("replay_max_abs"), new.metrics.get("replay_max_abs")
+    if before == 0 and now is not None and now != 0:
+        return [_finding("replay", new, f"the second run of a plan now differs from the first by up to {now:.3g} "
+                         "(bit for bit in the baseline): no longer deterministic run to run", False)]
+    return []
 
 
 def _latency(base: Result, new: Result, limits: GateLimits) -> list[Finding]:

@@ -52,6 +52,20 @@ def test_error_metric_worse_beyond_its_slack_is_fatal():
     assert [f.kind for f in _fatal(base, _run(_acc(nonfinite=2)))] == ["accuracy"]
 
 
+def test_a_plan_that_no_longer_replays_bit_for_bit_is_noted_not_fatal():
+    def replayed(difference):
+        result = _acc()
+        result.metrics["replay_max_abs"] = difference
+        return result
+
+    outcome = gate(_run(replayed(0.0)), _run(replayed(3e-4)))
+    assert not outcome.fatal
+    assert [(f.kind, f.fatal) for f in outcome.findings] == [("replay", False)]
+    assert "by up to 0.0003" in outcome.findings[0].message
+    for base, new in ((0.0, 0.0), (1e-4, 3e-4), (0.0, None)):  # unchanged, never bit for bit, not run twice
+        assert gate(_run(replayed(base)), _run(replayed(new) if new is not None else _acc())).findings == []
+
+
 def test_latency_slowdown_beyond_noise_is_fatal():
     base = _run(_lat(0.100, iqr=0.001))
     assert _fatal(base, _run(_lat(0.108, iqr=0.001))) == []               # within the 10% floor
