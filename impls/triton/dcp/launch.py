@@ -36,7 +36,7 @@ from mla_bench.layouts import LATENT_DIM
 from mla_bench.lifetime import die_with_parent
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import TORCH_DTYPES, Problem, build_problem
-from mla_bench.timing import capture_graphs, warm_up
+from mla_bench.timing import SLEEP_CYCLES, capture_graphs, warm_up
 from mla_bench.workload import Mode, Workload
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -85,13 +85,16 @@ def _timed_steps(run, iters: int) -> float:
     """Median milliseconds of ``run`` captured in a CUDA graph and replayed ``iters`` times, the ranks aligned by a
     barrier before each replay: as a serving engine replays its decode step (the latency suite times every impl
     this way), without the host's launch time between the step's small kernels and collectives. Every rank
-    captures and replays the same number of times, so the collectives inside stay matched."""
+    captures and replays the same number of times, so the collectives inside stay matched. Each replay is queued
+    behind a short GPU sleep, so that the start event does not fire while the host is still launching the graph
+    (the GPU is idle after each sync; see ``mla_bench.timing``)."""
     warm_up([run], rounds=3)
     (replay,) = capture_graphs([run])
     times = []
     for _ in range(iters + 1):  # the first replay uploads the graph: not timed
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES[1])  # about 1 ms: the host queues the replay meanwhile
         start.record()
         replay()
         end.record()
