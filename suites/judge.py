@@ -17,7 +17,6 @@ and ``replay_max_abs`` says how far the two runs' outputs differ (0 for an impl 
 from __future__ import annotations
 
 import math
-import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -76,12 +75,17 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
     saved = {name: (owner, attr, tensor, tensor.clone())
              for name, (owner, attr, tensor) in input_tensors(problem).items()}
-    changed: list[str] = []
-    verdict = _judge(impl, problem, refs, between_runs=lambda: changed.extend(_restore_changed(saved)))
-    changed = _once_each(changed + _restore_changed(saved))
+    changed: dict[tuple[str, str], str] = {}  # (tensor, kind of change) -> its first description, over both runs
+
+    def restore() -> None:
+        for key, entry in _restore_changed(saved).items():
+            changed.setdefault(key, entry)
+
+    verdict = _judge(impl, problem, refs, between_runs=restore)
+    restore()
     if not changed:
         return verdict
-    violation = f"wrote into its inputs: {', '.join(changed)} (restored for the next impl)"
+    violation = f"wrote into its inputs: {', '.join(changed.values())} (restored for the next impl)"
     if verdict.status == "error":
         return Verdict("error", message=f"{verdict.message}\n{violation}")
     return Verdict("failed", verdict.kernel, verdict.e2e, verdict.violations + [violation],
@@ -96,27 +100,19 @@ def input_tensors(problem: Problem) -> dict[str, tuple[object, str, torch.Tensor
             for name, value in vars(owner).items() if isinstance(value, torch.Tensor)}
 
 
-def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Tensor]]) -> list[str]:
-    """The tensors an impl rebound to others or whose bits differ from their saved copies (named with how many
-    elements), restored."""
-    changed = []
+def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Tensor]]) -> dict[tuple[str, str], str]:
+    """The tensors an impl rebound to others or whose bits differ from their saved copies, restored: (name, kind of
+    change) -> the name with what changed (how many elements)."""
+    changed = {}
     for name, (owner, attr, tensor, copy) in saved.items():
         if getattr(owner, attr) is not tensor:
             setattr(owner, attr, tensor)
-            changed.append(f"{name} (rebound)")
+            changed[(name, "rebound")] = f"{name} (rebound)"
         differ = int((_bits(tensor) != _bits(copy)).sum())
         if differ:
             tensor.copy_(copy)
-            changed.append(f"{name} ({differ} elements)")
+            changed[(name, "written")] = f"{name} ({differ} elements)"
     return changed
-
-
-def _once_each(changed: list[str]) -> list[str]:
-    """``_restore_changed``'s entries of both runs, each tensor and kind of change once (the first run's count)."""
-    first: dict[str, str] = {}
-    for entry in changed:
-        first.setdefault(re.sub(r"\(\d+ elements\)", "(elements)", entry), entry)
-    return list(first.values())
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

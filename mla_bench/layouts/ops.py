@@ -26,7 +26,7 @@ def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Ten
         raise ValueError(f"slot_mapping points past the cache ({cache.num_slots} slots)")
     check_distinct_slots(kept)
     encoded = cache.layout.quantize(values[keep.to(values.device)], cache.tensor_scale).to(cache.data.device)
-    cache.rows()[slots[keep]] = encoded
+    cache.rows()[kept] = encoded
 
 
 def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
