@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_bench.metadata import fast, reference
+from suites.metadata import difference
 
 PAGE_SIZE = 64
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -144,7 +145,7 @@ def bench(devices: list[torch.device], batches: list[int], repeats: int, seed: i
                 ways["fast+triton"] = lambda: step.fast(kv_indices_triton)
             for way, build in ways.items():
                 got = build()
-                wrong = [k for k in expect if not torch.equal(got[k].cpu(), expect[k])]
+                wrong = [f"{k}: {problem}" for k in expect if (problem := difference(got[k], expect[k]))]
                 if wrong:
                     raise AssertionError(f"{way} on {device} B={batch} differs from the reference in {wrong}")
                 host_ms, total_ms = time_builds(build, device, repeats if way != "reference" else max(3, repeats // 4))

@@ -1,7 +1,8 @@
 """The metadata suite: every fast metadata builder equals its reference builder on named request mixes.
 
 Mixes (per page size): decode (q = 1), MTP (uniform q > 1), varlen, empty requests (kv 0, q 0 or padding
-queries), lengths on and next to page boundaries, one huge request among small ones. Builders: cumulative
+queries), lengths on and next to page boundaries, one huge request among small ones, a single request, the longest
+query last. Builders: cumulative
 lengths, block allocation from a permuted pool, slot mapping, FlashInfer CSR (kv_indptr, kv_indices in torch and
 in Triton, last_page_len), token page table and its flattened form, max_qo_len / max_kv_len, DCP local lengths
 and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1, FlashMLA's invalid indices
@@ -25,7 +26,7 @@ from mla_bench.metadata import fast, reference
 from mla_bench.results import Result
 from suites.base import RunContext
 
-PAGE_SIZES = (1, 16, 64)
+PAGE_SIZES = (1, 16, 48, 64)  # 48: a page size that is no power of two catches a shift or mask for // and %
 DCP_CONFIGS = ((2, 1), (3, 1), (4, 4))  # (world, interleave); the interleave must divide the page size
 TOPK = 12
 INVALID_INDICES = (-2 ** 31, -123456, -2, 2 ** 31 - 1)  # FlashMLA's tests try these (and -1, kv_len) as invalid
@@ -124,12 +125,15 @@ def named_mixes(page_size: int, seed: int = 0) -> dict[str, tuple[list[int], lis
         "empty requests": ([0, 2, 0, 1, 3, 0, 1], [0, 0, 17, 5, 40, 0, 1]),
         "page boundaries": ([min(q, kv) for q, kv in zip([1, 2, 1, 1, 4, 2, 1], boundary_kv)], boundary_kv),
         "one huge": ([1, 5, 1, 2, 1], [20, 20000, 3, 9, 64]),
+        "single": ([5], [rng.randint(5, 300)]),
+        "longest last": ([1, 2, 1, 7], [9, 30, 4, 50]),  # a max over all requests but the last is wrong here
     }
 
 
 def random_case(rng: random.Random, device: torch.device | str, seed: int) -> Case:
-    """A random small mix: up to 12 requests, page sizes 1..64, lengths often empty or on page boundaries."""
-    ps = rng.choice([1, 2, 4, 16, 64])
+    """A random small mix: up to 12 requests, page sizes 1..64 (3 and 48 no power of two), lengths often empty or
+    on page boundaries."""
+    ps = rng.choice([1, 2, 3, 4, 16, 48, 64])
     batch = rng.randint(1, 12)
     kv_lens = [rng.choice([0, rng.randint(1, 200), ps * rng.randint(1, 4), ps * rng.randint(1, 4) + 1])
                for _ in range(batch)]

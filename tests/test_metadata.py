@@ -48,6 +48,14 @@ def test_reference_dcp_slot_mapping_by_hand():
         reference.dcp_slot_mapping(q_lens, kv_lens, TABLE, 2, rank=0, world=2, interleave=3)
 
 
+def test_fast_dcp_slot_mapping_reads_only_the_pages_its_rank_holds():
+    """The table the reference accepts for rank 1 holds its one page; the other rank's new token lies past it."""
+    table = torch.tensor([[5]], dtype=torch.int32)  # W=2, I=1, page 2, kv 5: rank 1 holds positions 1, 3
+    assert reference.dcp_slot_mapping([2], [5], table, 2, rank=1, world=2, interleave=1).tolist() == [11, -1]
+    qsl, seq = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    assert fast.dcp_slot_mapping(qsl, seq, table, 2, 2, rank=1, world=2, interleave=1).tolist() == [11, -1]
+
+
 def test_reference_block_allocation_draws_distinct_pages_and_pads_with_spares():
     table, num_blocks = reference.allocate_block_table([5, 0, 9], 4, torch.Generator().manual_seed(0))
     owned = table[0, :2].tolist() + table[2, :3].tolist()
@@ -131,6 +139,27 @@ def _max_qo_len_of_last_request(case):
     return qsl[-1] - qsl[-2]
 
 
+def _max_qo_len_of_all_but_the_last_request(case):
+    """The mirror image of ATOM's bug: the maximum taken over every request but the last."""
+    return case.on_device("q_lens")[:-1].max()
+
+
+def _query_start_loc_by_squeeze(case):
+    """``cumsum(q_lens.squeeze())``: a batch of one squeezes to a scalar, which ``cat`` refuses."""
+    q_lens = case.on_device("q_lens")
+    return torch.cat([q_lens.new_zeros(1), q_lens.squeeze().cumsum(0).to(torch.int32)])
+
+
+def _slot_mapping_by_shift_and_mask(case):
+    """``position >> log2(page)`` and ``position & (page - 1)``: right only when the page size is a power of two."""
+    shift, mask = case.page_size.bit_length() - 1, case.page_size - 1
+    request, position = fast._new_token_positions(case.on_device("query_start_loc"), case.on_device("seq_lens"),
+                                                  case.sizes.num_tokens)
+    safe = position.clamp(min=0)
+    slots = case.on_device("block_table")[request, safe >> shift].long() * case.page_size + (safe & mask)
+    return torch.where(position >= 0, slots, -1)
+
+
 def _kv_indices_one_page_too_many_on_boundaries(case):
     """pages = kv_len // page_size + 1: one page too many when kv_len is a multiple of the page size."""
     seq = case.on_device("seq_lens")
@@ -202,8 +231,15 @@ def _slot_mapping_of_decode_only(case):
     return torch.where(position >= 0, slots + safe % case.page_size, -1)
 
 
+# An index past the block table is an IndexError on the CPU but a device-side assert on CUDA, which ends the
+# process's CUDA context for every later test: that planted bug is shown on the CPU.
+INDEXES_PAST_THE_TABLE = (_paged_transform_only_minus_one_invalid,)
+
+
 @pytest.mark.parametrize("builder, planted, caught_on, says", [
     ("max_qo_len", _max_qo_len_of_last_request, "one huge", "elements differ"),
+    ("max_qo_len", _max_qo_len_of_all_but_the_last_request, "longest last", "2 instead of 7"),
+    ("query_start_loc", _query_start_loc_by_squeeze, "single", "raised RuntimeError"),
     ("kv_indices", _kv_indices_one_page_too_many_on_boundaries, "page boundaries", "shape"),
     ("transform paged", _paged_transform_dropping_invalid, "decode", "elements differ"),
     ("transform paged", _paged_transform_only_minus_one_invalid, "decode", "raised IndexError"),
@@ -217,12 +253,22 @@ def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on, says, on
     """On fresh mixes (a new seed each run): only the planted builder fails, on the mix named, saying how."""
     seed = random.randrange(2 ** 32)
     suite = MetadataSuite(builders=_replace(builder, planted))
-    results = list(suite.run(RunContext(impls=[], device=torch.device(DEVICE), page_sizes=[16], seed=seed)))
+    device = torch.device("cpu" if planted in INDEXES_PAST_THE_TABLE else DEVICE)
+    results = list(suite.run(RunContext(impls=[], device=device, page_sizes=[16], seed=seed)))
     failed = [r for r in results if r.status == "failed"]
     assert [r.check for r in failed] == [builder], f"seed {seed}"
     mix = next((part for part in failed[0].message.split("; ") if part.startswith(caught_on + ":")), "")
     assert says in mix, f"seed {seed}: {failed[0].message[:500]}"
     assert all(r.status == "passed" for r in results if r.check != builder), f"seed {seed}"
+
+
+def test_planted_shift_and_mask_page_math_is_flagged_only_at_the_page_size_no_power_of_two(one_thread):
+    seed = random.randrange(2 ** 32)
+    suite = MetadataSuite(builders=_replace("slot mapping", _slot_mapping_by_shift_and_mask))
+    results = [r for r in suite.run(RunContext(impls=[], device=torch.device(DEVICE), seed=seed))
+               if r.check == "slot mapping"]
+    assert {r.details["page_size"]: r.status for r in results} == {1: "passed", 16: "passed", 48: "failed",
+                                                                   64: "passed"}, f"seed {seed}"
 
 
 # ---- bad input: a clear error naming the problem, never a deep traceback or a silent wrong answer ------------------
@@ -248,6 +294,8 @@ SEQ, QSL = torch.tensor([3, 4], dtype=torch.int32), torch.tensor([0, 1, 3], dtyp
     (lambda: fast.token_page_table(SEQ, TABLE, 2, 9), "width 9 exceeds the block table's capacity"),
     (lambda: fast.transform_indices_paged(SEQ, QSL, SEQ, TABLE, 2), "topk_indices must be a 2-D"),
     (lambda: fast.dcp_local_lens(SEQ, 0, 0, 1), "world >= 1"),
+    (lambda: fast.build_step(torch.stack([SEQ, SEQ]).long(), TABLE, 2, fast.HostSizes.of([3, 4], [3, 4], 2)),
+     "lengths must be int32 (the metadata's dtype), got torch.int64 [2, 2]"),  # was int64 seq_lens and maxima
     (lambda: make_case("mine", [1], [3], 0, 0, DEVICE), "mix 'mine': page_size must be a positive int"),
     (lambda: make_case("mine", [1, 1], [3], 16, 0, DEVICE), "mix 'mine': q_lens has 2 requests"),  # was truncated
     (lambda: make_case("mine", [], [], 16, 0, DEVICE), "mix 'mine': a mix needs at least one request"),
@@ -259,6 +307,7 @@ def test_bad_input_gets_an_error_naming_it(call, says):
         call()
 
 
-def test_an_empty_batch_has_max_length_zero_in_both_builders():
+def test_an_empty_batch_has_max_length_zero_and_a_table_of_no_rows_in_both_builders():
     assert reference.max_qo_len([]) == reference.max_kv_len([]) == 0
+    assert reference.assign_blocks([], 16, torch.randperm(4)).shape == (0, 1)  # was [0]: no longer a 2-D table
     assert int(fast.max_len(torch.empty(0, dtype=torch.int32))) == 0

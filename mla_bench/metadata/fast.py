@@ -212,7 +212,8 @@ def dcp_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bloc
     offset = safe % virtual
     mine = (position >= 0) & ((offset // interleave) % world == rank)
     local = offset // (world * interleave) * interleave + offset % interleave
-    slots = block_table[request, safe // virtual].long() * page_size + local
+    # Another rank's token may lie past the pages this rank's table holds: read column 0 for it, never past the row.
+    slots = block_table[request, torch.where(mine, safe // virtual, 0)].long() * page_size + local
     return torch.where(mine, slots, -1)
 
 
@@ -247,6 +248,8 @@ def build_step(lengths: torch.Tensor, block_table: torch.Tensor, page_size: int,
     device (one host-to-device copy) and the persistent device block table. Equals ``reference.build_step``."""
     if not isinstance(lengths, torch.Tensor) or lengths.dim() != 2 or lengths.shape[0] != 2:
         raise ValueError(f"lengths must be [2, B] (q_lens; kv_lens), got {describe(lengths)}")
+    if lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be int32 (the metadata's dtype), got {describe(lengths)}")
     q_lens, seq_lens = lengths[0], lengths[1]
     check_inputs(page_size, lengths=q_lens, block_table=block_table)
     query_start_loc, kv_start_loc = _cumulative(q_lens), _cumulative(seq_lens)

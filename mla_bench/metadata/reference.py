@@ -60,7 +60,7 @@ def assign_blocks(kv_lens: list[int], page_size: int, pool: torch.Tensor) -> tor
     for b, n in enumerate(needed):
         rows.append(pool[start:start + n] + [spare[(b + j) % len(spare)] for j in range(n, width)])
         start += n
-    return torch.tensor(rows, dtype=torch.int32)
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
 
 
 def check_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int,
