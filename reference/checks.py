@@ -20,8 +20,9 @@ def check_tensor(name: str, tensor: torch.Tensor, dims: int, last: int | None = 
         raise ValueError(f"{name} must have {dims} dimensions, got shape {list(tensor.shape)}")
     if last is not None and tensor.shape[-1] != last:
         raise ValueError(f"{name} must have last dimension {last}, got shape {list(tensor.shape)}")
-    if not tensor.dtype.is_floating_point:
-        raise ValueError(f"{name} must be floating point, got {tensor.dtype}")
+    if not tensor.dtype.is_floating_point or tensor.dtype.itemsize == 1:
+        raise ValueError(f"{name} must be a float16, bfloat16, float32 or float64 tensor (decode a float8 payload "
+                         f"through its layout first), got {tensor.dtype}")
 
 
 def check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -43,11 +44,14 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"inputs are on different devices: {', '.join(f'{n}={d}' for n, d in devices.items())}")
 
 
-def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: torch.Tensor) -> None:
-    """Valid lengths, ``sum(q_lens)`` rows of ``q`` and ``sum(kv_lens)`` rows of the keys."""
+def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str,
+                      keys: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Valid lengths, ``sum(q_lens)`` rows of ``q`` and ``sum(kv_lens)`` rows of the keys. Returns the lengths as
+    tuples, which the caller loops over (an iterator it was given is spent by the check)."""
     q_lens, kv_lens = check_lengths(q_lens, kv_lens)
     check_rows("q", q, sum(q_lens), "sum(q_lens)")
     check_rows(keys_name, keys, sum(kv_lens), "sum(kv_lens)")
+    return q_lens, kv_lens
 
 
 def check_positive(name: str, value: int) -> None:

@@ -23,12 +23,12 @@ def context_lens(q_lens, kv_lens) -> list[int]:
 
 def check_prefill_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
                          context: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, q_lens, kv_lens,
-                         scale: float) -> None:
-    """All checks of a prefill with context, chunked or not, before any work. ``q`` ``[T, H, P + 64]`` (``T`` is
-    ``sum(q_lens)``) sets the heads and the nope width ``P``, ``w_uv`` the value width ``V``: the new tokens'
-    ``k_nope`` ``[T, H, P]``, ``k_pe`` ``[T, 64]`` and ``v`` ``[T, H, V]``, the weights ``[H, 512, P]`` and
-    ``[H, 512, V]``, the ``context`` latent ``[sum ctx, 576]``."""
-    check_lengths(q_lens, kv_lens)
+                         scale: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """All checks of a prefill with context, chunked or not, before any work; returns the lengths as tuples.
+    ``q`` ``[T, H, P + 64]`` (``T`` is ``sum(q_lens)``) sets the heads and the nope width ``P``, ``w_uv`` the value
+    width ``V``: the new tokens' ``k_nope`` ``[T, H, P]``, ``k_pe`` ``[T, 64]`` and ``v`` ``[T, H, V]``, the weights
+    ``[H, 512, P]`` and ``[H, 512, V]``, the ``context`` latent ``[sum ctx, 576]``."""
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
     if any(q_len > kv_len for q_len, kv_len in zip(q_lens, kv_lens)):
         raise ValueError(f"a prefill's new tokens are keys too: every q_len needs kv_len >= q_len, got "
                          f"q_lens={list(q_lens)}, kv_lens={list(kv_lens)}")
@@ -50,6 +50,7 @@ def check_prefill_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tens
     inputs = dict(q=q, k_nope=k_nope, k_pe=k_pe, v=v, context=context, w_uk=w_uk, w_uv=w_uv)
     check_same_device(**inputs)
     check_values(scale, **inputs)
+    return q_lens, kv_lens
 
 
 def chunked_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
@@ -58,7 +59,7 @@ def chunked_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v
     """``q`` / ``k_nope`` / ``k_pe`` / ``v`` hold the new tokens (ragged by ``q_lens``); ``context`` ``[sum ctx, 576]``
     the context latent of each request, request after request."""
     check_positive("chunk_size", chunk_size)
-    check_prefill_inputs(q, k_nope, k_pe, v, context, w_uk, w_uv, q_lens, kv_lens, scale)
+    q_lens, kv_lens = check_prefill_inputs(q, k_nope, k_pe, v, context, w_uk, w_uv, q_lens, kv_lens, scale)
     heads, dv = q.shape[1], v.shape[-1]
     out = torch.zeros(q.shape[0], heads, dv, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
@@ -91,7 +92,7 @@ def prefill_with_context(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tens
                          context: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, q_lens, kv_lens,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The unchunked ground truth of ``chunked_prefill``: one causal MHA over ``[context ; new tokens]``."""
-    check_prefill_inputs(q, k_nope, k_pe, v, context, w_uk, w_uv, q_lens, kv_lens, scale)
+    q_lens, kv_lens = check_prefill_inputs(q, k_nope, k_pe, v, context, w_uk, w_uv, q_lens, kv_lens, scale)
     ctx_k_nope, ctx_k_pe, ctx_v = up_project(context, w_uk, w_uv)
     keys_nope, keys_pe, values = [], [], []
     q0 = c0 = 0

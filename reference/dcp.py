@@ -49,7 +49,7 @@ def dcp_latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: fl
     """Absorbed decode over ragged latent ``kv`` ``[N, 576]`` computed as ``world`` DCP ranks would."""
     check_positive("world", world)
     check_positive("interleave", interleave)
-    check_latent_inputs(q, kv, q_lens, kv_lens, scale)
+    q_lens, kv_lens = check_latent_inputs(q, kv, q_lens, kv_lens, scale)
     head_groups = torch.arange(q.shape[1], device=q.device).tensor_split(world)
     local_q = [q[:, heads] for heads in head_groups]            # each rank starts with its own heads
     gathered_q = torch.cat(local_q, dim=1)                       # all-gather over heads

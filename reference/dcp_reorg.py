@@ -30,14 +30,14 @@ def reorg(parts: list[torch.Tensor], pieces: list[tuple[int, int, int]], world: 
     """The chunk's rows in sequence order from every rank's part (``parts[r]``: ``[n_r, D]``, no padding)."""
     if len(parts) != world:
         raise ValueError(f"reorg: {len(parts)} parts for a world of {world}")
+    owners = [dcp_rank_of_position(p, world, interleave) for _, start, end in pieces for p in range(start, end)]
+    uses = [owners.count(r) for r in range(world)]
+    if uses != [part.shape[0] for part in parts]:
+        raise ValueError(f"reorg: parts hold {[part.shape[0] for part in parts]} rows, the chunk uses {uses}")
     cursors = [0] * world
     rows = []
-    for _, start, end in pieces:
-        for p in range(start, end):
-            r = dcp_rank_of_position(p, world, interleave)
-            rows.append(parts[r][cursors[r]].double())
-            cursors[r] += 1
-    if cursors != [part.shape[0] for part in parts]:
-        raise ValueError(f"reorg: parts hold {[part.shape[0] for part in parts]} rows, the chunk uses {cursors}")
+    for r in owners:
+        rows.append(parts[r][cursors[r]].double())
+        cursors[r] += 1
     width = parts[0].shape[1] if parts else 0
     return torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64)

@@ -21,11 +21,11 @@ def sparse_latent_mqa(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Ten
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[T, H, 576]``, ragged latent ``kv`` ``[N, 576]``, ``topk_indices`` ``[T, topk]`` (request positions)."""
     check_indexed_inputs(q, "kv", kv, "topk_indices", topk_indices)
-    check_ragged_rows(q_lens, kv_lens, q, "kv", kv)
-    owner = torch.repeat_interleave(torch.arange(len(q_lens), device=q.device),
-                                    torch.tensor(list(q_lens), device=q.device))
-    kv_len = torch.tensor(list(kv_lens), device=q.device)[owner]
-    kv_start = (torch.cumsum(torch.tensor([0] + list(kv_lens), device=q.device), 0))[owner]
+    q_lens, kv_lens = check_ragged_rows(q_lens, kv_lens, q, "kv", kv)
+    lengths = dict(dtype=torch.int64, device=q.device)
+    owner = torch.repeat_interleave(torch.arange(len(q_lens), **lengths), torch.tensor(q_lens, **lengths))
+    kv_len = torch.tensor(kv_lens, **lengths)[owner]
+    kv_start = torch.cumsum(torch.tensor((0,) + kv_lens, **lengths), 0)[owner]
     idx = topk_indices.long()
     valid = (idx >= 0) & (idx < kv_len[:, None])
     return _indexed_attention(q, "kv", kv, torch.where(valid, idx + kv_start[:, None], -1), scale)

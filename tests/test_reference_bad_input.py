@@ -13,6 +13,7 @@ from reference.absorbed import latent_mqa, paged_latent_mqa
 from reference.chunked import chunked_prefill, prefill_with_context
 from reference.core import attend, ragged_attention
 from reference.dcp import dcp_latent_mqa
+from reference.dcp_reorg import reorg
 from reference.merge import merge_attn_states, merge_many
 from reference.mha import mha_attention
 from reference.sparse import indexed_latent_mqa, sparse_latent_mqa
@@ -24,7 +25,7 @@ KV = torch.randn(10, 576, dtype=torch.float64)
 @pytest.mark.parametrize("call, message", [
     (lambda: latent_mqa(Q[..., :575], KV, (3,), (10,), 0.1), "q must have last dimension 576"),
     (lambda: latent_mqa(Q, KV[:, None], (3,), (10,), 0.1), "kv must have 2 dimensions"),
-    (lambda: latent_mqa(Q.long(), KV, (3,), (10,), 0.1), "q must be floating point"),
+    (lambda: latent_mqa(Q.long(), KV, (3,), (10,), 0.1), "q must be a float16, bfloat16, float32 or float64"),
     (lambda: latent_mqa(Q, KV, (3,), (9,), 0.1), "sum\\(kv_lens\\)=9"),
     (lambda: latent_mqa(Q, KV, (3, 0), (10,), 0.1), "q_lens has 2 requests"),
     (lambda: latent_mqa(Q, KV, (-3,), (10,), 0.1), "must be >= 0"),
@@ -60,7 +61,7 @@ def f64(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float64)
 
 
-PREFILL_LENS = dict(q_lens=(1, 2), kv_lens=(4, 6))
+PREFILL_LENS = ((1, 2), (4, 6))  # q_lens, kv_lens
 
 
 def prefill_step(heads: int = 2) -> dict[str, torch.Tensor]:
@@ -69,12 +70,12 @@ def prefill_step(heads: int = 2) -> dict[str, torch.Tensor]:
                 context=f64(7, 576), w_uk=f64(heads, 512, 128) / 512 ** 0.5, w_uv=f64(heads, 512, 128) / 512 ** 0.5)
 
 
-def chunked(inputs: dict, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    return chunked_prefill(**inputs, **PREFILL_LENS, scale=scale, chunk_size=3)
+def chunked(inputs: dict, scale, lens=PREFILL_LENS) -> tuple[torch.Tensor, torch.Tensor]:
+    return chunked_prefill(**inputs, q_lens=lens[0], kv_lens=lens[1], scale=scale, chunk_size=3)
 
 
-def unchunked(inputs: dict, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    return prefill_with_context(**inputs, **PREFILL_LENS, scale=scale)
+def unchunked(inputs: dict, scale, lens=PREFILL_LENS) -> tuple[torch.Tensor, torch.Tensor]:
+    return prefill_with_context(**inputs, q_lens=lens[0], kv_lens=lens[1], scale=scale)
 
 
 @pytest.mark.parametrize("prefill", [chunked, unchunked])
@@ -131,26 +132,30 @@ def test_rows_the_indices_do_not_select_may_hold_poison():
 ABSORBED_LENS = ((1, 2), (4, 6))
 ALL_POSITIONS = torch.arange(6).repeat(3, 1)  # every position of every request (past kv_len: invalid, skipped)
 
-# Every public float64 entry point: fresh float inputs, and a call on them with a scale.
+# Every public float64 entry point: fresh float inputs, and a call on them with a scale (and lengths, where it
+# takes them: ``lens``, (q_lens, kv_lens)).
 ENTRY_POINTS = {
     "attend": (lambda: dict(q=f64(3, 2, 16), k=f64(5, 1, 16), v=f64(5, 1, 8)),
                lambda x, scale: attend(x["q"], x["k"], x["v"], None, scale)),
     "ragged_attention": (lambda: dict(q=f64(3, 2, 16), k=f64(10, 2, 16), v=f64(10, 2, 8)),
-                         lambda x, scale: ragged_attention(x["q"], x["k"], x["v"], *ABSORBED_LENS, scale)),
+                         lambda x, scale, lens=ABSORBED_LENS: ragged_attention(x["q"], x["k"], x["v"], *lens, scale)),
     "latent_mqa": (lambda: dict(q=f64(3, 2, 576), kv=f64(10, 576)),
-                   lambda x, scale: latent_mqa(x["q"], x["kv"], *ABSORBED_LENS, scale)),
+                   lambda x, scale, lens=ABSORBED_LENS: latent_mqa(x["q"], x["kv"], *lens, scale)),
     "dcp_latent_mqa": (lambda: dict(q=f64(3, 2, 576), kv=f64(10, 576)),
-                       lambda x, scale: dcp_latent_mqa(x["q"], x["kv"], *ABSORBED_LENS, scale, 2, 2)),
+                       lambda x, scale, lens=ABSORBED_LENS: dcp_latent_mqa(x["q"], x["kv"], *lens, scale, 2, 2)),
     "sparse_latent_mqa": (lambda: dict(q=f64(3, 2, 576), kv=f64(10, 576)),
-                          lambda x, scale: sparse_latent_mqa(x["q"], x["kv"], ALL_POSITIONS, *ABSORBED_LENS, scale)),
+                          lambda x, scale, lens=ABSORBED_LENS: sparse_latent_mqa(x["q"], x["kv"], ALL_POSITIONS,
+                                                                                 *lens, scale)),
     "indexed_latent_mqa": (lambda: dict(q=f64(3, 2, 576), rows=f64(10, 576)),
                            lambda x, scale: indexed_latent_mqa(x["q"], x["rows"], torch.arange(10).repeat(3, 1),
                                                                scale)),
     "mha_attention": (lambda: dict(q=f64(3, 2, 192), k_nope=f64(10, 2, 128), k_pe=f64(10, 64), v=f64(10, 2, 128)),
-                      lambda x, scale: mha_attention(x["q"], x["k_nope"], x["k_pe"], x["v"], *ABSORBED_LENS, scale)),
+                      lambda x, scale, lens=ABSORBED_LENS: mha_attention(x["q"], x["k_nope"], x["k_pe"], x["v"],
+                                                                         *lens, scale)),
     "chunked_prefill": (prefill_step, chunked),
     "prefill_with_context": (prefill_step, unchunked),
 }
+TAKES_LENGTHS = sorted(set(ENTRY_POINTS) - {"attend", "indexed_latent_mqa"})
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
@@ -174,6 +179,33 @@ def test_every_entry_point_refuses_a_bad_scale(entry, scale):
     make, call = ENTRY_POINTS[entry]
     with pytest.raises(ValueError, match="scale must be a finite positive number"):
         call(make(), scale)
+
+
+@pytest.mark.parametrize("entry", TAKES_LENGTHS)
+def test_lengths_given_as_iterators_give_the_answer_of_tuples(entry):
+    """The checks spent a one-shot iterator and the loops after them saw no request: every row 0 / -inf."""
+    make, call = ENTRY_POINTS[entry]
+    inputs = make()
+    lens = call.__defaults__[0]
+    expect = call(inputs, 0.1, lens)
+    got = call(inputs, 0.1, tuple(iter(part) for part in lens))
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+    assert bool(torch.isfinite(expect[1]).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_input_is_refused_by_name(dtype):
+    """float8 passed the floating-point check and failed inside torch.isfinite."""
+    with pytest.raises(ValueError, match=f"q must be a float16, bfloat16, float32 or float64 tensor .*got {dtype}"):
+        latent_mqa(Q.to(dtype), KV, (3,), (10,), 0.1)
+
+
+@pytest.mark.parametrize("rows, uses", [((2, 3), "[3, 2]"), ((3, 1), "[3, 2]"), ((4, 2), "[3, 2]")])
+def test_dcp_reorg_names_parts_of_the_wrong_length(rows, uses):
+    """Positions 0-4 at W=2, I=1: rank 0 holds 0, 2, 4 and rank 1 holds 1, 3. A short part was an IndexError."""
+    parts = [f64(n, 576) for n in rows]
+    with pytest.raises(ValueError, match=re.escape(f"reorg: parts hold {list(rows)} rows, the chunk uses {uses}")):
+        reorg(parts, [(0, 0, 5)], 2, 1)
 
 
 def test_a_nan_in_the_paged_cache_or_the_queries_is_named():

@@ -13,7 +13,7 @@ from reference.absorbed import latent_mqa
 from reference.chunked import chunked_prefill, context_lens, prefill_with_context
 from reference.core import attend, causal_visible
 from reference.dcp import dcp_latent_mqa
-from reference.layer import MLAWeights, mla_layer_absorbed, mla_layer_mha
+from reference.layer import MLAWeights, mla_layer_absorbed, mla_layer_mha, rope
 from reference.merge import merge_attn_states, merge_many
 from reference.sparse import sparse_latent_mqa
 
@@ -83,6 +83,20 @@ def test_the_layer_depends_on_its_weights_and_positions():
     # the same tokens as one request instead of four: other positions and other keys, other output
     merged = mla_layer_mha(weights, dims, hidden, (sum(q_lens),), (sum(kv_lens),))[0]
     assert merged.shape == out.shape and rel(merged, out) > 0.1
+
+
+def test_rope_rotates_by_position_so_scores_depend_on_the_distance_only():
+    """Position 0 leaves a vector as it is, each pair keeps its length, and q . k is the same when both move by the
+    same offset but not when one moves alone. (The layer identity above cannot see RoPE: both paths share it.)"""
+    g = gen(13)
+    q, k = (torch.randn(5, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    pos_q, pos_k = torch.randint(0, 4096, (5,), generator=g), torch.randint(0, 4096, (5,), generator=g)
+    assert torch.equal(rope(q, torch.zeros(5, dtype=torch.int64), 10000.0), q)
+    pairs = lambda x: x.view(*x.shape[:-1], 32, 2).norm(dim=-1)  # noqa: E731
+    assert torch.allclose(pairs(rope(q, pos_q, 10000.0)), pairs(q), rtol=1e-12)
+    score = lambda a, b: (rope(q, a, 10000.0) * rope(k, b, 10000.0)).sum(-1)  # noqa: E731
+    assert torch.allclose(score(pos_q + 777, pos_k + 777), score(pos_q, pos_k), rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(score(pos_q + 777, pos_k), score(pos_q, pos_k), rtol=1e-3, atol=1e-3)
 
 
 def random_mha_step(q_lens, kv_lens, heads=3, seed=0):
@@ -173,6 +187,23 @@ def test_sparse_subset_equals_dense_restricted_to_it_and_ignores_invalid_indices
     expect_out, expect_lse = attend(q, kv[:, None], kv[:, None, :512], visible, 0.135)
     assert rel(out, expect_out) < 1e-12
     assert float((lse - expect_lse).abs().max()) < 1e-12
+
+
+def test_sparse_bound_is_each_requests_own_length():
+    """Index kv_len of a request that is not the last names a real row (the next request's first): invalid all the
+    same, as -1 is."""
+    q, kv = random_latent_step((1, 1), (40, 5), seed=9)
+    indices = torch.tensor([[3, 40, 11, 39], [0, 4, 5, 1]], dtype=torch.int64)
+    got = sparse_latent_mqa(q, kv, indices, (1, 1), (40, 5), 0.135)
+    invalid = torch.tensor([[False, True, False, False], [False, False, True, False]])
+    expect = sparse_latent_mqa(q, kv, torch.where(invalid, -1, indices), (1, 1), (40, 5), 0.135)
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+
+
+def test_sparse_of_no_requests_is_empty():
+    q, kv = torch.randn(0, 2, 576, dtype=torch.float64), torch.randn(0, 576, dtype=torch.float64)
+    out, lse = sparse_latent_mqa(q, kv, torch.zeros(0, 4, dtype=torch.int64), (), (), 0.135)
+    assert out.shape == (0, 2, 512) and lse.shape == (0, 2)
 
 
 def test_sparse_row_without_valid_index_is_empty():

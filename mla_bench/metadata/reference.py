@@ -219,6 +219,11 @@ def dcp_rank_of_position(position: int, world: int, interleave: int) -> int:
 def dcp_local_len(kv_len: int, rank: int, world: int, interleave: int) -> int:
     """Tokens of a request of length ``kv_len`` held by ``rank`` (vLLM's ``get_dcp_local_seq_lens``)."""
     check_dcp_rank(rank, world, interleave)
+    return _dcp_local_len(kv_len, rank, world, interleave)
+
+
+def _dcp_local_len(kv_len: int, rank: int, world: int, interleave: int) -> int:
+    """``dcp_local_len`` of a rank already checked."""
     base = (kv_len // interleave // world) * interleave
     rem = kv_len - base * world
     return base + min(max(rem - rank * interleave, 0), interleave)
@@ -253,7 +258,7 @@ def dcp_slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.T
     q_lens, kv_lens = check_lengths(q_lens, kv_lens)
     check_dcp(page_size, world, interleave, rank)
     try:
-        check_table(block_table, [dcp_local_len(n, rank, world, interleave) for n in kv_lens], page_size)
+        check_table(block_table, [_dcp_local_len(n, rank, world, interleave) for n in kv_lens], page_size)
     except ValueError as exc:
         raise ValueError(f"DCP rank {rank} of {world} (kv_len: the tokens this rank holds): {exc}") from None
     slots = []
