@@ -39,10 +39,17 @@ class MLADims:
         for field in ("num_heads", "hidden_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                       "v_head_dim"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MLADims.{field} must be a positive int, got {value!r}")
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ValueError(f"MLADims.q_lora_rank must be positive or None, got {self.q_lora_rank!r}")
+        rank = self.q_lora_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0):
+            raise ValueError(f"MLADims.q_lora_rank must be a positive int or None, got {rank!r}")
+        for field, zero_ok in (("rope_factor", False), ("mscale_all_dim", True), ("rope_theta", False)):
+            value = getattr(self, field)  # a NaN here made softmax_scale NaN
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (value == 0 and not zero_ok):
+                raise ValueError(f"MLADims.{field} must be a finite number {'>= 0' if zero_ok else '> 0'}, "
+                                 f"got {value!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"MLADims.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
 

@@ -14,6 +14,8 @@ import numbers
 import operator
 from typing import Any
 
+import torch
+
 
 def check_lengths(q_lens: Any, kv_lens: Any,
                   queries_may_exceed_keys: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -55,8 +57,9 @@ def _ints(name: str, values: Any) -> tuple[int, ...]:
 
 
 def _int(name: str, index: int, value: Any) -> int:
-    """Request ``index``'s entry of ``name`` as a Python int (``operator.index``, which takes ``True`` as 1: no)."""
-    if not isinstance(value, bool):
+    """Request ``index``'s entry of ``name`` as a Python int (``operator.index``, which takes ``True`` and a bool
+    tensor's entries as 1: no)."""
+    if not isinstance(value, bool) and getattr(value, "dtype", None) not in (bool, torch.bool):
         try:
             return operator.index(value)
         except TypeError:

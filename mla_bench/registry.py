@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from mla_bench.errors import UnsupportedConfig
+from mla_bench.layouts import LAYOUTS
 from mla_bench.workload import DEVICE_TYPES, DTYPES, INDEX_TRANSFORMS, Mode, Workload
 
 ENTRY_POINT_GROUP = "mla_bench.impls"
@@ -76,20 +77,29 @@ class Capabilities:
     graph_safe: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("modes", "layouts", "dtypes", "devices", "page_sizes", "head_counts", "query_len_kinds",
+                     "index_transforms", "cache_devices"):
+            value = getattr(self, name)
+            if value is not None:  # a set of values: a string would match its substrings, an int nothing
+                if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                    raise ValueError(f"Capabilities.{name} must be a set of values, got {value!r}")
+                object.__setattr__(self, name, frozenset(value))
         object.__setattr__(self, "modes", frozenset(Mode(m) for m in self.modes))
         if not self.modes:
             raise ValueError("Capabilities.modes is empty: an impl declares at least one mode it runs")
-        for name, allowed in (("dtypes", DTYPES), ("query_len_kinds", QUERY_LEN_KINDS),
-                              ("index_transforms", INDEX_TRANSFORMS)):
+        for name, allowed in (("layouts", tuple(LAYOUTS)), ("dtypes", DTYPES), ("devices", DEVICE_TYPES),
+                              ("query_len_kinds", QUERY_LEN_KINDS), ("index_transforms", INDEX_TRANSFORMS)):
             unknown = set(getattr(self, name)) - set(allowed)
-            if unknown:
+            if unknown:  # a misspelt value would make every workload needing it "unsupported", silently
                 raise ValueError(f"Capabilities.{name}: unknown values {sorted(unknown)}; allowed {allowed}")
+        for name in ("page_sizes", "head_counts"):
+            bad = [v for v in getattr(self, name) or () if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"Capabilities.{name} must hold positive ints, got {sorted(map(repr, bad))}")
         if self.lse_base not in LSE_BASES:
             raise ValueError(f"Capabilities.lse_base must be one of {LSE_BASES}, got {self.lse_base!r}")
         if self.empty_lse not in EMPTY_LSE:
             raise ValueError(f"Capabilities.empty_lse must be one of {EMPTY_LSE}, got {self.empty_lse!r}")
-        if self.cache_devices is not None:
-            object.__setattr__(self, "cache_devices", frozenset(self.cache_devices))
         if self.cache_devices is not None and not self.cache_devices <= set(DEVICE_TYPES):
             raise ValueError(f"Capabilities.cache_devices: unknown values {sorted(set(self.cache_devices))}; "
                              f"allowed {DEVICE_TYPES}")
@@ -151,8 +161,8 @@ class Impl(ABC):
         body runs: called directly, an impl would otherwise compute whatever its code does with an input it never
         claimed (a dense decode given a sparse problem answers without the top-k, silently)."""
         super().__init_subclass__(**kwargs)
-        if "plan" in cls.__dict__:
-            cls.plan = _refusing_undeclared(cls.__dict__["plan"])
+        if not getattr(cls.plan, "checks_capabilities", False):  # its own plan, or one from a mixin
+            cls.plan = _refusing_undeclared(cls.plan)
 
     @abstractmethod
     def plan(self, problem: Any) -> Any:
@@ -179,6 +189,7 @@ def _refusing_undeclared(plan: Any) -> Any:
         if reason:
             raise UnsupportedConfig(f"{self.name}: unsupported {reason} ({problem.workload.label})")
         return plan(self, problem)
+    checked.checks_capabilities = True
     return checked
 
 
@@ -202,6 +213,19 @@ class ImplEntry:
         return self._cls()
 
 
+PROJECT_PACKAGES = ("mla_bench", "impls", "reference", "suites")
+
+
+def _missing_dependency(exc: ImportError, module_name: str) -> bool:
+    """Whether an ImportError raised importing ``module_name`` says a package is absent (the module itself, or a
+    third-party package it needs), rather than that a name is missing from the project's or the impl's own code
+    (a typo, which must show as an error, not as "not installed")."""
+    missing = exc.name
+    if missing is None or module_name == missing or module_name.startswith(missing + "."):
+        return True  # raised by hand to say a dependency is absent, or the impl's module is not there at all
+    return missing.split(".")[0] not in {*PROJECT_PACKAGES, module_name.split(".")[0]}
+
+
 def load_class(target: str) -> type[Impl]:
     """Import ``module:Class`` and check that it is an Impl with a ``name`` and ``Capabilities``. ValueError names
     what is wrong (also an exception other than ImportError raised while importing the module)."""
@@ -211,7 +235,11 @@ def load_class(target: str) -> type[Impl]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
+        if _missing_dependency(exc, module_name):
+            raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
+        raise ValueError(f"{target}: importing {module_name} raised {type(exc).__name__}: {exc} (a name missing from "
+                         f"the impl's own code or the project's, not an absent package)\n"
+                         f"{''.join(traceback.format_exception(exc))}") from exc
     except Exception as exc:  # noqa: BLE001 - the impl's module is broken: a refusal that says so, with the trace
         raise ValueError(f"{target}: importing {module_name} raised {type(exc).__name__}: {exc}\n"
                          f"{''.join(traceback.format_exception(exc))}") from exc

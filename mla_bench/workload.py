@@ -52,15 +52,14 @@ class Mode(str, Enum):
 INDEX_TRANSFORMS = ("paged", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICE_TYPES = ("cpu", "cuda")
-SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes a seed as an unsigned 64-bit int
+SEED_LIMIT = 2 ** 32  # torch's CPU generator keeps a seed's low 32 bits: s and s + 2**32 give the same inputs
 
 
 def derive_seed(seed: int, offset: int, stride: int = 1) -> int:
-    """``seed * stride + offset`` wrapped into [0, 2**64): one of a family of seeds drawn from a workload's seed
-    (latency's input sets, the DCP shards' page tables). Plain arithmetic left the range for a seed near 2**64 and
-    failed ``manual_seed``; where it did not, the seed is the one used before, so existing baselines keep their
-    inputs. Offsets below 2**64 give distinct seeds; a ``stride`` keeps consecutive seeds' families apart (offsets
-    below it never reach the next seed's)."""
+    """``seed * stride + offset`` wrapped into [0, 2**32): one of a family of seeds drawn from a workload's seed
+    (latency's input sets, the DCP shards' page tables). The generator kept only the low 32 bits of the plain sum
+    before, so every family keeps its inputs. Offsets below 2**32 give distinct seeds, hence distinct inputs; a
+    ``stride`` keeps consecutive seeds' families apart (offsets below it never reach the next seed's)."""
     return (seed * stride + offset) % SEED_LIMIT
 
 
@@ -127,8 +126,8 @@ class Workload:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be an int >= 0 and < 2**64 (what torch.Generator.manual_seed takes), "
-                             f"got {self.seed!r}")
+            raise ValueError(f"seed must be an int >= 0 and < 2**32 (torch's generator keeps a seed's low 32 bits, "
+                             f"so larger seeds repeat smaller ones' inputs), got {self.seed!r}")
         if self.cache_device not in (None, *DEVICE_TYPES):
             raise ValueError(f"cache_device must be None or one of {DEVICE_TYPES}, got {self.cache_device!r}")
         if self.cache_device is not None and not self.mode.uses_cache:

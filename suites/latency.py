@@ -60,7 +60,7 @@ class LatencySuite:
 
 
 def input_set(workload: Workload, i: int) -> Workload:
-    """The workload of input set ``i``: seed ``seed + i``, wrapped into [0, 2**64) (set 0 is the workload itself)."""
+    """The workload of input set ``i``: seed ``seed + i``, wrapped into [0, 2**32) (set 0 is the workload itself)."""
     return workload.replace(seed=derive_seed(workload.seed, i))
 
 

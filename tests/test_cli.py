@@ -148,7 +148,7 @@ def test_dcp_flags_refuse_non_positive_values(flag, capsys):
     (["--layout", "nope"], "unknown cache layout 'nope'"),
     (["--sweep", "x"], "unknown sweep 'x'"),
     (["--seed", "-1"], "seed must be an int >= 0"),
-    (["--seed", str(2 ** 64)], "seed must be an int >= 0"),
+    (["--seed", str(2 ** 32)], "seed must be an int >= 0 and < 2**32"),
     (["--mode", "decod"], "unknown mode 'decod'; modes: decode, prefill"),
     (["--mode", "Decode"], "unknown mode 'Decode'"),
     (["--mode", "prefill", "--dcp", "2"], "nothing to run: --mode prefill with --dcp 2"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import textwrap
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import planted_impls as planted
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
-from mla_bench.registry import Capabilities, resolve
+from mla_bench.registry import Capabilities, ImplNotInstalled, resolve
 from mla_bench.workload import Workload
 from suites.judge import judge
 
@@ -205,3 +206,36 @@ def test_a_module_that_raises_on_import_is_refused_with_its_error_and_capabiliti
         resolve(f"{module}:MyMLA")
     with pytest.raises(ValueError, match="Capabilities.modes is empty"):
         Capabilities(modes=frozenset())
+
+
+@pytest.mark.parametrize("line, error, says", [
+    ("from mla_bench.workload import derive_seeds", ValueError, "(a name missing from the impl's own code"),
+    ("import impls.triton.no_such_module", ValueError, "No module named 'impls.triton.no_such_module'"),
+    ("import no_such_kernel_package", ImplNotInstalled, "No module named 'no_such_kernel_package'"),
+    ("from torch import no_such_function", ImplNotInstalled, "cannot import name 'no_such_function'"),
+    ("raise ImportError('needs the vendor library')", ImplNotInstalled, "needs the vendor library"),
+])
+def test_an_import_error_is_not_installed_only_where_a_package_is_absent(tmp_path, monkeypatch, line, error, says):
+    """A typo in the project's or the impl's own imports read as "not installed": skipped, the run passing."""
+    module = f"user_impls_{random.randint(0, 10 ** 9)}"
+    (tmp_path / f"{module}.py").write_text(line + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(error, match=re.escape(says)):
+        resolve(f"{module}:MyMLA")
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("layouts", {"bf16", "fp8-ds-mla"}, "Capabilities.layouts: unknown values ['fp8-ds-mla']"),
+    ("layouts", "fp8_ds_mla_pow2", "Capabilities.layouts must be a set of values, got 'fp8_ds_mla_pow2'"),
+    ("devices", {"gpu"}, "Capabilities.devices: unknown values ['gpu']"),
+    ("page_sizes", 64, "Capabilities.page_sizes must be a set of values, got 64"),
+    ("page_sizes", {64, 0}, "Capabilities.page_sizes must hold positive ints, got ['0']"),
+    ("head_counts", {16, True}, "Capabilities.head_counts must hold positive ints, got ['True']"),
+    ("modes", "decode", "Capabilities.modes must be a set of values, got 'decode'"),
+])
+def test_capabilities_refuse_a_misspelt_or_malformed_declaration(field, value, says):
+    """Each was accepted: a misspelt layout or device made every workload needing it "unsupported" silently, a
+    string matched its substrings ("fp8_ds_mla" in "fp8_ds_mla_pow2"), an int failed later in refusal."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Capabilities(**{"modes": {"decode"}, field: value})
+    assert Capabilities(modes={"decode"}, layouts=["bf16"], page_sizes=(16, 64)).page_sizes == {16, 64}

@@ -65,13 +65,19 @@ def bool_length(rng, q_lens, kv_lens, i):
     return rf"request {i}: q_lens must hold ints, got True$"
 
 
+def bool_tensor_length(rng, q_lens, kv_lens, i):
+    q_lens[i] = torch.tensor(True)  # operator.index took it as 1
+    return rf"request {i}: q_lens must hold ints, got tensor\(True\)$"
+
+
 def count_mismatch(rng, q_lens, kv_lens, i):
     kv_lens.append(rng.randint(1, 9))
     return rf"q_lens has {len(q_lens)} requests but kv_lens has {len(kv_lens)}$"
 
 
 @pytest.mark.parametrize("caller", CALLERS)
-@pytest.mark.parametrize("plant", [negative, longer_query, float_length, bool_length, count_mismatch])
+@pytest.mark.parametrize("plant", [negative, longer_query, float_length, bool_length, bool_tensor_length,
+                                   count_mismatch])
 def test_bad_lengths_are_refused_alike_naming_the_request(plant, caller):
     rng = random.Random()
     q_lens, kv_lens = random_lengths(rng)

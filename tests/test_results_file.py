@@ -34,6 +34,7 @@ def test_round_trip_keeps_everything_including_non_finite_metrics(tmp_path):
     metrics = loaded.results[0].metrics
     assert metrics["kernel.rel_l2"] == 2.5e-3 and metrics["kernel.nonfinite_mismatch"] == 3
     assert metrics["kernel.lse_max_abs"] == float("inf") and math.isnan(metrics["odd"])
+    assert loaded.results[0].details["weird"] == "-inf"  # as save_run says: only metrics and ceilings turn back
 
 
 def test_non_finite_ceilings_round_trip(tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import POISON_BYTE
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, Impl
-from mla_bench.workload import Mode, Workload
+from mla_bench.workload import SEED_LIMIT, Mode, Workload
 
 
 def test_softmax_scales_match_the_models():
@@ -22,6 +24,17 @@ def test_softmax_scales_match_the_models():
         "deepseek-v3": 128, "deepseek-v3-tp8": 16, "deepseek-v2-lite": 16, "kimi-k2": 64, "tiny": 4}
     for dims in PRESETS.values():
         assert (dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim) == (512, 64, 128, 128)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("num_heads", True, "MLADims.num_heads must be a positive int, got True"),
+    ("q_lora_rank", "1536", "MLADims.q_lora_rank must be a positive int or None, got '1536'"),  # was a TypeError
+    ("rope_factor", float("nan"), "MLADims.rope_factor must be a finite number > 0, got nan"),  # NaN softmax_scale
+    ("mscale_all_dim", -1.0, "MLADims.mscale_all_dim must be a finite number >= 0, got -1.0"),
+])
+def test_model_dims_refuse_a_bad_field_by_name(field, value, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        dataclasses.replace(get_preset("deepseek-v3"), **{field: value})
 
 
 def test_workload_label_is_one_line_and_json_roundtrips():
@@ -65,7 +78,7 @@ def test_query_length_kinds():
     (dict(q_lens=(1,), kv_lens=(3,), page_size=0), "page_size must be a positive int"),
     (dict(q_lens=(1,), kv_lens=(3,), num_heads=0), "num_heads must be a positive int"),
     (dict(q_lens=(1,), kv_lens=(3,), seed=-1), "seed must be an int >= 0"),
-    (dict(q_lens=(1,), kv_lens=(3,), seed=2 ** 64), r"seed must be an int >= 0 and < 2\*\*64"),
+    (dict(q_lens=(1,), kv_lens=(3,), seed=2 ** 32), r"seed must be an int >= 0 and < 2\*\*32"),
     (dict(q_lens=(1,), kv_lens=(3,), seed=True), "seed must be an int .*, got True"),
     (dict(q_lens=(1,), kv_lens=(3,), seed=1.0), "seed must be an int .*, got 1.0"),
 ])
@@ -87,12 +100,15 @@ def test_from_dict_refuses_a_preset_or_layout_that_is_not_a_name(field, value, m
         Workload.from_dict({"mode": "decode", "q_lens": [1], "kv_lens": [2], field: value})
 
 
-def test_the_seed_range_is_what_the_generator_takes():
-    """``seed=2**64`` used to pass the Workload and fail in build_problem; the largest seed accepted builds."""
-    largest = Workload(mode="decode", q_lens=(1,), kv_lens=(4,), seed=2 ** 64 - 1)
-    assert build_problem(largest).q.shape == (1, 4, 576)
-    with pytest.raises((RuntimeError, ValueError)):
-        torch.Generator().manual_seed(largest.seed + 1)
+def test_every_seed_accepted_draws_its_own_inputs():
+    """Seeds up to 2**64 were accepted, but the generator keeps 32 bits: ``s`` and ``s + 2**32`` were two workloads
+    with one problem. The largest seed accepted builds, and differs from seed 0 and from the next smallest."""
+    largest = Workload(mode="decode", q_lens=(1,), kv_lens=(4,), seed=2 ** 32 - 1)
+    problems = [build_problem(largest.replace(seed=seed)) for seed in (0, 2 ** 32 - 2, 2 ** 32 - 1)]
+    assert problems[-1].q.shape == (1, 4, 576)
+    assert not any(torch.equal(problems[-1].q, other.q) for other in problems[:-1])
+    wrapped = [torch.randn(4, generator=torch.Generator().manual_seed(seed)) for seed in (5, 5 + SEED_LIMIT)]
+    assert torch.equal(*wrapped)  # why the limit: a larger seed would repeat a smaller one's inputs
 
 
 def test_build_problem_on_cuda_without_cuda_is_a_value_error(monkeypatch):
@@ -182,7 +198,22 @@ class PageSixteenTimed(PageSixteenOnly):
         return super().plan(problem)
 
 
-@pytest.mark.parametrize("impl", [PageSixteenOnly, PageSixteenTimed])
+class PlansAnything:
+    """A mixin that is no Impl: its plan is the one a class below inherits."""
+
+    def plan(self, problem):
+        return problem
+
+
+class PageSixteenMixedIn(PlansAnything, Impl):
+    name = "page16"
+    capabilities = PageSixteenOnly.capabilities
+
+    def run(self, plan):
+        raise AssertionError("not called")
+
+
+@pytest.mark.parametrize("impl", [PageSixteenOnly, PageSixteenTimed, PageSixteenMixedIn])
 def test_plan_called_directly_refuses_what_the_impl_did_not_declare(impl):
     """Not only the runner: any caller of plan meets the declared capabilities first."""
     w = Workload(mode="decode", q_lens=(1,), kv_lens=(20,), page_size=16, seed=int(torch.randint(0, 99, ())))
