@@ -4,18 +4,20 @@ exact, and every impl's capability matrix has no crash cell.
 Checks (one Result each):
 
 - ``codec bounds`` per layout: quantize -> dequantize stays within the layout's stated ``error_bound`` on values of
-  wide dynamic range (fp32 and bf16 inputs), exactly 0 where the format is exact (bf16 values in bf16 fields),
-  and the codec is idempotent on its own grid (on values of moderate range: an nvfp4 block whose e4m3 scale falls
-  in the subnormal range, 28000x below the layer's largest value, may move to another grid when re-encoded);
+  wide dynamic range (fp32 and bf16 inputs) with a probe per token that a too-large tile scale rounds past the bound,
+  exactly 0 where the format is exact (bf16 values in bf16 fields), a fitted per-layer scale saturates at the
+  largest value it scales (a looser one hides behind its own bound), and the codec is idempotent on its own grid
+  (on values of moderate range: an nvfp4 block whose e4m3 scale falls in the subnormal range, 28000x below the
+  layer's largest value, may move to another grid when re-encoded);
 - ``edge inputs`` per layout: all-zero tokens and scale blocks (finite zeros, no NaN scale), values at and beyond
   the saturation point, subnormals, NaN/Inf refused by default and, when propagated, NaN/Inf over exactly the
-  scale blocks that hold them; a per-layer scale fitted to zeros, subnormals or NaN/Inf-holding values is finite
-  and positive, NaN/Inf ignored;
+  scale blocks that hold them; a per-layer scale fitted to zeros, subnormals (amax down to 1e-44) or NaN/Inf-holding
+  values is one the layout takes, NaN/Inf ignored;
 - ``triton write`` per layout: the Triton write kernel's bytes equal the reference codec's, for fp32 / bf16 /
-  fp16 and strided inputs spread over several pages, with slot -1 padding skipped and the rest of the poisoned
-  cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); NaN input refused
-  without a write, or written as the codec writes it when propagated; NaN/Inf in padding rows neither refused nor
-  written; an empty write a no-op; a differing byte is named by its field (codes, scales, rope) and slot;
+  fp16 and strided (rows 600 apart) inputs spread over several pages, with slot -1 padding skipped and the rest of
+  the poisoned cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); NaN
+  input refused without a write, or written as the codec writes it when propagated; NaN/Inf in padding rows neither
+  refused nor written; an empty write a no-op; a differing byte is named by its field (codes, scales, rope) and slot;
 - ``triton gather`` per layout: the Triton gather returns what was written, bit for bit (the reference
   dequantization rounded to fp32, and that to bf16), also over caches of random bytes (every code pattern), and
   nothing for no slots;
@@ -32,7 +34,6 @@ implementation of the same signature; the check of a given op is named ``given w
 
 from __future__ import annotations
 
-import math
 import traceback
 from typing import Callable, Iterator
 
@@ -40,6 +41,9 @@ import torch
 
 from mla_bench.errors import describe
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache, get_layout
+from mla_bench.layouts.base import check_tensor_scale
+from mla_bench.layouts.formats import E4M3_MAX, SLACK
+from mla_bench.layouts.fp8 import DS_MLA_TILE
 from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.metadata import fast, reference
 from mla_bench.problem import build_problem
@@ -133,6 +137,22 @@ def latent_values(n: int, seed: int, spread: float = 2.0) -> torch.Tensor:
     return torch.randn(n, LATENT_DIM, generator=gen).sign() * token * element
 
 
+def _with_tile_probes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with column 5 of each token at the smallest e4m3 step of its first 128-column tile under the exact scale,
+    ``amax / 448 * 2^-9``: that scale encodes it exactly, while a tile scale too large (amax / 240, e4m3fnuz's
+    largest value, a ROCm mix-up) rounds it to a step of its own, 1.5x the bound (a relative bound alone lets such a
+    scale pass on the other values)."""
+    probed = x.clone()
+    probed[:, 5] = x[:, :DS_MLA_TILE].abs().amax(dim=1) / E4M3_MAX * 2.0 ** -9
+    return probed
+
+
+def _saturation(layout: CacheLayout, scale: float | None) -> torch.Tensor:
+    """Per column, what a value beyond every range (3e38) decodes to under ``scale``: where a per-layer scale applies,
+    the largest code times it."""
+    return layout.dequantize(layout.quantize(torch.full((1, LATENT_DIM), 3e38), scale), scale)[0]
+
+
 def _scale_block_columns(layout: CacheLayout, column: int) -> slice:
     """The columns sharing ``column``'s scale."""
     nope_block, rope_block = layout.scale_blocks
@@ -160,7 +180,7 @@ def _at(token: int, column: int) -> str:
 # ---- codec ----------------------------------------------------------------------------------------------------------
 def check_codec_bounds(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
     problems, metrics = [], {}
-    x32 = latent_values(256, seed)
+    x32 = _with_tile_probes(latent_values(256, seed))
     for dtype_name, x in (("fp32", x32), ("bf16", x32.bfloat16())):
         scale = layout.fit_tensor_scale(x)
         decoded = layout.dequantize(layout.quantize(x, scale), scale)
@@ -171,6 +191,15 @@ def check_codec_bounds(layout: CacheLayout, seed: int) -> tuple[list[str], dict]
             problems.append(f"{dtype_name} inputs: {nonfinite} finite values decode as NaN/Inf")
         if not ratio <= 1:
             problems.append(f"{dtype_name} inputs: error reaches {ratio:.3g}x the stated bound (at {worst})")
+        # the bound takes the fitted per-layer scale, so it cannot judge it: the columns that scale saturates alike
+        # (all for fp8_e4m3, the nope ones for nvfp4) must reach it with their largest value, no more, no less
+        if layout.needs_tensor_scale:
+            tops = _saturation(layout, scale)
+            top, amax = float(tops[0]), float(x.double().abs()[:, tops == tops[0]].max())
+            if not abs(top - amax) <= amax * (SLACK - 1):
+                problems.append(f"{dtype_name} inputs: the fitted per-layer scale {scale:.6g} saturates at {top:.6g}, "
+                                f"not at the largest value it scales ({amax:.6g}): a larger one coarsens every step, "
+                                f"a smaller one clips")
     moderate = latent_values(64, seed, spread=0.5)
     scale = layout.fit_tensor_scale(moderate)
     decoded = layout.dequantize(layout.quantize(moderate, scale), scale)
@@ -217,7 +246,7 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
 
     # beyond a fixed per-layer scale's range: saturate at the largest code, never NaN/Inf
     if layout.needs_tensor_scale:
-        top = float(layout.dequantize(layout.quantize(torch.full((1, LATENT_DIM), 3e38), scale), scale)[0, 0])
+        top = float(_saturation(layout, scale)[0])
         for value in (10 * top, 3e38):
             beyond = base.clone()
             beyond[7, :4] = torch.tensor([value, -value, top, -top])
@@ -226,17 +255,22 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
                 problems.append(f"values beyond the scale's range ({value:.3g}) decode to {got[:2]}, "
                                 f"expected the saturation value +-{top:.6g}")
 
-        # the per-layer scale fitted to zeros, to subnormals, or to values holding NaN/Inf: finite and > 0, NaN/Inf
-        # ignored (a zero scale divides by zero; an Inf one flushes every value to 0)
+        # the per-layer scale fitted to zeros, to subnormals (amax down to 1e-44), or to values holding NaN/Inf: one
+        # the layout takes (finite, at least the smallest normal float32), NaN/Inf ignored (a zero scale divides by
+        # zero; an Inf one flushes every value to 0)
         holding = base.clone()
         holding[1, 5], holding[2, NOPE_DIM + 3] = float("nan"), float("inf")
         finite_part = layout.fit_tensor_scale(torch.where(torch.isfinite(holding), holding, 0.0))
+        tiny = base / base.abs().max() * 1e-44
         for what, x, expect in (("all-zero", torch.zeros_like(base), None), ("subnormal", base * 1e-40, None),
-                                ("NaN/Inf-holding", holding, finite_part)):
+                                ("tiny", tiny, None), ("NaN/Inf-holding", holding, finite_part)):
             fitted = layout.fit_tensor_scale(x)
-            if not (isinstance(fitted, float) and math.isfinite(fitted) and fitted > 0):
-                problems.append(f"the per-layer scale fitted to {what} values is {fitted!r}, not a finite number > 0")
-            elif expect is not None and fitted != expect:
+            try:
+                check_tensor_scale(layout.name, fitted)
+            except ValueError as exc:
+                problems.append(f"the per-layer scale fitted to {what} values is {fitted!r}, not one it takes: {exc}")
+                continue
+            if expect is not None and fitted != expect:
                 problems.append(f"the per-layer scale fitted to {what} values is {fitted!r}, not that of their "
                                 f"finite values ({expect!r})")
 
@@ -333,11 +367,13 @@ def check_write(layout: CacheLayout, write: Callable, gather: Callable, device: 
                 seed: int) -> tuple[list[str], dict]:
     problems, mismatched = [], 0
     num_blocks, values, slots = _write_case(device, seed)
-    wide = torch.cat([values.clamp(-6e4, 6e4), values[:, :24]], dim=1)  # rows of 600: a strided [N, 576] view
-    for name, x in (("fp32", values), ("bf16", values.bfloat16()), ("strided fp16", wide[:, :LATENT_DIM].half())):
-        expect, got = _cache_pair(layout, num_blocks, x, device)
-        write_cache(expect, x, slots)
-        write(got, x.to(device), slots.to(device))
+    # rows 600 apart: sliced after the cast and the move to the device, each of which would make a contiguous copy
+    strided = torch.cat([values, values[:, :24]], dim=1).clamp(-6e4, 6e4).half().to(device)[:, :LATENT_DIM]
+    assert strided.stride(0) != LATENT_DIM, f"the strided fp16 input has contiguous rows: strides {strided.stride()}"
+    for name, x in (("fp32", values.to(device)), ("bf16", values.bfloat16().to(device)), ("strided fp16", strided)):
+        expect, got = _cache_pair(layout, num_blocks, x.cpu(), device)
+        write_cache(expect, x.cpu(), slots)
+        write(got, x, slots.to(device))
         wrong, where = byte_mismatches(got, expect, slots)
         mismatched += wrong
         if wrong:

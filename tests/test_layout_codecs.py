@@ -11,7 +11,7 @@ import torch
 
 from mla_bench.layouts import LAYOUTS, LATENT_DIM, NOPE_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import gather_cache, write_cache
-from mla_bench.layouts.formats import (E2M1_MAGNITUDES, ceil_log2, e2m1_decode, e2m1_encode, e4m3_decode,
+from mla_bench.layouts.formats import (E2M1_MAGNITUDES, FLT_MIN, ceil_log2, e2m1_decode, e2m1_encode, e4m3_decode,
                                        e4m3_encode, pack_nibbles, unpack_nibbles)
 
 EXPECTED_BYTES = {"bf16": 1152, "fp8_e4m3": 576, "fp8_ds_mla": 656, "fp8_ds_mla_pow2": 656, "fp4_mx16": 324,
@@ -178,6 +178,74 @@ def test_tensor_scale_is_required_and_validated():
                 layout.quantize(x, bad)
 
 
+@pytest.mark.parametrize("bad, says", [
+    (1e-50, "got 1e-50 (0.0 in float32)"),  # decoded NaN
+    (1e-40, "got 1e-40 (9.99994610111476e-41 in float32)"),  # subnormal: 1 / scale overflows float32
+    (1e39, "got 1e+39 (inf in float32)"),  # decoded NaN
+    (10 ** 400, "(inf in float32)"),  # raised a bare OverflowError
+], ids=["1e-50", "1e-40", "1e39", "10**400"])
+def test_tensor_scales_are_judged_as_the_float32_the_codecs_use(bad, says):
+    x = random_latent(2, seed=7)
+    for name in ("fp8_e4m3", "nvfp4"):
+        layout = get_layout(name)
+        raw = layout.quantize(x, 1.0)
+        for call in (lambda: layout.quantize(x, bad), lambda: layout.dequantize(raw, bad),
+                     lambda: PagedCache.empty(layout, 1, 16, tensor_scale=bad)):
+            with pytest.raises(ValueError, match=re.escape(f"layout {name}: tensor_scale must be a finite positive")) \
+                    as refused:
+                call()
+            assert says in str(refused.value)
+        for edge in (FLT_MIN, torch.finfo(torch.float32).max):
+            layout.dequantize(layout.quantize(x, edge), edge)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("amax", [1e-36, 1e-40, 1e-44])
+def test_per_layer_scales_fitted_to_tiny_values_are_floored_and_taken(name, amax):
+    """nvfp4's ``amax / (6 * 448)`` was subnormal or 0 in float32 for tiny values; floored at FLT_MIN as fp8_e4m3's."""
+    layout = get_layout(name)
+    x = random_latent(4, seed=10).float()
+    x = x / x.abs().max() * amax
+    scale = layout.fit_tensor_scale(x)
+    assert scale >= FLT_MIN
+    decoded = layout.dequantize(layout.quantize(x, scale), scale)
+    assert bool(((decoded - x.double()).abs() <= layout.error_bound(x, scale)).all())
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_float64_values_beyond_float32_are_refused_even_when_propagating(name):
+    """The codecs compute in float32, where a finite float64 1e39 became Inf and decoded as NaN/Inf (or was blamed on
+    fp8_e4m3's fitted scale); a float64 NaN/Inf stays governed by ``propagate_nonfinite``."""
+    layout = get_layout(name)
+    x = random_latent(3, seed=11).double()
+    scale = layout.fit_tensor_scale(x)
+    x[1, 530] = torch.finfo(torch.float32).max
+    layout.quantize(x, scale)
+    x[1, 530] = -1e39
+    says = f"layout {name}: 1 finite float64 input values overflow float32, which the codecs compute in (first at " \
+           "token 1, column 530: -1e+39"
+    for propagate in (False, True):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            layout.quantize(x, scale, propagate_nonfinite=propagate)
+    x[1, 530] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        layout.quantize(x, scale)
+    assert not torch.isfinite(layout.dequantize(layout.quantize(x, scale, propagate_nonfinite=True), scale)[1, 530])
+
+
+def test_bf16_fields_round_values_past_bfloat16_to_inf_as_documented():
+    """Not past the bound's range (docstrings of ``bf16_error_bound`` and the bf16 layout): below 2^128 - 2^119 a
+    value rounds to bfloat16's largest, from there on to Inf, as in the engines."""
+    threshold = torch.tensor(2.0 ** 128 - 2.0 ** 119, dtype=torch.float32)
+    below = torch.nextafter(threshold, torch.tensor(0.0))
+    x = torch.ones(2, LATENT_DIM)
+    x[0, 3] = x[0, 540] = below
+    x[1, 3] = x[1, 540] = threshold
+    decoded = get_layout("bf16").dequantize(get_layout("bf16").quantize(x))
+    assert decoded[0, [3, 540]].tolist() == [torch.finfo(torch.bfloat16).max] * 2
+    assert decoded[1, [3, 540]].tolist() == [math.inf] * 2
+
+
 @pytest.mark.parametrize("shape", [(4, 575), (4, 576, 1), (576,)])
 def test_wrong_shapes_are_refused(shape):
     with pytest.raises(ValueError, match="shape"):
@@ -217,6 +285,8 @@ def _cache() -> PagedCache:
 @pytest.mark.parametrize("call, says", [
     (lambda: PagedCache.empty(LAYOUT, 4, 0), "page_size must be a positive int, got 0"),
     (lambda: PagedCache(LAYOUT, torch.empty(4, 0, 656, dtype=torch.uint8)), "page size must be >= 1, got 0"),
+    (lambda: PagedCache(LAYOUT, torch.zeros(2, 4, 656, dtype=torch.uint8).transpose(0, 1)),  # a write crashed in view
+     "data must be contiguous (slots are read as rows of one view), got strides [656, 2624, 1]"),
     (lambda: PagedCache.empty(LAYOUT, -1, 16), "num_blocks must be an int >= 0, got -1"),
     (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([0.5, 1.7, 2.2])),  # was truncated to 0, 1, 2
      "slot_mapping must be an int32 or int64 tensor [3], got torch.float32 [3]"),

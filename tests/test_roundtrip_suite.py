@@ -11,7 +11,8 @@ from rich.console import Console
 
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM, get_layout
-from mla_bench.layouts.formats import E4M3_MAX, FLT_MIN, e4m3_encode, f32_bytes
+from mla_bench.layouts.formats import E2M1_MAX, E4M3_MAX, FLT_MIN, e4m3_encode, f32_bytes
+from mla_bench.layouts.fp4 import NVFP4Layout
 from mla_bench.layouts.fp8 import FP8DSMLALayout, FP8PerTensorLayout
 from mla_bench.registry import Capabilities, ImplEntry, discover
 from mla_bench.workload import Mode
@@ -138,6 +139,39 @@ class Pow2CodesExactScale(PlantedDSMLA):
         return torch.cat([raw[:, :NOPE_DIM], f32_bytes(exact), raw[:, NOPE_DIM + 16:]], dim=1)
 
 
+class TileScaleOver240(PlantedDSMLA):
+    """Tile scale amax / 240, e4m3fnuz's largest value (a ROCm mix-up): steps 1.87x coarser than the format's."""
+
+    planted_name = "planted_tile_scale_over_240"
+
+    def _encode(self, x, tensor_scale):
+        raw = super()._encode(x, tensor_scale)
+        tiles = x[:, :NOPE_DIM].float().reshape(-1, 4, 128)
+        scale = (tiles.abs().amax(dim=-1) / 240).clamp(min=FLT_MIN)
+        codes = e4m3_encode(tiles / scale[..., None]).reshape(-1, NOPE_DIM)
+        return torch.cat([codes, f32_bytes(scale), raw[:, NOPE_DIM + 16:]], dim=1)
+
+
+class TensorScaleOver240(FP8PerTensorLayout):
+    """Per-layer scale amax / 240 (e4m3fnuz's largest value): the error bound, which takes that scale, still holds."""
+
+    name = "planted_tensor_scale_over_240"
+
+    def fit_tensor_scale(self, x):
+        return super().fit_tensor_scale(x) * E4M3_MAX / 240
+
+
+class NVFP4ScaleWithoutFloor(NVFP4Layout):
+    """nvfp4's global scale amax / (6 * 448) without a floor: 0 in float32 for amax below ~1.9e-42."""
+
+    name = "planted_nvfp4_scale_without_floor"
+
+    def fit_tensor_scale(self, x):
+        nope = x[:, :NOPE_DIM].float().abs()
+        amax = float(torch.where(torch.isfinite(nope), nope, 0.0).max())
+        return float(torch.tensor(amax) / (E2M1_MAX * E4M3_MAX)) if amax > 0 else 1.0
+
+
 def _run(seed: int, page_size: int = 16, **suite_args) -> list:
     """The suite without its capability matrix, on one page size."""
     suite = RoundtripSuite(matrix=False, **suite_args)
@@ -151,6 +185,9 @@ def _run(seed: int, page_size: int = 16, **suite_args) -> list:
     (TensorScaleOverNonfinite(), "edge inputs", "the per-layer scale fitted to NaN/Inf-holding values is nan"),
     (Float32Rope(), "codec bounds", "its encoder wrote torch.uint8 [256, 784], expected uint8 [256, 656]"),
     (Pow2CodesExactScale(), "codec bounds", "the stated bound (at token"),
+    (TileScaleOver240(), "codec bounds", ", column 5 (kv_c))"),  # the stated bound broken at the probe
+    (TensorScaleOver240(), "codec bounds", "inputs: the fitted per-layer scale"),
+    (NVFP4ScaleWithoutFloor(), "edge inputs", "the per-layer scale fitted to tiny values is 0.0"),
 ])
 def test_planted_codec_bugs_are_flagged(layout, check, says):
     seed = random.randrange(2 ** 32)
@@ -166,11 +203,15 @@ def test_planted_codec_bugs_are_flagged(layout, check, says):
 SCALES = slice(NOPE_DIM, NOPE_DIM + 16)  # fp8_ds_mla's four fp32 tile scales
 
 
-def _planted_write(rows=lambda cache, slots: slots, scale_bytes=None, skip_padding=True, check_every_row=False):
+def _planted_write(rows=lambda cache, slots: slots, scale_bytes=None, skip_padding=True, check_every_row=False,
+                   ignore_row_stride=False):
     """A torch cache write with the reference codec's bytes at the right slots, but for the bug its arguments plant:
     ``rows`` maps slots to cache rows, ``scale_bytes`` rewrites fp8_ds_mla's tile scales, ``skip_padding=False``
-    writes slot -1 rows (to the last row), ``check_every_row`` refuses NaN in padding rows too."""
+    writes slot -1 rows (to the last row), ``check_every_row`` refuses NaN in padding rows too,
+    ``ignore_row_stride`` reads the values as if their rows were contiguous."""
     def write(cache, values, slots, propagate_nonfinite=False):
+        if ignore_row_stride:
+            values = torch.as_strided(values, values.shape, (values.shape[1], 1))
         kept = slots >= 0 if skip_padding else torch.ones_like(slots, dtype=torch.bool)
         cache.layout.check_input(values if check_every_row else values[kept], propagate_nonfinite)
         raw = cache.layout.quantize(values[kept], cache.tensor_scale, propagate_nonfinite=True)
@@ -204,6 +245,7 @@ def _gather_rounding_scales_to_bf16(cache, slots, dtype):
     ({"write": _planted_write(check_every_row=True)}, "given write",
      "NaN/Inf in padding rows (slot -1, never written) refused"),
     ({"write": _write_validating_the_top_slot}, "given write", "an empty write (0 tokens) raised RuntimeError"),
+    ({"write": _planted_write(ignore_row_stride=True)}, "given write", "strided fp16 inputs: "),
     ({"gather": _gather_rounding_scales_to_bf16}, "given gather",
      "values differ from the reference dequantization, first at token"),
 ])

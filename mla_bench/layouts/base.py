@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from mla_bench.errors import describe
+from mla_bench.layouts.formats import FLT_MIN
 from mla_bench.lengths import check_page_size
 
 LATENT_DIM = 576  # kv_c (512) + k_pe (64), the cache entry of every MLA model the bench targets
@@ -78,7 +80,8 @@ class CacheLayout(ABC):
         """``dequantize`` after validation."""
 
     def check_input(self, x: torch.Tensor, propagate_nonfinite: bool = False) -> None:
-        """Refuse what no layout can encode: wrong shape, non-float dtype, NaN/Inf unless asked to propagate."""
+        """Refuse what no layout can encode: wrong shape, non-float dtype, NaN/Inf unless asked to propagate, and
+        finite values beyond float32's range even then (the codecs compute in float32, where they become Inf)."""
         if x.dim() != 2 or x.shape[1] != LATENT_DIM:
             raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
         if not x.dtype.is_floating_point:
@@ -89,6 +92,14 @@ class CacheLayout(ABC):
                 token, column = (int(i) for i in bad.nonzero()[0])
                 raise ValueError(f"layout {self.name}: {int(bad.sum())} NaN/Inf input values (first at token {token}, "
                                  f"column {column}); pass propagate_nonfinite=True to encode them as NaN")
+        if x.dtype == torch.float64:
+            overflow = torch.isfinite(x) & ~torch.isfinite(x.float())
+            if bool(overflow.any()):
+                token, column = (int(i) for i in overflow.nonzero()[0])
+                raise ValueError(f"layout {self.name}: {int(overflow.sum())} finite float64 input values overflow "
+                                 f"float32, which the codecs compute in (first at token {token}, column {column}: "
+                                 f"{float(x[token, column]):.6g}; float32's largest is "
+                                 f"{torch.finfo(torch.float32).max:.6g})")
 
     def check_raw(self, raw: torch.Tensor) -> None:
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != self.bytes_per_token:
@@ -100,10 +111,24 @@ class CacheLayout(ABC):
 
 
 def check_tensor_scale(layout: str, tensor_scale: float | None) -> None:
-    """A per-layer scale must be a finite positive number (not a bool, which Python counts as an int)."""
-    if isinstance(tensor_scale, bool) or not isinstance(tensor_scale, (int, float)) \
-            or not math.isfinite(tensor_scale) or tensor_scale <= 0:
-        raise ValueError(f"layout {layout}: tensor_scale must be a finite positive number, got {tensor_scale!r}")
+    """A per-layer scale must be a number (not a bool, which Python counts as an int) whose float32 rounding, the
+    value codecs and kernels use, is finite and at least the smallest normal float32 (the floor of every fitted
+    scale): below it ``1 / scale`` overflows float32 and a kernel that flushes subnormals to zero reads 0."""
+    number = isinstance(tensor_scale, (int, float)) and not isinstance(tensor_scale, bool)
+    as_float32 = _float32(tensor_scale) if number else math.nan
+    if not (math.isfinite(as_float32) and as_float32 >= FLT_MIN):
+        rounded = "" if as_float32 == tensor_scale or math.isnan(as_float32) else f" ({as_float32!r} in float32)"
+        raise ValueError(f"layout {layout}: tensor_scale must be a finite positive number, at least {FLT_MIN:.6g} "
+                         f"(the smallest normal float32) once rounded to float32, got "
+                         f"{reprlib.repr(tensor_scale)}{rounded}")
+
+
+def _float32(number: int | float) -> float:
+    """``number`` rounded to float32, +-Inf past its range (also past a Python float's)."""
+    try:
+        return float(torch.tensor(float(number), dtype=torch.float32))
+    except OverflowError:
+        return math.inf if number > 0 else -math.inf
 
 
 @dataclass
@@ -124,6 +149,9 @@ class PagedCache:
                              f"[num_blocks, page_size, {self.layout.bytes_per_token}], got {describe(self.data)}")
         if self.data.shape[1] < 1:
             raise ValueError(f"PagedCache for {self.layout.name}: page size must be >= 1, got {self.data.shape[1]}")
+        if not self.data.is_contiguous():
+            raise ValueError(f"PagedCache for {self.layout.name}: data must be contiguous (slots are read as rows of "
+                             f"one view), got strides {list(self.data.stride())}")
         if self.layout.needs_tensor_scale:
             check_tensor_scale(self.layout.name, self.tensor_scale)
 

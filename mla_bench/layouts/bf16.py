@@ -9,6 +9,9 @@ from mla_bench.layouts.formats import bf16_bytes, bf16_error_bound, bf16_from_by
 
 
 class BF16Layout(CacheLayout):
+    """Values rounded to bfloat16 (nearest even). Finite float32 values of magnitude >= ~3.3962e38 (2^128 - 2^119)
+    become Inf, as in every engine's bf16 cache: past the stated bound (``bf16_error_bound``)."""
+
     name = "bf16"
     bytes_per_token = 2 * LATENT_DIM
     description = "[kv_c 512 | k_pe 64] bfloat16; exact for bfloat16 inputs (all engines)"

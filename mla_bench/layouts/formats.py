@@ -118,7 +118,8 @@ SLACK = 1 + 2.0 ** -20
 
 def bf16_error_bound(x: torch.Tensor) -> torch.Tensor:
     """Rounding to bfloat16: 0 where ``x`` is a bfloat16 number, else half an ulp (2^-8 relative, 2^-134 absolute
-    below the normal range)."""
+    below the normal range). Not past bfloat16's range: finite float32 values of magnitude >= 2^128 - 2^119
+    (~3.3962e38, half an ulp above bfloat16's largest 3.3895e38) round to Inf, as in the engines' bf16 fields."""
     x = x.double()
     representable = x == x.to(torch.bfloat16).double()
     return torch.where(representable, 0.0, x.abs() * 2.0 ** -8 * SLACK + 2.0 ** -134)
