@@ -17,16 +17,18 @@ What each count means depends on what the trace can see:
 - on a CPU-only run host and device memory are one: ``launches`` are top-level operator calls (each would launch
   at least one kernel on a GPU); same-dtype ``aten::copy_`` calls are ``d2d`` copies (a dtype conversion is
   compute, as on a GPU where it is a kernel, not a memcpy); explicit moves to a named device
-  (``Tensor.to(device)``, ``.to(other_tensor)``, ``.cpu()``, ``.cuda()``) are ``d2h`` (to the CPU) or ``h2d`` (to a
+  (``Tensor.to(device)``, ``.to(other_tensor)``, ``.cpu()``, ``.cuda()``, and a tensor handed with ``device=`` to
+  ``torch.tensor``, ``as_tensor``, ``asarray`` or ``Tensor.new_tensor``) are ``d2h`` (to the CPU) or ``h2d`` (to a
   GPU) copies of the tensor's bytes whether or not they copy here, since on a GPU run they may cross the bus (the
   twin cannot tell a host-cache tensor from a GPU one, so it errs toward reporting the copy; one that copies
   nothing here counts once per tensor and device in a call; a copy inside one is not a ``d2d`` copy too);
   ``syncs`` are host reads of tensor values that would wait for a GPU (``.item()``, ``bool(t)``, ``int(t)``:
   ``aten::_local_scalar_dense``; ``.tolist()``, ``.numpy()``, ``numpy.asarray(t)``; output sizes that depend on
-  values: ``aten::nonzero``, ``unique``, ``bincount``; ``aten::equal``); allocations are every host allocation,
-  Python scalars wrapped into 0-dim tensors included. The moves and value reads no operator shows are marked in
-  the trace by a ``TorchFunctionMode`` while ``fn`` runs. A ``copy_`` into a buffer of another device shows on a
-  GPU only.
+  values: ``aten::nonzero``, ``unique``, ``bincount``; ``aten::equal``) and every move to the CPU that is not
+  ``non_blocking`` (on a GPU the host waits for the copy); allocations are every host allocation, Python scalars
+  wrapped into 0-dim tensors included. The moves and value reads no operator shows are marked in the trace by a
+  ``TorchFunctionMode`` while ``fn`` runs. A ``copy_`` into a buffer of another device shows on a GPU only (here a
+  same-dtype one counts as a ``d2d`` copy, a converting one as compute).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ _HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::eq
 _VALUE_READS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy",
                 torch.Tensor.__array__: "numpy.asarray"}
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+# Constructors that take data and a ``device``: handed a tensor, they move it as ``to`` does (the data's argument).
+_CONSTRUCTORS = {torch.tensor: 0, torch.as_tensor: 0, torch.asarray: 0, torch.Tensor.new_tensor: 1}
+_WAITS = "waits"  # a move mark's last word where the host waits for the copy (to the CPU, not non_blocking)
 # CUPTI's memcpy kinds (A: CUDA arrays, device memory; P: a peer GPU); HtoH never touches a GPU: not counted.
 _MEMCPY_KINDS = {"HtoD": "h2d", "HtoA": "h2d", "DtoH": "d2h", "AtoH": "d2h", "DtoD": "d2d", "DtoA": "d2d",
                  "AtoD": "d2d", "AtoA": "d2d", "PtoP": "d2d"}
@@ -148,28 +153,43 @@ class _HostTwin(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        mark = _twin_mark(func, args, kwargs)
-        if mark is None:
+        if func in _VALUE_READS:
+            with record_function(f"{_VALUE_READ} {_VALUE_READS[func]}"):
+                return func(*args, **kwargs)
+        source, target = _move(func, args, kwargs)
+        if target is None:
             return func(*args, **kwargs)
-        if mark.startswith(_MOVE):
-            self.moved.append(args[0])
-        with record_function(mark):
+        self.moved.append(source)
+        waits = f" {_WAITS}" if target == "cpu" and not _non_blocking(args, kwargs) else ""
+        with record_function(f"{_MOVE} {target} {source.nbytes} {source.data_ptr()}{waits}"):
             return func(*args, **kwargs)
 
 
-def _twin_mark(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
-    """The trace mark of a value read or an explicit move, None for any other call."""
-    if func in _VALUE_READS:
-        return f"{_VALUE_READ} {_VALUE_READS[func]}"
-    if func not in _MOVES or not args or not isinstance(args[0], torch.Tensor) or not args[0].nbytes:
-        return None  # not a move, or one of no bytes
-    target = _move_target(func, args[1:], kwargs)
-    return None if target is None else f"{_MOVE} {target} {args[0].nbytes} {args[0].data_ptr()}"
+def _move(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor | None, str | None]:
+    """The tensor an explicit move copies and the device type it names; (None, None) for any other call, or a move
+    of no bytes."""
+    if func in _CONSTRUCTORS:
+        at = _CONSTRUCTORS[func]
+        source, args, kwargs = (args[at] if len(args) > at else None), (), {"device": kwargs.get("device")}
+    elif func in _MOVES and args:
+        source, args = args[0], args[1:]
+    else:
+        return None, None
+    if not isinstance(source, torch.Tensor) or not source.nbytes:
+        return None, None
+    target = _move_target(func, args, kwargs)
+    return (source, target) if target else (None, None)
+
+
+def _non_blocking(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a ``to`` call asks for ``non_blocking`` (a keyword, or a bool among its positional arguments)."""
+    return bool(kwargs.get("non_blocking")) or any(arg is True for arg in args[1:])
 
 
 def _move_target(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
-    """The device type a ``to`` / ``cpu`` / ``cuda`` call names, or None (``to(dtype)`` alone moves nothing)."""
-    if func is not torch.Tensor.to:
+    """The device type a move names, or None (``to(dtype)`` alone, or a constructor without a device, moves
+    nothing)."""
+    if func in (torch.Tensor.cpu, torch.Tensor.cuda):
         return func.__name__
     for value in (kwargs.get("device"), *args):
         if isinstance(value, torch.Tensor):
@@ -242,7 +262,10 @@ def count_trace(events: list[dict[str, Any]], cuda: bool) -> Costs:
             what, *rest = e["name"].split()[1:]
             if e["name"].startswith(_VALUE_READ):
                 syncs[what] += 1
-            elif (what, *rest) not in moved or any(_nested(op, e) for op in ops if op["name"] == "aten::copy_"):
+                continue
+            if rest[-1] == _WAITS:
+                syncs["blocking copy to the CPU"] += 1
+            if (what, *rest) not in moved or any(_nested(op, e) for op in ops if op["name"] == "aten::copy_"):
                 moved.add((what, *rest))
                 _add_copy(costs, copies, "h2d" if what == "cuda" else "d2h", int(rest[0]), f"to {what}")
     costs.syncs = sum(syncs.values())
@@ -294,12 +317,14 @@ def _top_level(ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- one decode/prefill step of an impl -------------------------------------------------------------------------
 @dataclass
 class StepCosts:
-    """The costs of an impl's ``plan`` and ``run`` on one problem, and their wall times (median, ms)."""
+    """The costs of an impl's ``plan`` and ``run`` on one problem, and their wall times (median, ms); ``first``: the
+    first plan and run together (lazy set-up, and what an impl does once, such as copying a host cache over)."""
 
     plan: Costs
     run: Costs
     plan_ms: float
     run_ms: float
+    first: Costs | None = None
 
     @property
     def step(self) -> Costs:
@@ -311,12 +336,12 @@ class StepCosts:
 
 
 def measure_step(impl: Any, problem: Any, reps: int = 3) -> StepCosts:
-    """Plan and run ``impl`` on ``problem``: once to warm up (lazy init, JIT compiles, capability refusal as
-    ``UnsupportedConfig``), then once each under the profiler, then ``reps`` timed steps without it."""
+    """Plan and run ``impl`` on ``problem``: a first step (lazy init, JIT compiles, capability refusal as
+    ``UnsupportedConfig``), then a second, each plan and run under the profiler, then ``reps`` timed steps without
+    it."""
     device = problem.device
-    plan = impl.plan(problem)
-    impl.run(plan)
-    _sync(device)
+    plan, first_plan = profile_costs(lambda: impl.plan(problem), device)
+    _, first_run = profile_costs(lambda: impl.run(plan), device)
     plan, plan_costs = profile_costs(lambda: impl.plan(problem), device)
     _, run_costs = profile_costs(lambda: impl.run(plan), device)
     plan_times, run_times = [], []
@@ -330,7 +355,8 @@ def measure_step(impl: Any, problem: Any, reps: int = 3) -> StepCosts:
         t2 = time.perf_counter()
         plan_times.append((t1 - t0) * 1e3)
         run_times.append((t2 - t1) * 1e3)
-    return StepCosts(plan_costs, run_costs, statistics.median(plan_times), statistics.median(run_times))
+    return StepCosts(plan_costs, run_costs, statistics.median(plan_times), statistics.median(run_times),
+                     first_plan + first_run)
 
 
 def _sync(device: torch.device) -> None:

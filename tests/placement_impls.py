@@ -141,6 +141,67 @@ class CopiesCacheEveryStep(TorchEager):
         return decode(dataclasses.replace(p, cache=on_device), p.q, plan.request_slots)
 
 
+class CopiesLengthsToHostInRun(StaticDecode):
+    """Planted bug (graph_safe): copies the context lengths to the host with ``.cpu()`` every step (a blocking
+    device-to-host copy: the host waits for it, and a CUDA graph cannot capture it), though it never reads them."""
+
+    name = "planted_cpu_copy_in_run"
+
+    def run(self, s: StaticPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        s.host_lens = s.problem.meta.seq_lens.cpu()
+        return super().run(s)
+
+
+class HandsCacheToAsTensor(CopiesCacheEveryStep):
+    """Planted bug (cache_traffic): the cache copied to the queries' device by ``torch.as_tensor(..., device=)``
+    every step, which no ``to`` call shows."""
+
+    name = "planted_cache_as_tensor"
+
+    def run(self, plan):
+        p = plan.problem
+        on_device = PagedCache(p.cache.layout, torch.as_tensor(p.cache.data, device=p.device), p.cache.tensor_scale)
+        return decode(dataclasses.replace(p, cache=on_device), p.q, plan.request_slots)
+
+
+class MirrorsCacheOnce(CopiesCacheEveryStep):
+    """Planted bug (cache_traffic): copies the host cache to the queries' device on its first step and reuses the
+    copy, so later steps move nothing: stale once the engine writes a token, and holding the memory the host cache
+    was to save. The bench's cache never changes, so the answer stays right."""
+
+    name = "planted_cache_mirror"
+
+    def run(self, plan):
+        p = plan.problem
+        if getattr(self, "mirror", (None,))[0] is not p.cache.data:
+            self.mirror = (p.cache.data, p.cache.data.to(p.device, copy=True))
+        on_device = PagedCache(p.cache.layout, self.mirror[1], p.cache.tensor_scale)
+        return decode(dataclasses.replace(p, cache=on_device), p.q, plan.request_slots)
+
+
+class CastsCacheIntoDeviceBuffer(CopiesCacheEveryStep):
+    """Planted bug (cache_traffic, seen on a GPU only): casts the host cache's rows into a float32 workspace on the
+    queries' device with a converting ``copy_`` every step (on the CPU a conversion is compute, not a copy)."""
+
+    name = "planted_cache_cast_copy"
+
+    def run(self, plan):
+        p = plan.problem
+        rows = p.cache.rows().view(torch.bfloat16)
+        keys = torch.empty(rows.shape, dtype=torch.float32, device=p.device)
+        keys.copy_(rows)
+        q = p.q.float()
+        out = torch.zeros(p.q.shape[0], p.q.shape[1], p.out_dim, device=p.device)
+        lse = torch.full(p.q.shape[:2], float("-inf"), device=p.device)
+        for b, slots in enumerate(plan.request_slots):
+            if len(slots):
+                scores = q[b] @ keys[slots].t() * p.scale
+                lse[b] = torch.logsumexp(scores, dim=-1)
+                probs = torch.exp(scores - lse[b][:, None]).to(p.q.dtype).float()
+                out[b] = probs @ keys[slots, :NOPE_DIM]
+        return out.to(p.q.dtype), lse
+
+
 def _max_qo_len_on_device(p: Problem) -> int:
     """Planted bug (metadata_sync): derives max_qo_len from the device's query_start_loc, a host read per step."""
     return int((p.meta.query_start_loc[1:] - p.meta.query_start_loc[:-1]).max())
@@ -159,19 +220,19 @@ class LastMatmulOnQueryDevice(TorchEagerHostCache):
 
     def run(self, plan):  # plan: TorchEagerPlan, slots on the cache's device
         p = plan.problem
-        rows, q = p.cache.rows().view(torch.bfloat16), p.q.to(p.cache.data.device)
-        out = torch.zeros(p.q.shape[0], p.q.shape[1], p.out_dim, dtype=p.q.dtype, device=p.device)
-        lse = torch.full(p.q.shape[:2], float("-inf"), device=p.device)
+        host = p.cache.data.device  # everything but the last matmul stays here: its kernels are the only GPU ones
+        rows, q = p.cache.rows().view(torch.bfloat16), p.q.to(host)
+        out = torch.zeros(p.q.shape[0], p.q.shape[1], p.out_dim, dtype=p.q.dtype, device=host)
+        lse = torch.full(p.q.shape[:2], float("-inf"), device=host)
         for b, slots in enumerate(plan.request_slots):
             if not len(slots):
                 continue
             keys = rows[slots].float()
             scores = q[b].float() @ keys.t() * p.scale
-            row_lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores - row_lse[:, None]).to(p.q.dtype).float()
-            out[b] = (probs.to(p.device) @ keys[:, :NOPE_DIM].to(p.device)).to(p.q.dtype)
-            lse[b] = row_lse.to(p.device)
-        return out, lse
+            lse[b] = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - lse[b][:, None]).to(p.q.dtype).float()
+            out[b] = (probs.to(p.device) @ keys[:, :NOPE_DIM].to(p.device)).to(host)
+        return out.to(p.device), lse.to(p.device)
 
 
 def _distinct_pages(p: Problem) -> torch.Tensor:

@@ -20,8 +20,9 @@ from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplEntry, resolve
 from mla_bench.results import Result
 from mla_bench.workload import Workload
-from placement_impls import (SYNCING_BUILDER, UNIQUE_PAGES_BUILDER, AllocatesInRun, CopiesCacheEveryStep,
-                              LastMatmulOnQueryDevice, StaticDecode, SyncsInRun, TolistInRun)
+from placement_impls import (SYNCING_BUILDER, UNIQUE_PAGES_BUILDER, AllocatesInRun, CastsCacheIntoDeviceBuffer,
+                              CopiesCacheEveryStep, CopiesLengthsToHostInRun, HandsCacheToAsTensor,
+                              LastMatmulOnQueryDevice, MirrorsCacheOnce, StaticDecode, SyncsInRun, TolistInRun)
 from reports.hidden_costs import hidden_cost_html, hidden_cost_table
 from suites import bench_placement
 from suites.base import RunContext
@@ -35,7 +36,8 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: the bus, GPU
 # padding request and a length off a page boundary.
 HOST = Workload(mode="decode", q_lens=(1, 1, 1), kv_lens=(200, 0, 77), preset="deepseek-v3-tp8", page_size=16,
                 cache_device="cpu")
-PLANTED = (SyncsInRun, AllocatesInRun, CopiesCacheEveryStep, TolistInRun, LastMatmulOnQueryDevice)
+PLANTED = (SyncsInRun, AllocatesInRun, CopiesCacheEveryStep, TolistInRun, LastMatmulOnQueryDevice,
+           CopiesLengthsToHostInRun, HandsCacheToAsTensor, MirrorsCacheOnce, CastsCacheIntoDeviceBuffer)
 
 
 def entry(cls) -> ImplEntry:
@@ -125,6 +127,7 @@ def test_cpu_counts_see_host_reads_plain_copies_and_allocations():
     assert (costs.launches, costs.allocations, costs.syncs, costs.d2d_copies) == (2, 0, 0, 0)
 
 
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")  # torch.tensor(t) and new_tensor(t), on purpose
 def test_cpu_counts_see_value_reads_and_device_moves_no_operator_shows():
     x = torch.randint(1, 9, (64,), dtype=torch.int32)
     for read, name in ((x.tolist, "Tensor.tolist"), (x.numpy, "Tensor.numpy"), (lambda: np.asarray(x), "numpy.asarray"),
@@ -136,6 +139,16 @@ def test_cpu_counts_see_value_reads_and_device_moves_no_operator_shows():
     _, costs = profile_costs(lambda: (x.to("cpu"), x.cpu(), x.to(torch.device("cpu"), copy=True)), "cpu")
     assert (costs.d2h_copies, costs.d2h_bytes, costs.d2d_copies) == (2, 2 * x.nbytes, 0)
     assert costs.moved_bytes == 2 * x.nbytes and costs.copy_events == {f"d2h {x.nbytes} B (to cpu)": 2}
+    assert costs.sync_events == {"blocking copy to the CPU": 3}  # on a GPU the host waits for each
+    _, costs = profile_costs(lambda: x.to("cpu", non_blocking=True), "cpu")
+    assert costs.d2h_bytes == x.nbytes and costs.syncs == 0
+    # a tensor handed to a constructor with a device is moved too (no ``to`` call shows it); list data is not
+    for move in (lambda: torch.as_tensor(x, device="cpu"), lambda: torch.asarray(x, device="cpu"),
+                 lambda: torch.tensor(x, device="cpu"), lambda: x.new_tensor(x, device="cpu")):
+        _, costs = profile_costs(move, "cpu")
+        assert costs.d2h_bytes == x.nbytes and costs.copy_events == {f"d2h {x.nbytes} B (to cpu)": 1}
+    _, costs = profile_costs(lambda: (torch.as_tensor(x), torch.tensor([1, 2], device="cpu")), "cpu")
+    assert costs.moved_bytes == 0
     _, costs = profile_costs(lambda: x.to(torch.float64), "cpu")
     assert costs.moved_bytes == 0 and costs.syncs == 0
     _, costs = profile_costs(lambda: x[:0].to("cpu"), "cpu")  # a move of no bytes is no copy
@@ -223,6 +236,15 @@ def test_each_planted_bug_is_flagged_by_its_rule_naming_what_was_seen():
     cache_bytes = build_problem(HOST).cache.data.nbytes
     assert copy.status == "failed" and copy.metrics["moved_bytes"] >= cache_bytes
     assert f"d2h {cache_bytes} B (to cpu) x1" in copy.message and f"the cache is {cache_bytes} B" in copy.message
+    handed = found[("planted_cache_as_tensor", "cache_traffic")]
+    assert handed.status == "failed" and f"d2h {cache_bytes} B (to cpu) x1" in handed.message
+    mirror = found[("planted_cache_mirror", "cache_traffic")]  # a second step moves nothing: the first one does
+    assert mirror.status == "failed" and "B in the first step in explicit moves" in mirror.message
+    assert "B per step" not in mirror.message and mirror.metrics["moved_bytes"] >= cache_bytes
+    host_copy = found[("planted_cpu_copy_in_run", "graph_safe")]
+    assert host_copy.status == "failed" and "(blocking copy to the CPU x1)" in host_copy.message
+    # a converting copy_ into a device buffer is compute on the CPU: it shows on a GPU (test below)
+    assert found[("planted_cache_cast_copy", "cache_traffic")].status == "passed"
     assert all(r.status == "passed" for r in found.values() if r.check == "hidden_cost")
 
 
@@ -353,10 +375,11 @@ def test_on_cuda_host_cache_moves_only_queries_and_outputs_and_planted_bugs_are_
     assert found[("torch_eager", "hidden_cost", None)].metrics["h2d_bytes"] == 0
     clean = found[("static_decode", "graph_safe", None)]
     assert clean.status == "passed", clean.message
-    copy = found[("planted_cache_copy", "cache_traffic", "cpu")]
-    assert copy.status == "failed" and copy.metrics["moved_bytes"] >= copy.metrics["cache_bytes"], copy.metrics
-    assert "over the bus" in copy.message
-    for bug in ("planted_item_in_run", "planted_alloc_in_run", "planted_tolist_in_run"):
+    for bug in ("planted_cache_copy", "planted_cache_as_tensor", "planted_cache_mirror", "planted_cache_cast_copy"):
+        copy = found[(bug, "cache_traffic", "cpu")]
+        assert copy.status == "failed" and copy.metrics["moved_bytes"] >= copy.metrics["cache_bytes"], copy.metrics
+        assert "over the bus" in copy.message, copy.message
+    for bug in ("planted_item_in_run", "planted_alloc_in_run", "planted_tolist_in_run", "planted_cpu_copy_in_run"):
         assert found[(bug, "graph_safe", None)].status == "failed", found[(bug, "hidden_cost", None)].metrics
     assert "cudaStreamSynchronize" in found[("planted_item_in_run", "graph_safe", None)].message
     matmul = found[("planted_matmul_on_query_device", "cache_traffic", "cpu")]

@@ -84,6 +84,7 @@ def test_unsupported_combinations_are_refused_at_plan_time_with_the_reason():
     (lambda p: p.meta.block_table.__setitem__((1, 0), p.cache.num_blocks), r"block_table\[1, 0\] = \d+ points outside"),
     (lambda p: setattr(p.meta, "kv_lens", (10, 999)), "request 1: kv_len 999 exceeds the block table's capacity"),
     (lambda p: setattr(p, "q", p.q[:2]), r"q has 2 rows but sum\(q_lens\) = 3"),
+    (lambda p: setattr(p.meta, "block_table", p.meta.block_table.tolist()), r"block_table must be .*got list"),
 ])
 def test_a_bad_block_table_or_inconsistent_lengths_are_errors_in_plan(edit, message):
     """Without these checks a negative page wraps around to another request's keys (silently wrong) and a page past

@@ -31,8 +31,8 @@ class TorchEagerHostCache(TorchEager):
     def plan(self, problem: Problem) -> TorchEagerPlan:
         """The slot lists on the host, from a host copy of the block table (metadata crosses, once per step)."""
         meta = problem.meta
+        check_inputs(problem, meta.block_table)  # before the copy: a list or a wrong dtype named, not .to failing
         block_table = meta.block_table.to(problem.cache.data.device)
-        check_inputs(problem, block_table)
         slots = [request_token_slots(block_table, b, n, meta.page_size) for b, n in enumerate(meta.kv_lens)]
         return TorchEagerPlan(problem, slots)
 
