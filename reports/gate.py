@@ -10,13 +10,16 @@ A finding is fatal when:
   impl is not installed here, did not run, or the workloads were not run): coverage lost, unless
   ``allow_missing`` (a run meant to cover part of the baseline: another sweep, filters, a machine without a peer);
 - a passed result lacks a gated metric (error metrics, NaN/Inf count, latency median, IQR and spread) that the
-  baseline's passed result has, or holds a value no measurement gives (not finite, negative, a median <= 0): it
-  would pass every comparison below;
-- an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound
-  (the bound the accuracy suite recorded in the result's details), or NaN/Inf positions appeared;
+  baseline's passed result has, or either of them holds a value no measurement gives (not finite, negative, a
+  median <= 0): it would pass every comparison below;
+- an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound (the smaller
+  of the bounds the two runs' accuracy suites recorded in the result's details: a change that loosens a tolerance
+  does not loosen the gate with it), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
   noise_factor * IQR, spread)``, each the larger of either run's (the spread, already a range of slice medians: see
-  ``mla_bench.timing.TimingStats``); latencies are compared only when both runs ran on the same GPU model.
+  ``mla_bench.timing.TimingStats``); latencies are compared only when both runs ran on the same GPU model (else a
+  latency result counts as compared only where its status is, so a latency-only run against another GPU's baseline
+  compares nothing).
 
 Results that failed in both runs, failed results now unsupported, allowed missing results, incomparable latencies and
 plans that replayed bit for bit in the baseline but not in the run (``replay_max_abs``: no longer deterministic run
@@ -74,14 +77,16 @@ class GateOutcome:
 def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> GateOutcome:
     """Every finding of ``run`` against ``baseline``; the gate passes when none is fatal."""
     pairs = [(base, new) for _, base, new in pair(baseline, run)]
+    compare_latency = same_gpu(baseline, run)
     compared = sum(base is not None and new is not None and not base.status == new.status == "unsupported"
+                   and (compare_latency or new.suite != "latency" or base.status != new.status)
                    for base, new in pairs)
     findings = _duplicates(baseline, "baseline") + _duplicates(run, "run")
     if not compared:
         findings.append(Finding("nothing compared", "", "", "", f"none of the run's {len(run.results)} results "
                                 f"pairs with one of the baseline's {len(baseline.results)} (same suite, check, impl "
-                                "and workload, seed included) other than ones unsupported in both", True))
-    compare_latency = same_gpu(baseline, run)
+                                "and workload, seed included) other than ones unsupported in both, and latencies "
+                                "of another GPU model", True))
     if not compare_latency and any(r.suite == "latency" and r.status == "passed" for r in run.results):
         findings.append(Finding("not compared", "latency", "", "", "latency not compared: baseline GPU "
                                 f"{baseline.environment.get('gpu')!r}, run GPU {run.environment.get('gpu')!r}",
@@ -164,13 +169,16 @@ def _gated(name: str) -> bool:
 
 def _unusable_metrics(base: Result, new: Result) -> list[Finding]:
     """A fatal finding per gated metric of the baseline's passed result that ``new`` (passed too) lacks, and per
-    gated metric of ``new`` that no measurement gives: a NaN, an infinity, a negative value, a median of 0 or less.
-    Either would pass every comparison (a missing metric is not compared; -1 is below any threshold)."""
+    gated metric of either that no measurement gives: a NaN, an infinity, a negative value, a median of 0 or less.
+    Each would pass every comparison (a missing metric is not compared; -1 is below any threshold; a baseline
+    median of NaN or an IQR of inf allows anything)."""
     found = [_finding("metric missing", new, f"{name} is in the baseline's result, not in this run's", True)
              for name in base.metrics if _gated(name) and name not in new.metrics]
-    for name, value in new.metrics.items():
-        if _gated(name) and not (math.isfinite(value) and value >= 0 and (name != "run_ms" or value > 0)):
-            found.append(_finding("impossible value", new, f"{name} is {value!r}: no measurement gives that", True))
+    for which, result in (("this run", new), ("the baseline", base)):
+        for name, value in result.metrics.items():
+            if _gated(name) and not (math.isfinite(value) and value >= 0 and (name != "run_ms" or value > 0)):
+                found.append(_finding("impossible value", new, f"{name} is {value!r} in {which}: no measurement "
+                                      "gives that", True))
     return found
 
 
@@ -182,9 +190,10 @@ def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
             found.append(_finding("accuracy", new, f"{name} {value:g} > baseline {base.metrics.get(name, 0):g}", True))
         if metric not in ERROR_BOUNDS or name not in base.metrics:
             continue
-        bound = _bound(new, kind, metric) or _bound(base, kind, metric)
-        if bound is None:
+        bounds = [b for b in (_bound(new, kind, metric), _bound(base, kind, metric)) if b is not None]
+        if not bounds:
             continue
+        bound = min(bounds)
         allowed = base.metrics[name] + limits.error_slack * bound
         if not value <= allowed:
             found.append(_finding("accuracy", new, f"{name} {value:.3g} > baseline {base.metrics[name]:.3g} + "

@@ -6,8 +6,9 @@ violation named) or ``passed``.
 Quantized layouts get two error reports: ``kernel`` (against the reference on the dequantized cache, judged
 by the kernel tolerance) and ``e2e`` (against the original values, judged by the layout's e2e tolerance).
 ``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
-neither ``plan`` nor ``run`` may write into the problem's tensors (queries, cache pages, metadata): one that does
-``failed``, naming them, and they are restored for the next impl.
+neither ``plan`` nor ``run`` may change the problem (the values, dtype or shape of its tensors: queries, cache
+pages, metadata; nor rebind a field such as ``scale``): one that does ``failed``, naming what, and it is restored
+(after ``plan`` already, so the reference is computed from the problem as given) for the run and the next impl.
 A plan that passes is run again, poisoned again, as a CUDA graph replays one plan: a second run that differs from
 the first is judged like it (a workspace zeroed only in ``plan``, a counter left set, an index transform applied in
 place to a buffer of the plan: right once, wrong on every replay; the verdict then carries the second run's errors),
@@ -73,12 +74,13 @@ class References:
 
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
-    saved = {name: (owner, attr, tensor, tensor.clone())
+    saved = {name: (owner, attr, tensor, tensor.clone(), _layout(tensor))
              for name, (owner, attr, tensor) in input_tensors(problem).items()}
-    changed: dict[tuple[str, str], str] = {}  # (tensor, kind of change) -> its first description, over both runs
+    fields = _fields(problem)
+    changed: dict[tuple[str, str], str] = {}  # (input, kind of change) -> its first description, over the runs
 
     def restore() -> None:
-        for key, entry in _restore_changed(saved).items():
+        for key, entry in {**_restore_changed(saved), **_restore_fields(fields)}.items():
             changed.setdefault(key, entry)
 
     verdict = _judge(impl, problem, refs, between_runs=restore)
@@ -95,19 +97,51 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
 def input_tensors(problem: Problem) -> dict[str, tuple[object, str, torch.Tensor]]:
     """The problem's tensors an impl reads, by name (``q``, ``cache.data``, ``meta.block_table``, ...), each with
     the object and attribute that hold it."""
+    return {name: (owner, attr, value) for name, (owner, attr, value) in _attributes(problem).items()
+            if isinstance(value, torch.Tensor)}
+
+
+def _attributes(problem: Problem) -> dict[str, tuple[object, str, object]]:
     owners = {"": problem, "meta.": problem.meta, "cache.": problem.cache}
     return {prefix + name: (owner, name, value) for prefix, owner in owners.items() if owner is not None
-            for name, value in vars(owner).items() if isinstance(value, torch.Tensor)}
+            for name, value in vars(owner).items()}
 
 
-def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Tensor]]) -> dict[tuple[str, str], str]:
-    """The tensors an impl rebound to others or whose bits differ from their saved copies, restored: (name, kind of
-    change) -> the name with what changed (how many elements)."""
+def _fields(problem: Problem) -> dict[str, tuple[object, str, object]]:
+    """The problem's other fields (``scale``, ``meta.kv_lens``, ``cache.tensor_scale``, ...): an impl that rebinds
+    one changes what the reference, or the next impl, reads."""
+    return {name: entry for name, entry in _attributes(problem).items() if not isinstance(entry[2], torch.Tensor)}
+
+
+def _restore_fields(saved: dict[str, tuple[object, str, object]]) -> dict[tuple[str, str], str]:
     changed = {}
-    for name, (owner, attr, tensor, copy) in saved.items():
+    for name, (owner, attr, value) in saved.items():
+        if getattr(owner, attr) is not value:
+            setattr(owner, attr, value)
+            changed[(name, "rebound")] = f"{name} (rebound)"
+    return changed
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What an in-place ``.data =``, ``set_`` or ``unsqueeze_`` changes while the values may stay equal."""
+    return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.data_ptr()
+
+
+def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Tensor, tuple]]
+                     ) -> dict[tuple[str, str], str]:
+    """The tensors an impl rebound to others, changed the dtype or shape of in place, or whose bits differ from
+    their saved copies, restored: (name, kind of change) -> the name with what changed."""
+    changed = {}
+    for name, (owner, attr, tensor, copy, layout) in saved.items():
         if getattr(owner, attr) is not tensor:
             setattr(owner, attr, tensor)
             changed[(name, "rebound")] = f"{name} (rebound)"
+        if _layout(tensor) != layout:
+            changed[(name, "reshaped")] = (f"{name} (now {tensor.dtype} {list(tensor.shape)} in place, was "
+                                           f"{copy.dtype} {list(copy.shape)})")
+            tensor.data = copy.clone()
+            saved[name] = (owner, attr, tensor, copy, _layout(tensor))
+            continue
         differ = int((_bits(tensor) != _bits(copy)).sum())
         if differ:
             tensor.copy_(copy)
@@ -147,6 +181,7 @@ def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: 
         return Verdict(status, message=message)
     except Exception:  # noqa: BLE001 - any crash of an impl is a result, not a bench failure
         return Verdict("error", message=traceback.format_exc())
+    between_runs()  # what plan changed in the problem is restored (and named) before the reference reads it
     try:
         refs = refs or References.of(problem)  # before run: what run writes into its inputs cannot move it
         first = _poisoned_run(impl, plan, problem)

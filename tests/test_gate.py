@@ -115,11 +115,35 @@ def test_a_passed_result_without_its_gated_metrics_or_with_impossible_ones_is_fa
 
 
 def test_latency_is_compared_only_on_the_same_gpu_model():
-    base = _run(_lat(0.100), gpu="NVIDIA H200")
-    findings = gate(base, _run(_lat(0.500), gpu="NVIDIA H100 80GB HBM3")).findings
-    assert not [f for f in findings if f.fatal]
-    assert [f.kind for f in findings] == ["not compared"]
-    assert _fatal(_run(_lat(0.1), gpu=None), _run(_lat(0.5), gpu=None)) == []
+    """Against another GPU's baseline latencies are not compared, and they no longer count as compared: a
+    latency-only run gated against the wrong file printed "passed (1 of 1 results compared)"."""
+    base = _run(_acc(label="a"), _lat(0.100), gpu="NVIDIA H200")
+    outcome = gate(base, _run(_acc(label="a"), _lat(0.500), gpu="NVIDIA H100 80GB HBM3"))
+    assert not outcome.fatal and [f.kind for f in outcome.findings] == ["not compared"] and outcome.compared == 1
+    latency_only = gate(_run(_lat(0.100), gpu="NVIDIA H200"), _run(_lat(0.500), gpu="NVIDIA H100 80GB HBM3"))
+    assert latency_only.compared == 0 and [f.kind for f in latency_only.fatal] == ["nothing compared"]
+    no_gpu = gate(_run(_acc(label="a"), _lat(0.1), gpu=None), _run(_acc(label="a"), _lat(0.5), gpu=None))
+    assert not no_gpu.fatal and no_gpu.compared == 1  # no GPU model named: CPU latencies are never compared
+
+
+def test_a_baseline_metric_no_measurement_gives_is_fatal_not_a_free_pass():
+    """A NaN median or an infinite IQR in the baseline allowed any latency; an infinite bound any error."""
+    for field, value in (("run_ms", float("nan")), ("run_ms_iqr", float("inf"))):
+        base = _run(_lat(0.100))
+        base.results[0].metrics[field] = value
+        assert [f.kind for f in _fatal(base, _run(_lat(5.0)))] == ["impossible value"], field
+    base = _run(_acc(label="a"))
+    base.results[0].metrics["kernel.rel_l2"] = float("inf")
+    found = _fatal(base, _run(_acc(label="a", rel=0.5)))
+    assert [f.kind for f in found] == ["impossible value"] and "in the baseline" in found[0].message
+
+
+def test_a_run_that_loosens_its_own_tolerance_is_judged_by_the_baselines_bound():
+    """The bound came from the run being judged: loosening a tolerance loosened the gate with it."""
+    base, loose = _run(_acc(label="a", rel=2e-3)), _run(_acc(label="a", rel=0.2))
+    loose.results[0].details = {"tolerance": {"kernel": {"rel_l2": 1.0}}}
+    found = _fatal(base, loose)
+    assert [f.kind for f in found] == ["accuracy"] and "x bound 0.008" in found[0].message
 
 
 def test_results_that_passed_and_are_absent_are_fatal_unless_allowed():

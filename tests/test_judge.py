@@ -17,7 +17,7 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplNotInstalled, resolve
 from mla_bench.workload import Workload
-from suites.judge import judge
+from suites.judge import References, judge
 
 
 def _problem(dtype: str = "bfloat16"):
@@ -109,6 +109,43 @@ def test_an_impl_writing_into_its_inputs_fails_naming_them_and_they_are_restored
         v for v in verdict.violations if v.startswith(f"wrote into its inputs: {name} (")], verdict.violations
     assert all(torch.equal(tensor, saved) for tensor, saved in zip(inputs(), before))
     assert judge(planted.PlainDecode(), problem).status == "passed"
+
+
+class ChangesInPlan(planted.PlainDecode):
+    """Right answers, but ``plan`` changes the problem with ``change(problem)`` first."""
+
+    name = "changes_in_plan"
+
+    def __init__(self, change):
+        self.change = change
+
+    def plan(self, problem):
+        self.change(problem)
+        return problem
+
+
+def _widen_block_table(p):
+    p.meta.block_table.data = p.meta.block_table.long()  # the same object and values, another dtype
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda p: setattr(p, "scale", p.scale * 576 ** -0.5 / 192 ** -0.5), "scale (rebound)"),  # 1/sqrt(576) as run reads
+    (lambda p: setattr(p.meta, "kv_lens", tuple(n // 2 for n in p.meta.kv_lens)), "meta.kv_lens (rebound)"),
+    (_widen_block_table, "meta.block_table (now torch.int64 [3, 4] in place, was torch.int32 [3, 4])"),
+    (lambda p: p.meta.seq_lens.unsqueeze_(0), "meta.seq_lens (now torch.int32 [1, 3] in place, was torch.int32 [3])"),
+])
+def test_a_plan_that_changes_a_field_or_a_tensors_layout_fails_naming_it_and_the_next_impl_sees_it_undone(
+        change, name):
+    """Only tensor values were checked: a plan that rebound ``scale`` (which the reference then read) passed, and
+    the correct impl judged after it on the same references failed; an in-place dtype or shape change passed."""
+    problem = _problem()
+    refs = References.of(problem)
+    fields = (problem.scale, problem.meta.kv_lens, problem.meta.block_table.dtype, problem.meta.seq_lens.shape)
+    for verdict in (judge(ChangesInPlan(change), problem), judge(ChangesInPlan(change), problem, refs)):
+        assert verdict.status == "failed" and f"wrote into its inputs: {name}" in "; ".join(verdict.violations), \
+            verdict.violations
+    assert (problem.scale, problem.meta.kv_lens, problem.meta.block_table.dtype, problem.meta.seq_lens.shape) == fields
+    assert judge(planted.PlainDecode(), problem, refs).status == "passed"
 
 
 def test_the_second_run_of_a_plan_is_judged_and_its_difference_from_the_first_reported():
