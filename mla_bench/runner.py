@@ -126,8 +126,21 @@ def select_run(options: RunOptions) -> Selection:
     check_filters(ctx)
     counts = _counts(suites, ctx)
     _check_not_emptied(options, suites, counts, ctx)
-    notes += _unapplied_filter_notes(options, suites)
+    notes += _unapplied_filter_notes(options, suites) + _one_gpu_a_worker_notes(options, device, suites)
     return Selection(options, device, entries, suites, results, notes, counts)
+
+
+def _one_gpu_a_worker_notes(options: RunOptions, device: torch.device, suites: list[tuple[str, Any]]) -> list[str]:
+    """``--devices`` on CUDA gives each worker one GPU, where DCP over W ranks needs W: ``--dcp`` then tests nothing
+    (a ValueError), and the equivalence suite's DCP checks are unsupported (a note)."""
+    if not options.devices or device.type != "cuda":
+        return []
+    if options.dcp_world:
+        raise ValueError(f"--dcp {options.dcp_world} runs {options.dcp_world} ranks on as many GPUs of one worker; "
+                         "--devices gives each worker one GPU: leave --devices out")
+    if any(name == "equivalence" for name, _ in suites):
+        return ["note: --devices gives each worker one GPU: the equivalence suite's DCP checks are unsupported"]
+    return []
 
 
 def execute(options: RunOptions, progress: Progress | None = None, notes: list[str] | None = None) -> Run:

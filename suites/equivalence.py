@@ -2,9 +2,10 @@
 
 Checks (one Result per pair of sides):
 
-- ``absorbed == mha``: the absorbed decode (``triton_decode`` when registered, else ``torch_eager``) up-projected
-  with W_UV, against ``triton_prefill`` on the same tokens (workloads that differ only in mode, with the same
-  page size and seed, draw the same q, latent and weights: the block table is drawn first, from the page size);
+- ``absorbed == mha``: the absorbed decode (``triton_decode`` when registered, else ``torch_eager``; the one named
+  with ``--impl``, filed under it) up-projected with W_UV, against ``triton_prefill`` on the same tokens (workloads
+  that differ only in mode, with the same page size and seed, draw the same q, latent and weights: the block table
+  is drawn first, from the page size);
 - ``chunked == unchunked``: ``triton_chunked_prefill`` at several MCC (one token or half a page, a page minus
   one, a page plus one, the whole context) against ``triton_prefill`` over context and new tokens at once;
 - ``dcp == single rank``: ``run_dcp`` over W ranks (gloo on CPU, NCCL on GPUs; unsupported without W GPUs)
@@ -21,8 +22,9 @@ reference, since two sides sharing a bug agree: NaN/Inf where the reference has 
 its capabilities declare (each impl's lse is read in its declared convention). A failure names the two sides and
 the row (token, request, head) where they differ most; an out or lse of the wrong shape fails its check.
 
-Shapes: the ``tiny`` preset with short requests on CPU (Triton interpreter); serving-size shapes on a GPU
-(``--preset`` picks the model, default DeepSeek V3 under TP8).
+``--impl`` selects the comparisons filed under the impls it names (each has one, so a run with ``--isolate``, one
+worker an impl, makes each once). Shapes: the ``tiny`` preset with short requests on CPU (Triton interpreter);
+serving-size shapes on a GPU (``--preset`` picks the model, default DeepSeek V3 under TP8).
 """
 
 from __future__ import annotations
@@ -97,28 +99,22 @@ def pair_tolerance(dtype: str, inherent: ErrorMetrics) -> Tolerance:
                      cos_diff=4 * k.cos_diff + inherent.cos_diff, lse_abs=2 * k.lse_abs + inherent.lse_max_abs)
 
 
-# The impls whose names select each check with ``--impl`` (when no impl is named, every check runs).
-CHECK_IMPLS: dict[str, set[str]] = {
-    "absorbed == mha": {"triton_prefill", *DENSE_DECODE_IMPLS},
-    "chunked == unchunked": {"triton_chunked_prefill", "triton_prefill"},
-    "dcp == single rank": {"triton_dcp"},
-    "sparse(all) == dense": {"triton_sparse", "triton_sparse_ragged"},
-}
-
-
 @dataclass(frozen=True)
 class Comparison:
-    """One Result of the suite: ``check`` filed under ``impl`` and ``workload``, whose other side runs ``other``."""
+    """One Result of the suite: ``check`` filed under ``impl`` (the impl it tests, which ``--impl`` names to select
+    it) and ``workload``, whose other side runs ``other``. ``dense``: the absorbed decode of ``absorbed == mha`` (None:
+    ours when registered, else the torch baseline)."""
 
     check: str
     impl: str
     workload: Workload
     other: Workload
+    dense: str | None = None
 
 
 class EquivalenceSuite:
     name = SUITE
-    # --impl picks which checks run (CHECK_IMPLS); the checks bring their own shapes.
+    # --impl picks the comparisons filed under the impls it names; the checks bring their own shapes.
     unapplied_filters = ("modes", "layouts", "page_sizes", "sweep", "dcp_world")
 
     def __init__(self, dcp_worlds: tuple[int, ...] = (2, 3), dcp_interleaves: tuple[int, ...] = (1, 2),
@@ -150,7 +146,8 @@ class EquivalenceSuite:
         every = [*self._absorbed_vs_mha(shapes, ctx.seed), *self._chunked_vs_unchunked(shapes, ctx.seed),
                  *self._dcp_vs_single_rank(shapes, ctx.seed), *self._sparse_vs_dense(shapes, ctx.seed)]
         wanted = {entry.name for entry in ctx.impls}
-        return [c for c in every if not wanted or wanted & CHECK_IMPLS[c.check]]
+        # one owner a comparison: each runs once, also when --isolate gives every impl a worker of its own
+        return [c for c in every if c.impl in wanted] if wanted else [c for c in every if c.dense is None]
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
         memo: dict[str, Pair] = {}
@@ -160,9 +157,13 @@ class EquivalenceSuite:
 
     # ---- comparisons --------------------------------------------------------------------------------------------
     def _absorbed_vs_mha(self, shapes: Shapes, seed: int) -> list[Comparison]:
+        """Filed under ``triton_prefill`` (the MHA side) against the default dense decode, and under each dense
+        decode impl, which is then the absorbed side (what ``--impl torch_eager`` asks for)."""
         common = dict(preset=shapes.preset, page_size=shapes.page_size, seed=seed)
-        return [Comparison("absorbed == mha", "triton_prefill", Workload(Mode.DECODE, q_lens, kv_lens, **common),
-                           Workload(Mode.PREFILL, q_lens, kv_lens, **common)) for q_lens, kv_lens in shapes.absorbed]
+        return [Comparison("absorbed == mha", owner, Workload(Mode.DECODE, q_lens, kv_lens, **common),
+                           Workload(Mode.PREFILL, q_lens, kv_lens, **common), dense)
+                for owner, dense in (("triton_prefill", None), *((name, name) for name in DENSE_DECODE_IMPLS))
+                for q_lens, kv_lens in shapes.absorbed]
 
     def _chunked_vs_unchunked(self, shapes: Shapes, seed: int) -> list[Comparison]:
         q_lens, kv_lens = shapes.chunked
@@ -207,7 +208,7 @@ def _sides(c: Comparison, device: torch.device) -> tuple[Side, Side]:
     """The two sides of ``c`` in the order they are compared (built when the comparison runs: building may raise)."""
     mine, other = build_problem(c.workload, device), build_problem(c.other, device)
     if c.check == "absorbed == mha":  # filed under the decode workload, with MHA's prefill as the first side
-        dense = _dense_decode_impl()
+        dense = c.dense or _dense_decode_impl()
         return (Side("triton_prefill", other, _impl_runner("triton_prefill")),
                 Side(dense, mine, _impl_runner(dense), _up_project))
     if c.check == "dcp == single rank":

@@ -11,13 +11,14 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 import planted_impls as planted
 from mla_bench.registry import ImplNotInstalled, discover
 from mla_bench.results import Result, Run
-from mla_bench.runner import Progress, RunOptions, execute, select_run, untested_impls
+from mla_bench.runner import Progress, RunOptions, _one_gpu_a_worker_notes, execute, select_run, untested_impls
 from suites.accuracy import AccuracySuite
-from suites.registry import SUITES
+from suites.registry import SUITES, load_suite
 
 CORRECT = ["planted_impls:PlainDecode", "planted_impls:PlainSparse"]
 BUGS = [f"planted_impls:{cls.__name__}" for cls in planted.PLANTED_BUGS]
@@ -243,6 +244,17 @@ def test_impls_given_beside_all_are_added_and_an_untested_one_is_reported():
     assert set(untested_impls(selection, Run(environment={}, results=results))) == {"plain_decode", "torch_eager"}
     with pytest.raises(ImplNotInstalled, match="cannot import nosuchmod"):
         select_run(RunOptions(impls=["all", "nosuchmod:MyMLA"], device="cpu", preset="tiny"))
+
+
+def test_devices_on_cuda_refuse_dcp_and_note_the_equivalence_suites_dcp_checks():
+    """Each --devices worker sees one GPU: --dcp 4 tested nothing and exited 0, the DCP checks were unsupported."""
+    cuda, equivalence = torch.device("cuda"), [("equivalence", load_suite("equivalence"))]
+    with pytest.raises(ValueError, match="--dcp 4 runs 4 ranks on as many GPUs of one worker"):
+        _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 1, 2, 3], dcp_world=4), cuda, [])
+    assert _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 1]), cuda, equivalence) == [
+        "note: --devices gives each worker one GPU: the equivalence suite's DCP checks are unsupported"]
+    assert _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 1], dcp_world=2), torch.device("cpu"),
+                                   equivalence) == []  # CPU workers run DCP over gloo
 
 
 def test_filters_a_suite_does_not_apply_get_one_note_each():
