@@ -58,6 +58,17 @@ E2E_TOLERANCES: dict[str, Tolerance] = {
 }
 
 
+# A bf16 cache is exact for bf16 values only: of float32 or float16 values it keeps the bf16 rounding, whose error
+# against the original values (same problems as above) reached rel_l2 3.9e-3, max_row_rel 1.3e-2, cos_diff 7.8e-6,
+# lse 1.9e-2; the bound is about twice that.
+BF16_CACHE_OF_WIDER_VALUES = Tolerance(rel_l2=1e-2, max_row_rel=3e-2, cos_diff=2e-5, lse_abs=4e-2)
+
+
+def lossless(dtype: str, layout: str) -> bool:
+    """Whether a cache of ``layout`` holds values of ``dtype`` exactly (then its e2e error is its kernel error)."""
+    return layout == "bf16" and dtype == "bfloat16"
+
+
 def tolerance_for(dtype: str, layout: str, kind: str = "kernel") -> Tolerance:
     """The bound for an impl computing in ``dtype`` over a cache of ``layout``."""
     if kind not in ("kernel", "e2e"):
@@ -66,4 +77,6 @@ def tolerance_for(dtype: str, layout: str, kind: str = "kernel") -> Tolerance:
         kernel = KERNEL_TOLERANCES[dtype]
     except KeyError:
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(KERNEL_TOLERANCES)}") from None
-    return E2E_TOLERANCES.get(layout, kernel) if kind == "e2e" else kernel
+    if kind == "kernel" or lossless(dtype, layout) or layout not in (*E2E_TOLERANCES, "bf16"):
+        return kernel
+    return E2E_TOLERANCES.get(layout, BF16_CACHE_OF_WIDER_VALUES)

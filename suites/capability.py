@@ -9,6 +9,7 @@ hold the matrix (``matrix_details``); ``capability_table`` renders it with rich,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -80,14 +81,18 @@ def cells(layouts: Iterable[str]) -> list[Cell]:
     return out
 
 
-def names_combination(message: str, workload: Workload) -> bool:
-    """Whether a refusal says what it refuses: the op, the layout or the transform (or the whole workload label)."""
-    words = [workload.mode.value, workload.label]
+def names_combination(message: str, workload: Workload, impl: str = "") -> bool:
+    """Whether a refusal says what it refuses: the op, the layout or the transform as a word of its own (or the whole
+    workload label), not inside the impl's name (``triton_decode: ...`` names no mode)."""
+    if impl:
+        message = re.sub(rf"(?<![\w]){re.escape(impl)}(?![\w])", " ", message)
+    words = [workload.mode.value]
     if workload.mode.uses_cache:
         words.append(workload.layout)
     if workload.mode.sparse:
         words.append(workload.index_transform)
-    return any(word and word in message for word in words)
+    return workload.label in message or any(word and re.search(rf"(?<![\w]){re.escape(word)}(?![\w])", message)
+                                            for word in words)
 
 
 def run_matrix(impls: list[ImplEntry], layouts: Iterable[str], device: torch.device, preset: str | None = None,
@@ -123,7 +128,7 @@ def run_matrix(impls: list[ImplEntry], layouts: Iterable[str], device: torch.dev
 def _judge_cell(name: str, impl, cell: Cell, problem: Problem, refs: References | None) -> Result:
     verdict = judge(impl, problem, refs)
     status, message = verdict.status, verdict.message or "; ".join(verdict.violations)
-    if status == "unsupported" and not names_combination(verdict.message, problem.workload):
+    if status == "unsupported" and not names_combination(verdict.message, problem.workload, name):
         status, message = "failed", f"refused without naming the combination: {verdict.message!r}"
     return Result(SUITE, "capability", status, impl=name, workload=problem.workload.to_dict(),
                   label=f"{name}: {cell.name}", metrics=verdict.metrics(),

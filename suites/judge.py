@@ -28,7 +28,7 @@ from mla_bench.compare import ErrorMetrics, compare, normalize_lse
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import Problem
 from mla_bench.registry import Impl
-from mla_bench.tolerances import tolerance_for
+from mla_bench.tolerances import lossless, tolerance_for
 from reference.expected import Expected, expected
 from suites.base import refusal
 
@@ -68,8 +68,8 @@ class References:
     @classmethod
     def of(cls, problem: Problem) -> "References":
         cache = expected(problem, "cache")
-        lossless = problem.cache is None or problem.workload.layout == "bf16"
-        return cls(cache, cache if lossless else expected(problem, "original"))
+        exact = problem.cache is None or lossless(problem.workload.dtype, problem.workload.layout)
+        return cls(cache, cache if exact else expected(problem, "original"))
 
 
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:

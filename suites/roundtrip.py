@@ -10,9 +10,10 @@ Checks (one Result each):
   (on values of moderate range: an nvfp4 block whose e4m3 scale falls in the subnormal range, 28000x below the
   layer's largest value, may move to another grid when re-encoded);
 - ``edge inputs`` per layout: all-zero tokens and scale blocks (finite zeros, no NaN scale), values at and beyond
-  the saturation point, subnormals, NaN/Inf refused by default and, when propagated, NaN/Inf over exactly the
-  scale blocks that hold them; a per-layer scale fitted to zeros, subnormals (amax down to 1e-44) or NaN/Inf-holding
-  values is one the layout takes, NaN/Inf ignored;
+  the saturation point, subnormals, e2m1 grid values at SGLang's MX scale floors (where the floor, not amax, sets
+  the block scale: a floor twice too high breaks the bound), NaN/Inf refused by default and, when propagated,
+  NaN/Inf over exactly the scale blocks that hold them; a per-layer scale fitted to zeros, subnormals (amax down to
+  1e-44) or NaN/Inf-holding values is one the layout takes, NaN/Inf ignored;
 - ``triton write`` per layout: the Triton write kernel's bytes equal the reference codec's, for fp32 / bf16 /
   fp16 and strided (rows 600 apart) inputs spread over several pages, with slot -1 padding skipped and the rest of
   the poisoned cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); NaN
@@ -42,7 +43,7 @@ import torch
 from mla_bench.errors import describe
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache, get_layout
 from mla_bench.layouts.base import check_tensor_scale
-from mla_bench.layouts.formats import E4M3_MAX, SLACK
+from mla_bench.layouts.formats import E2M1_MAX, E4M3_MAX, SLACK, ceil_log2
 from mla_bench.layouts.fp8 import DS_MLA_TILE
 from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.metadata import fast, reference
@@ -147,6 +148,16 @@ def _with_tile_probes(x: torch.Tensor) -> torch.Tensor:
     return probed
 
 
+def _at_mx_floors() -> torch.Tensor:
+    """A token of e2m1 grid values (block amax 4 steps) times the block scale SGLang's MX floors set: 2^-33 (block-16's
+    ``max(amax / 6, 1e-10)``) on the first 256 columns, 2^-42 (NSA's ``max(amax, 1e-12) / 6``) on the rest. That
+    scale encodes them exactly; one twice as large (a floor twice too high) rounds the 0.5 steps past the bound (1.16x,
+    1.36x), which the random values, far above the floors, never show."""
+    floors = torch.exp2(ceil_log2(torch.tensor([1e-10, 1e-12 / E2M1_MAX])).float())
+    grid = torch.tensor([0.5, -1, 1.5, -2, 3, -4, 2, -0.5]).repeat(LATENT_DIM // 8)
+    return grid * floors.repeat_interleave(torch.tensor([NOPE_DIM // 2, LATENT_DIM - NOPE_DIM // 2]))
+
+
 def _saturation(layout: CacheLayout, scale: float | None) -> torch.Tensor:
     """Per column, what a value beyond every range (3e38) decodes to under ``scale``: where a per-layer scale applies,
     the largest code times it."""
@@ -230,19 +241,20 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
     elif bool((decoded[zeros == 0] != 0).any()):
         problems.append("all-zero blocks do not decode to zeros")
 
-    # subnormal and huge inputs: finite and within the stated bound
+    # subnormal, floor-scaled and huge inputs: finite and within the stated bound
     extremes = base.clone()
     extremes[3] = 1e-40 * extremes[3].sign()
     extremes[4, :nope_block] = -3e-42
     extremes[5, nope_block:2 * nope_block] = 3e38 * extremes[5, nope_block:2 * nope_block].sign()
     extremes[6] = 1e30
+    extremes[7] = _at_mx_floors()
     for dtype_name, x in (("fp32", extremes), ("bf16", extremes.bfloat16())):
         x_scale = layout.fit_tensor_scale(x)
         decoded = layout.dequantize(layout.quantize(x, x_scale), x_scale)
         ratio, nonfinite, worst = _bound_excess(layout, x, decoded, x_scale)
         if nonfinite or not ratio <= 1:
-            problems.append(f"subnormal/huge {dtype_name} inputs: {nonfinite} NaN/Inf decodes, error {ratio:.3g}x "
-                            f"bound (at {worst})")
+            problems.append(f"subnormal/floor/huge {dtype_name} inputs: {nonfinite} NaN/Inf decodes, error "
+                            f"{ratio:.3g}x bound (at {worst})")
 
     # beyond a fixed per-layer scale's range: saturate at the largest code, never NaN/Inf
     if layout.needs_tensor_scale:

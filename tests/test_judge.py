@@ -16,6 +16,7 @@ import planted_impls as planted
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplNotInstalled, resolve
+from mla_bench.tolerances import BF16_CACHE_OF_WIDER_VALUES, tolerance_for
 from mla_bench.workload import Workload
 from suites.judge import References, judge
 
@@ -146,6 +147,14 @@ def test_a_plan_that_changes_a_field_or_a_tensors_layout_fails_naming_it_and_the
             verdict.violations
     assert (problem.scale, problem.meta.kv_lens, problem.meta.block_table.dtype, problem.meta.seq_lens.shape) == fields
     assert judge(planted.PlainDecode(), problem, refs).status == "passed"
+
+
+def test_a_bf16_cache_of_float32_values_reports_its_rounding_end_to_end():
+    """e2e was the kernel error wherever the layout was bf16, so a float32 problem's cache rounding went unreported."""
+    verdict = judge(planted.PlainDecode(), _problem("float32"))
+    assert verdict.status == "passed" and verdict.e2e.rel_l2 > 100 * verdict.kernel.rel_l2, verdict.e2e
+    assert tolerance_for("float32", "bf16", "e2e") == BF16_CACHE_OF_WIDER_VALUES
+    assert tolerance_for("bfloat16", "bf16", "e2e") == tolerance_for("bfloat16", "bf16", "kernel")
 
 
 def test_the_second_run_of_a_plan_is_judged_and_its_difference_from_the_first_reported():

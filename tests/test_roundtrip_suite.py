@@ -11,8 +11,9 @@ from rich.console import Console
 
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM, get_layout
-from mla_bench.layouts.formats import E2M1_MAX, E4M3_MAX, FLT_MIN, e4m3_encode, f32_bytes
-from mla_bench.layouts.fp4 import NVFP4Layout
+from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, FLT_MIN, UE8M0_NAN, e2m1_encode, e4m3_decode,
+                                       e4m3_encode, f32_bytes, pack_nibbles)
+from mla_bench.layouts.fp4 import FP4MX16Layout, MXFP4NSALayout, NVFP4Layout, mx_encode
 from mla_bench.layouts.fp8 import FP8DSMLALayout, FP8PerTensorLayout
 from mla_bench.registry import Capabilities, ImplEntry, discover
 from mla_bench.workload import Mode
@@ -172,6 +173,58 @@ class NVFP4ScaleWithoutFloor(NVFP4Layout):
         return float(torch.tensor(amax) / (E2M1_MAX * E4M3_MAX)) if amax > 0 else 1.0
 
 
+class PlantedMX:
+    """An MX layout named ``name`` whose finite block exponents are ``shift`` off SGLang's: on every block (+1: steps
+    twice too coarse; -1: each block's largest values clip), or, ``floor_only``, those of the values times 2^-shift
+    moved by ``shift`` (the review's planted 'exponent + 1'), which cancels except where the floor sets the exponent:
+    the floor moved by 2^shift."""
+
+    def __init__(self, name: str, shift: int, floor_only: bool = False) -> None:
+        self.name, self.shift, self.floor_only = name, shift, floor_only
+
+    def _mx(self, values, block, floor_after_divide):
+        _, scales = mx_encode(values * 2.0 ** -self.shift if self.floor_only else values, block, floor_after_divide)
+        finite = scales != UE8M0_NAN
+        exponent = scales.int() - 127 + self.shift
+        codes = e2m1_encode(values.float().reshape(*scales.shape, block), torch.exp2(exponent.float())[..., None],
+                            ties="away")
+        return (pack_nibbles(torch.where(finite[..., None], codes, 0).flatten(1)),
+                torch.where(finite, exponent + 127, UE8M0_NAN).to(torch.uint8))
+
+
+class MX16ExponentOff(PlantedMX, FP4MX16Layout):
+    """fp4_mx16 (blocks of 16, floor 1e-10 after the divide by 6) with ``PlantedMX``'s exponents."""
+
+    def _encode(self, x, tensor_scale):
+        return torch.cat(self._mx(x, 16, floor_after_divide=True), dim=1)
+
+
+class NSAExponentOff(PlantedMX, MXFP4NSALayout):
+    """mxfp4_nsa (blocks of 32, floor 1e-12 before the divide by 6) with ``PlantedMX``'s exponents; rope as is."""
+
+    def _encode(self, x, tensor_scale):
+        rope = super()._encode(x, tensor_scale)[:, NOPE_DIM // 2 + NOPE_DIM // 32:]
+        return torch.cat([*self._mx(x[:, :NOPE_DIM], 32, floor_after_divide=False), rope], dim=1)
+
+
+class NVFP4BlockScaleOff(NVFP4Layout):
+    """nvfp4 whose e4m3 block scales round ``factor * amax / (6 g)``: 2 makes the steps twice too coarse, 1/2 clips
+    each block's largest values."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.name = factor, f"planted_nvfp4_block_scale_x{factor:g}"
+
+    def _encode(self, x, tensor_scale):
+        g = torch.tensor(tensor_scale, dtype=torch.float32)
+        blocks = x[:, :NOPE_DIM].float().reshape(-1, NOPE_DIM // 16, 16)
+        amax = blocks.abs().amax(dim=-1)
+        scale_codes = torch.where(torch.isfinite(amax), e4m3_encode(self.factor * amax / (E2M1_MAX * g)),
+                                  E4M3_NAN).to(torch.uint8)
+        codes = e2m1_encode(blocks, e4m3_decode(scale_codes).float()[..., None] * g, ties="even")
+        rope = super()._encode(x, tensor_scale)[:, NOPE_DIM // 2 + NOPE_DIM // 16:]
+        return torch.cat([pack_nibbles(codes.flatten(1)), scale_codes, rope], dim=1)
+
+
 def _run(seed: int, page_size: int = 16, **suite_args) -> list:
     """The suite without its capability matrix, on one page size."""
     suite = RoundtripSuite(matrix=False, **suite_args)
@@ -188,6 +241,15 @@ def _run(seed: int, page_size: int = 16, **suite_args) -> list:
     (TileScaleOver240(), "codec bounds", ", column 5 (kv_c))"),  # the stated bound broken at the probe
     (TensorScaleOver240(), "codec bounds", "inputs: the fitted per-layer scale"),
     (NVFP4ScaleWithoutFloor(), "edge inputs", "the per-layer scale fitted to tiny values is 0.0"),
+    (MX16ExponentOff("planted_mx16_exponent_plus1", +1), "codec bounds", "the stated bound (at token"),
+    (MX16ExponentOff("planted_mx16_exponent_minus1", -1), "codec bounds", "the stated bound (at token"),
+    (NSAExponentOff("planted_nsa_exponent_plus1", +1), "codec bounds", "the stated bound (at token"),
+    (NSAExponentOff("planted_nsa_exponent_minus1", -1), "codec bounds", "the stated bound (at token"),
+    (NVFP4BlockScaleOff(2), "codec bounds", "the stated bound (at token"),
+    (NVFP4BlockScaleOff(0.5), "codec bounds", "the stated bound (at token"),
+    # the floor twice too high: only the grid values at SGLang's MX floors (token 7 of the edge inputs) show it
+    (MX16ExponentOff("planted_mx16_floor_doubled", +1, floor_only=True), "edge inputs", "1.16x bound (at token 7"),
+    (NSAExponentOff("planted_nsa_floor_doubled", +1, floor_only=True), "edge inputs", "1.36x bound (at token 7"),
 ])
 def test_planted_codec_bugs_are_flagged(layout, check, says):
     seed = random.randrange(2 ** 32)
@@ -292,9 +354,18 @@ class RefusesWithoutSaying(TorchEager):
         raise UnsupportedConfig("not supported")
 
 
+class RefusesNamingItself(RefusesWithoutSaying):
+    """Its name holds a mode ("decode"): a refusal that names only the impl seemed to name the combination."""
+
+    name = "planted_decode_mumble"
+
+    def plan(self, problem):
+        raise UnsupportedConfig(f"{self.name}: workspace computation went negative")
+
+
 def test_crashes_wrong_answers_and_unnamed_refusals_are_failures():
     entries = [ImplEntry(cls.name, f"tests:{cls.__name__}", "path", cls)
-               for cls in (CrashesOnFP8, ReturnsZeros, RefusesWithoutSaying, TorchEager)]
+               for cls in (CrashesOnFP8, ReturnsZeros, RefusesWithoutSaying, RefusesNamingItself, TorchEager)]
     results = list(run_matrix(entries, ["bf16", "fp8_ds_mla"], DEVICE))
     status = {(r.impl, r.details["row"], r.details["column"]): r.status for r in results if r.check == "capability"}
     assert status[("planted_crash", "decode", "bf16")] == "passed"
@@ -302,6 +373,7 @@ def test_crashes_wrong_answers_and_unnamed_refusals_are_failures():
     assert status[("planted_crash", "dcp", "fp8_ds_mla")] == "unsupported"
     assert status[("planted_zeros", "decode", "bf16")] == "failed"
     assert status[("planted_mumble", "decode", "bf16")] == "failed"
+    assert status[("planted_decode_mumble", "decode", "bf16")] == "failed"
     assert status[("torch_eager", "decode", "bf16")] == "passed"
     summary = results[-1]
     assert summary.check == "capability matrix" and summary.status == "failed"
