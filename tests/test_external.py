@@ -14,6 +14,7 @@ import torch
 
 from mla_bench.registry import ImplNotInstalled, resolve
 from mla_bench.runner import RunOptions, execute
+from mla_bench.workload import Workload
 from suites import sweeps
 from suites.judge import judge
 
@@ -155,3 +156,22 @@ def test_vllm_before_is_mla_runs_as_that_backend_did(fake_packages, monkeypatch)
     verdicts = [judge(impl, build_problem(w, "cpu")) for w in sweeps.conformance(impl.capabilities)
                 if impl.capabilities.refusal(w, "cpu") is None]
     assert [v.status for v in verdicts] == ["passed"] * 4 and set(calls) == {4}
+
+
+def test_flashmla_sparse_decode_takes_power_of_two_scales_and_64_or_128_heads(fake_packages):
+    """Its Hopper kernel rounds each tile scale to bf16 (a correct kernel failed on exact fp32 scales, lse off by
+    0.01-0.03), and it stops with 'Unsupported h_q' below 64 heads (an error, not a refusal)."""
+    from mla_bench.problem import build_problem
+
+    impl = resolve("flashmla").load()
+    impl.capabilities = dataclasses.replace(impl.capabilities, devices=frozenset({"cpu", "cuda"}))
+
+    def problem(preset, layout):
+        return build_problem(Workload(mode="sparse_decode", q_lens=(1, 1), kv_lens=(80, 40), preset=preset,
+                                      layout=layout, page_size=64, topk=16), "cpu")
+
+    assert impl.refusal(problem("kimi-k2", "fp8_ds_mla_pow2")) is None
+    assert "takes fp8_ds_mla_pow2; its kernel rounds tile scales to bf16" in impl.refusal(problem("kimi-k2",
+                                                                                                  "fp8_ds_mla"))
+    assert "16 heads in mode sparse_decode (FlashMLA's sparse decode runs 64 or 128)" in impl.refusal(
+        problem("deepseek-v3-tp8", "fp8_ds_mla_pow2"))

@@ -1,5 +1,7 @@
 """FlashMLA (deepseek-ai/FlashMLA): ``flash_mla_with_kvcache`` (dense decode over a bf16 cache, sparse decode
-over the ``fp8_ds_mla`` cache) and ``flash_mla_sparse_fwd`` (sparse prefill over bf16 latent rows).
+over the ``fp8_ds_mla_pow2`` cache with 64 or 128 heads) and ``flash_mla_sparse_fwd`` (sparse prefill over bf16
+latent rows). The sparse decode's Hopper kernel rounds each tile scale to bf16 (``splitkv_mla.cuh``), so it
+takes the power-of-two scales its own quantizer writes; the exact fp32 scales of ``fp8_ds_mla`` are refused.
 
 From ``flash_mla_interface.py``: q ``[B, s_q, H, 576]`` (every request the same query length), k_cache
 ``[blocks, 64, 1, 576]`` bf16 (or ``[blocks, page, 1, 656]`` FP8 with per-128 scales and bf16 rope),
@@ -44,9 +46,9 @@ def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
 
 class FlashMLA(Impl):
     name = "flashmla"
-    description = "FlashMLA flash_mla_with_kvcache: dense decode (bf16, page 64), sparse decode (fp8_ds_mla)"
+    description = "FlashMLA flash_mla_with_kvcache: dense decode (bf16, page 64), sparse decode (fp8_ds_mla_pow2)"
     capabilities = Capabilities(modes=frozenset({Mode.DECODE, Mode.SPARSE_DECODE}),
-                                layouts=frozenset({"bf16", "fp8_ds_mla"}), dtypes=frozenset({"bfloat16"}),
+                                layouts=frozenset({"bf16", "fp8_ds_mla_pow2"}), dtypes=frozenset({"bfloat16"}),
                                 devices=frozenset({"cuda"}), page_sizes=frozenset({64}),
                                 query_len_kinds=frozenset({"single", "uniform"}),
                                 index_transforms=frozenset({"paged"}), empty_lse="+inf")
@@ -55,12 +57,15 @@ class FlashMLA(Impl):
         self._mla = require("flash_mla", hint=HINT)
 
     def refusal(self, problem: Problem) -> str | None:
-        reason = super().refusal(problem)
         w = problem.workload
-        wanted = "bf16" if w.mode is Mode.DECODE else "fp8_ds_mla"
-        if reason is None and w.layout != wanted:
-            reason = f"layout {w.layout} in mode {w.mode.value} (FlashMLA's {w.mode.value} takes {wanted})"
-        return reason
+        wanted = "bf16" if w.mode is Mode.DECODE else "fp8_ds_mla_pow2"
+        if w.mode in self.capabilities.modes and w.layout != wanted:
+            why = "; its kernel rounds tile scales to bf16" if w.layout == "fp8_ds_mla" else ""
+            return f"layout {w.layout} in mode {w.mode.value} (FlashMLA's {w.mode.value} takes {wanted}{why})"
+        heads = problem.q.shape[1]
+        if w.mode is Mode.SPARSE_DECODE and heads not in (64, 128):
+            return f"{heads} heads in mode sparse_decode (FlashMLA's sparse decode runs 64 or 128)"
+        return super().refusal(problem)
 
     def _metadata(self, seqlens: torch.Tensor, q_per_head_k: int, heads: int, topk: int | None) -> tuple:
         try:

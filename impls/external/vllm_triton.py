@@ -4,7 +4,9 @@ the same kernel), called as vLLM's backend calls it.
 Semantics taken from vLLM's ``triton_mla.py``: q ``[rows, H, 576]``, the cache viewed as ``[blocks, page, 1, 576]``
 with values ``[..., :512]``, the block table as ``req_to_token``, one length per row, a float32 workspace
 ``[rows, H, splits, 512 + 1]``, natural-log lse ``[rows, H]``. A row with no key makes the kernel divide by zero,
-so (as vLLM's callers do) its length is clamped to 1 and its row is overwritten with out 0, lse -inf.
+so (as vLLM's callers do) its length is clamped to 1 and its row is overwritten with out 0, lse -inf. One
+difference, on purpose: vLLM's backend hands the kernel an lse in the queries' dtype (bf16 rounds an lse near 10
+by up to 0.03, beyond the bench's lse bound); here it is float32, so the kernel's own error is what is judged.
 
 Two generations of the API, told apart by ``decode_attention_fwd``'s signature:
 
@@ -101,7 +103,8 @@ class VllmTritonMLA(Impl):
     @staticmethod
     def _rows(problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
         """One block-table row and length per query row: a request's ``q`` tokens see its first ``kv - q + 1 + t``
-        keys (as vLLM's backend expands a uniform multi-token block)."""
+        keys (vLLM's fp8 FlashMLA fallback expands a uniform multi-token block so; its TRITON_MLA backend takes one
+        query a request)."""
         meta, q_len = problem.meta, max(problem.meta.q_lens, default=1)
         if q_len == 1:
             return meta.block_table, meta.seq_lens
