@@ -49,13 +49,15 @@ def tiny(preset: str = "tiny") -> list[Workload]:
         Workload(Mode.PREFILL, (6, 1, 9), (6, 30, 20), preset=preset),
         Workload(Mode.PREFILL, (12, 5), (12, 5), preset=preset, dtype="float32"),
         Workload(Mode.CHUNKED_PREFILL, (5, 3), (40, 19), preset=preset, page_size=TINY_PAGE, chunk_size=16),
-        Workload(Mode.SPARSE_DECODE, (1, 1, 1), (50, 8, 90), preset=preset, page_size=TINY_PAGE, topk=16),
+        Workload(Mode.SPARSE_DECODE, (1, 1, 1, 1), (50, 8, 90, 0), preset=preset, page_size=TINY_PAGE, topk=16),
         Workload(Mode.SPARSE_DECODE, (1, 1), (30, 45), preset=preset, page_size=TINY_PAGE, topk=16,
                  index_transform="ragged"),
         Workload(Mode.SPARSE_PREFILL, (4, 6), (30, 6), preset=preset, page_size=TINY_PAGE, topk=8),
+        Workload(Mode.SPARSE_PREFILL, (3, 2), (9, 25), preset=preset, page_size=TINY_PAGE, topk=8,
+                 index_transform="ragged"),
         Workload(Mode.DCP, (1, 1), (33, 40), preset=preset, page_size=TINY_PAGE, dcp_world=2),
-        Workload(Mode.DCP, (1, 2, 1), (21, 50, 7), preset=preset, page_size=TINY_PAGE, dcp_world=3,
-                 dcp_interleave=2),
+        Workload(Mode.DCP, (1, 2, 1, 1), (21, 50, 7, 1), preset=preset, page_size=TINY_PAGE, dcp_world=3,
+                 dcp_interleave=2),                     # kv 7 and 1: ranks holding no token of a request
     ]
     return sweep
 

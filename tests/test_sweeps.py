@@ -29,6 +29,11 @@ def test_tiny_sweep_covers_the_edges():
     sparse = [w for w in tiny if w.mode.sparse]
     assert any(w.topk > min(w.kv_lens) for w in sparse)                               # -1 padded index lists
     assert {w.index_transform for w in sparse} == {"paged", "ragged"}
+    assert {(w.mode, w.index_transform) for w in sparse} == {(m, t) for m in (Mode.SPARSE_DECODE, Mode.SPARSE_PREFILL)
+                                                             for t in ("paged", "ragged")}
+    assert any(0 in w.kv_lens for w in sparse)                                        # an empty request
+    dcp = [w for w in tiny if w.mode is Mode.DCP]                                     # a rank holding none of a
+    assert any(kv < w.dcp_world * w.dcp_interleave for w in dcp for kv in w.kv_lens)  # request's tokens
     assert all(w.dims.num_heads == 4 for w in tiny)
 
 
