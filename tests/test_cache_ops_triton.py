@@ -188,7 +188,8 @@ def test_gather_returns_fp32_and_bf16_of_the_exact_dequantization():
     (dict(values=torch.zeros(2, 575)), r"values must be \[N, 576\]"),
     (dict(values=torch.zeros(2, 576, dtype=torch.float64)), "values must be one of"),
     (dict(values=torch.zeros(576, 2).t()), "contiguous rows"),
-    (dict(slots=torch.tensor([0, 1, 2])), r"slot_mapping must be an int32 or int64 tensor \[2\], got torch.int64"),
+    (dict(slots=torch.tensor([0, 1, 2])), r"slot_mapping must be a contiguous int32 or int64 tensor \[2\], got "
+                                          r"torch.int64"),
     (dict(slots=torch.tensor([0.0, 1.0])), "int32 or int64"),
     (dict(slots=torch.tensor([0, 8])), "points past the cache"),
     (dict(slots=torch.tensor([3, 3])), "slot_mapping writes 2 tokens to slot 3"),  # as write_cache refuses
@@ -199,6 +200,17 @@ def test_bad_write_arguments_are_refused_by_name(bad, message):
     with pytest.raises(ValueError, match=message):
         write_cache_triton(cache, values, bad.get("slots", torch.tensor([0, 1])).to(DEVICE))
     assert bool((cache.data == 0xFF).all())
+
+
+def test_strided_slots_are_refused_not_read_as_contiguous_memory():
+    """The kernels read a slot tensor's memory as contiguous: [3, 9, 5, 14][::2] was validated as [3, 5] and written
+    to slots 3 and 9 (and [3, 1000, 5, 1000][::2] wrote past the cache)."""
+    cache = small_cache("bf16", torch.ones(1, LATENT_DIM))
+    slots = torch.tensor([0, 1000, 1, 1000], device=DEVICE)[::2]
+    with pytest.raises(ValueError, match=r"slot_mapping must be a contiguous .* with strides \[2\]"):
+        write_cache_triton(cache, torch.ones(2, LATENT_DIM, device=DEVICE), slots)
+    with pytest.raises(ValueError, match=r"token_slots must be a contiguous .* with strides \[2\]"):
+        gather_cache_triton(cache, slots)
 
 
 def test_bad_gather_arguments_are_refused_by_name():

@@ -289,11 +289,12 @@ def _cache() -> PagedCache:
      "data must be contiguous (slots are read as rows of one view), got strides [656, 2624, 1]"),
     (lambda: PagedCache.empty(LAYOUT, -1, 16), "num_blocks must be an int >= 0, got -1"),
     (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([0.5, 1.7, 2.2])),  # was truncated to 0, 1, 2
-     "slot_mapping must be an int32 or int64 tensor [3], got torch.float32 [3]"),
+     "slot_mapping must be a contiguous int32 or int64 tensor [3], got torch.float32 [3]"),
     (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([True, False, True])), "got torch.bool [3]"),
     (lambda: write_cache(_cache(), random_latent(3, 1), torch.tensor([1, 5, 1])), "writes 2 tokens to slot 1"),
     (lambda: write_cache(_cache(), random_latent(1, 1)[0], torch.tensor([1])), "values must be a tensor [N, 576]"),
-    (lambda: gather_cache(_cache(), torch.tensor([[0, 1]])), "token_slots must be an int32 or int64 tensor [N]"),
+    (lambda: gather_cache(_cache(), torch.tensor([[0, 1]])),
+     "token_slots must be a contiguous int32 or int64 tensor [N]"),
     (lambda: gather_cache(_cache(), torch.tensor([0.5])), "got torch.float32 [1]"),  # was slot 0
     (lambda: gather_cache(_cache(), [0, 1]), "got list"),
     (lambda: get_layout("fp8_e4m3").quantize(random_latent(2, 1), True), "tensor_scale must be a finite positive"),

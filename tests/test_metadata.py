@@ -56,6 +56,21 @@ def test_fast_dcp_slot_mapping_reads_only_the_pages_its_rank_holds():
     assert fast.dcp_slot_mapping(qsl, seq, table, 2, 2, rank=1, world=2, interleave=1).tolist() == [11, -1]
 
 
+def test_triton_kv_indices_stay_inside_their_output_and_row_whatever_kv_indptr_says():
+    """The kernel trusted kv_indptr (the host reads none of it): with more pages than num_pages it wrote past its
+    output, with more than the table's width it read the next row."""
+    from impls.triton.kv_indices import kv_indices_triton
+
+    table = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device=DEVICE)
+    for indptr, num_pages, expect in (([0, 3, 6], 2, [1, 2, -7, -7, -7, -7]), ([0, 4, 4], 4, [1, 2, 3, -7, -7, -7])):
+        buffer = torch.full((6,), -7, dtype=torch.int32, device=DEVICE)
+        _kv_indices_kernel[(2,)](torch.tensor(indptr, dtype=torch.int32, device=DEVICE), table, 3, 3, buffer,
+                                 num_pages, BLOCK=128)
+        assert buffer.tolist() == expect
+    with pytest.raises(ValueError, match="a contiguous kv_indptr"):
+        kv_indices_triton(torch.tensor([0, 9, 3, 9, 6], dtype=torch.int32, device=DEVICE)[::2], table, 6)
+
+
 def test_reference_block_allocation_draws_distinct_pages_and_pads_with_spares():
     table, num_blocks = reference.allocate_block_table([5, 0, 9], 4, torch.Generator().manual_seed(0))
     owned = table[0, :2].tolist() + table[2, :3].tolist()
@@ -213,7 +228,7 @@ def _kv_indices_kernel_with_width_as_stride(case):
     seq, table = case.on_device("seq_lens"), case.on_device("block_table")
     indptr = fast.cumulative(fast.pages_per_request(seq, case.page_size))
     out = torch.empty(case.sizes.num_pages, dtype=torch.int32, device=table.device)
-    _kv_indices_kernel[(table.shape[0],)](indptr, table, table.shape[1], out, BLOCK=128)
+    _kv_indices_kernel[(table.shape[0],)](indptr, table, table.shape[1], table.shape[1], out, out.shape[0], BLOCK=128)
     return out
 
 

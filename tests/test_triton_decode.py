@@ -1416,7 +1416,9 @@ def test_a_length_above_the_block_tables_capacity_is_an_error_in_plan():
     ({"kv_lens": (40,)}, "q_lens has 2 requests but kv_lens has 1"),
     ({"q_lens": (), "kv_lens": ()}, "must name at least one request"),
     ({"visible_lens": torch.tensor([41, 8, 9], dtype=torch.int32)}, "visible_lens\\[0\\] = 41"),
-    ({"visible_lens": torch.tensor([1, 2], dtype=torch.int32)}, "visible_lens must be int32 \\[3\\]"),
+    ({"visible_lens": torch.tensor([1, 2], dtype=torch.int32)}, "visible_lens must be a contiguous int32 \\[3\\]"),
+    # the kernel reads memory as contiguous: [5, 9, 9] checked, [5, 1, 9] read (a row saw 1 key of 9)
+    ({"visible_lens": torch.tensor([5, 1, 9, 2, 9, 3], dtype=torch.int32)[::2]}, r"with strides \(2,\)"),
     ({"scale": math.nan}, "softmax scale"),
     ({"scale": torch.tensor(0.1)}, "softmax scale"),
     ({"q_lens": (1, 2), "kv_lens": (40, 1)}, r"request 1: query longer than context \(q_len=2 > kv_len=1\)"),
@@ -1426,4 +1428,12 @@ def test_a_length_above_the_block_tables_capacity_is_an_error_in_plan():
 def test_inconsistent_metadata_is_named(change, message):
     with pytest.raises(ValueError, match=message):
         plan_decode(**_planned_inputs(**change))
+
+
+def test_a_numpy_scale_is_planned_as_a_python_float():
+    """np.float32(0.1) passed plan, and every kernel launcher refused it in run."""
+    import numpy as np
+
+    plan = plan_decode(**_planned_inputs(scale=np.float32(0.1)))
+    assert type(plan.qk_scale) is float
 

@@ -130,6 +130,9 @@ def test_sparse_kernel_refuses_bad_inputs_by_name():
         sparse_mqa(p.q[..., :512], p.sparse_indices, p.cache.rows(), 0, p.scale)
     with pytest.raises(ValueError, match="uint8"):
         sparse_mqa(p.q, p.sparse_indices, p.cache.rows().view(torch.bfloat16), 0, p.scale)
+    strided = p.meta.token_slots.repeat_interleave(2)[::2]  # read as contiguous memory: other rows
+    with pytest.raises(ValueError, match=r"gather_latent: slots must be contiguous .* strides \(2,\)"):
+        gather_latent(p.cache, strided, torch.empty(len(strided), 576, device=DEVICE))
 
 
 # ---- the Gluon kernel (Hopper) ------------------------------------------------------------------------------------

@@ -478,6 +478,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
     visible = _visible(visible_lens, q_lens, kv_lens, device)
     num_heads = q.shape[1]
     check_softmax_scale(scale)
+    scale = float(scale)  # a numpy float32 passed the check, and no kernel launcher takes it
     chosen = config is None
     config = config or batch_config(num_heads, q_lens, kv_lens, cache.layout.name, cache.page_size, device)
     if cache.layout.name in FP4_LAYOUTS and config.block_n < 32:
@@ -867,9 +868,11 @@ def _visible(visible_lens: torch.Tensor | None, q_lens: list[int], kv_lens: list
     if visible_lens is None:
         causal = [max(n - q + i + 1, 0) if n else 0 for q, n in zip(q_lens, kv_lens) for i in range(q)]
         return torch.tensor(causal, dtype=torch.int32, device=device)
-    if visible_lens.dtype != torch.int32 or visible_lens.shape != (len(limits),) or visible_lens.device != device:
-        raise ValueError(f"visible_lens must be int32 [{len(limits)}] on {device}, got {visible_lens.dtype} "
-                         f"{list(visible_lens.shape)} on {visible_lens.device}")
+    if visible_lens.dtype != torch.int32 or visible_lens.shape != (len(limits),) or visible_lens.device != device \
+            or not visible_lens.is_contiguous():  # the kernel reads it as contiguous memory
+        raise ValueError(f"visible_lens must be a contiguous int32 [{len(limits)}] on {device}, got "
+                         f"{visible_lens.dtype} {list(visible_lens.shape)} with strides {visible_lens.stride()} on "
+                         f"{visible_lens.device}")
     bounds = torch.tensor(limits, dtype=torch.int32, device=device)
     bad = (visible_lens < 0) | (visible_lens > bounds)
     if bool(bad.any()):

@@ -13,14 +13,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_indices_kernel(kv_indptr_ptr, block_table_ptr, table_stride, out_ptr, BLOCK: tl.constexpr):
+def _kv_indices_kernel(kv_indptr_ptr, block_table_ptr, table_stride, width, out_ptr, num_pages,
+                       BLOCK: tl.constexpr):
     request = tl.program_id(0)
     start = tl.load(kv_indptr_ptr + request)
     count = tl.load(kv_indptr_ptr + request + 1) - start
     row = block_table_ptr + request.to(tl.int64) * table_stride
     for first in range(0, count, BLOCK):
         column = first + tl.arange(0, BLOCK)
-        inside = column < count
+        # never past the row or the output, whatever kv_indptr says (the host does not read it)
+        inside = (column < count) & (column < width) & (start + column < num_pages)
         tl.store(out_ptr + start + column, tl.load(row + column, mask=inside), mask=inside)
 
 
@@ -30,10 +32,12 @@ def kv_indices_triton(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pa
     if kv_indptr.dtype != torch.int32 or block_table.dtype != torch.int32:
         raise ValueError(f"kv_indices_triton: kv_indptr and block_table must be int32, got {kv_indptr.dtype} and "
                          f"{block_table.dtype}")
-    if block_table.dim() != 2 or kv_indptr.shape != (block_table.shape[0] + 1,) or block_table.stride(1) != 1:
-        raise ValueError(f"kv_indices_triton: expected kv_indptr [B+1] and a row-contiguous block_table [B, width], "
-                         f"got {list(kv_indptr.shape)} and {list(block_table.shape)}")
+    if block_table.dim() != 2 or kv_indptr.shape != (block_table.shape[0] + 1,) or block_table.stride(1) != 1 \
+            or not kv_indptr.is_contiguous():
+        raise ValueError(f"kv_indices_triton: expected a contiguous kv_indptr [B+1] and a row-contiguous block_table "
+                         f"[B, width], got {list(kv_indptr.shape)} and {list(block_table.shape)}")
     out = torch.empty(num_pages, dtype=torch.int32, device=block_table.device)
     if block_table.shape[0]:
-        _kv_indices_kernel[(block_table.shape[0],)](kv_indptr, block_table, block_table.stride(0), out, BLOCK=128)
+        _kv_indices_kernel[(block_table.shape[0],)](kv_indptr, block_table, block_table.stride(0),
+                                                     block_table.shape[1], out, num_pages, BLOCK=128)
     return out

@@ -125,8 +125,9 @@ def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> 
     """
     code = layout_code(cache.layout.name)
     n = slots.shape[0]
-    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"gather_latent: slots must be int32/int64 [n], got {slots.dtype} {list(slots.shape)}")
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64) or not slots.is_contiguous():
+        raise ValueError(f"gather_latent: slots must be contiguous int32/int64 [n], got {slots.dtype} "
+                         f"{list(slots.shape)} with strides {slots.stride()}")
     if out.dim() != 2 or out.shape[1] != LATENT_DIM or out.shape[0] < n or out.stride(1) != 1:
         raise ValueError(f"gather_latent: out must be [>= {n}, {LATENT_DIM}] contiguous rows, got {list(out.shape)}")
     if n:

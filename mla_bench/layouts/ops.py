@@ -39,12 +39,14 @@ def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
 
 
 def check_slots(name: str, slots: torch.Tensor, count: int | None = None) -> None:
-    """ValueError unless ``slots`` is an int32 or int64 ``[count]`` tensor (a float slot would be truncated to
-    another slot, a bool taken as 0 / 1). Reads no value."""
+    """ValueError unless ``slots`` is a contiguous int32 or int64 ``[count]`` tensor (a float slot would be
+    truncated to another slot, a bool taken as 0 / 1; a kernel reads a strided view's memory as if contiguous, so
+    the slots checked would not be the slots written). Reads no value."""
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1 \
-            or (count is not None and slots.shape[0] != count):
-        raise ValueError(f"{name} must be an int32 or int64 tensor [{'N' if count is None else count}], got "
-                         f"{describe(slots)}")
+            or (count is not None and slots.shape[0] != count) or not slots.is_contiguous():
+        strides = f" with strides {list(slots.stride())}" if isinstance(slots, torch.Tensor) else ""
+        raise ValueError(f"{name} must be a contiguous int32 or int64 tensor [{'N' if count is None else count}], "
+                         f"got {describe(slots)}{strides}")
 
 
 def check_distinct_slots(slots: torch.Tensor) -> None:
