@@ -72,12 +72,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - a broken impl is listed as such, the others still are
             broken += 1
             table.add_row(Text(name), Text(entry.origin), Text.assemble(("cannot load", "bold red"),
-                                                                        f": {str(exc).splitlines()[0]}"),
+                                                                        f": {_first_line(exc)}"),
                           *[""] * (len(columns) - 3))
             continue
         table.add_row(Text(name), Text(entry.origin), *[Text(summary[c]) for c in columns[2:]])
     console.print(table)
     return 1 if broken else 0
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: message``'s first line (an exception may have no message)."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0].removesuffix(": ")
 
 
 # ---- run ----------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable
@@ -52,7 +53,8 @@ def write_report(run: Run, path: str | Path, rows: int = REPORT_ROWS) -> Path:
     plots = all_plots(run)
     for plot in plots:
         path.with_name(f"{path.stem}-{plot.name}.png").write_bytes(plot.png)
-    path.write_text(render(run, plots, rows))
+    # utf-8 as the page declares; a traceback's undecodable path bytes (lone surrogates) written escaped
+    path.write_text(render(run, plots, rows), encoding="utf-8", errors="backslashreplace")
     return path
 
 
@@ -265,12 +267,18 @@ def _latency_cell(r: Result | None) -> str:
 
 
 def _capability_matrix(run: Run) -> str:
-    """Results whose check names a capability: which (layout, transform, op) each impl accepts or refuses."""
-    results = [r for r in run.results if "capab" in r.check.lower()]
-    if not results:
+    """Results whose check names a capability: which (layout, transform, op) each impl accepts or refuses. A row per
+    combination: the suite labels a cell ``"<impl>: <combination>"``, so the impl's name is taken off (rows keyed by
+    the whole label put each impl on rows of its own); the matrix's summary result is no cell."""
+    rows: dict[str, dict[str, Result]] = defaultdict(dict)
+    for r in run.results:
+        if "capab" in r.check.lower() and r.check != "capability matrix":
+            impl = r.impl or "(bench)"
+            rows[r.label.removeprefix(f"{impl}: ")][impl] = r
+    if not rows:
         return ""
-    impls = sorted({r.impl or "(bench)" for r in results})
-    return "<h2>Capability matrix</h2>" + _matrix(_by_label(results), impls, "combination")
+    impls = sorted({impl for cells in rows.values() for impl in cells})
+    return "<h2>Capability matrix</h2>" + _matrix(rows, impls, "combination")
 
 
 def _hidden_costs(run: Run) -> str:
@@ -286,7 +294,8 @@ def _replays(run: Run) -> str:
     for r in run.results:
         if "replay_max_abs" in r.metrics:
             judged[r.impl or "(bench)"].append(r.metrics["replay_max_abs"])
-    rows = [[esc(impl), _num(len(values)), _num(sum(v != 0 for v in values)), _num(max(values))]
+    rows = [[esc(impl), _num(len(values)), _num(sum(v != 0 for v in values)),
+             _num(max(values, key=lambda v: math.inf if math.isnan(v) else v))]  # NaN: differs, as the judge says
             for impl, values in sorted(judged.items())]
     return ("<h2>Replays of one plan (run to run)</h2>"
             + _table(["impl", "plans run twice", "second run differed", "largest difference"], rows)) if rows else ""

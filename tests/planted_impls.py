@@ -295,3 +295,12 @@ class SlowerTorchEager(TorchEager):
 PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex,
                 WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim, CausalOffByOne, NaNForEmptyRequest,
                 FP8ScaleIgnored]
+
+
+class RaisesWithoutMessage(PlainDecode):
+    """Its constructor fails with an exception of no message (``assert`` in a driver check, say)."""
+
+    name = "raises_without_message"
+
+    def __init__(self):
+        raise AssertionError()

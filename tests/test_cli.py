@@ -105,6 +105,11 @@ def test_list_shows_a_broken_impl_as_such_and_exits_1(monkeypatch, capsys):
     assert main(["list"]) == 1
     out = capsys.readouterr().out
     assert "cannot load" in out and "NoSuchClass" in out and "torch_eager" in out
+    silent = registry.ImplEntry("my_silent", "planted_impls:RaisesWithoutMessage", "entry point (mypkg)")
+    monkeypatch.setattr(registry, "discover", lambda: {**known, "my_silent": silent})
+    assert main(["list"]) == 1  # an exception with no message made the listing itself fail (IndexError)
+    out = capsys.readouterr().out
+    assert "cannot load" in out and "AssertionError" in out
 
 
 def test_console_script_flags_every_planted_bug_with_exit_code_1(tmp_path):

@@ -128,6 +128,8 @@ def test_a_named_impl_whose_every_conformance_test_is_skipped_fails_the_session(
     assert " failed" not in done.stdout.splitlines()[-1], done.stdout[-500:]  # nothing failed: only skipped
     done = session("--mla-impl=mypkg:MyMLA", "--mla-impl=mypkg:CudaOnly", "-k", "my_mla and decode and bf16")
     assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
+    done = session("--mla-impl=mypkg:CudaOnly", "--collect-only")  # nothing runs: nothing is untested (it said 1)
+    assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
 
 
 def test_gpu_marked_tests_skip_on_cpu_with_the_reason(tmp_path):

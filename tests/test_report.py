@@ -6,6 +6,7 @@ from __future__ import annotations
 import html.parser
 import io
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -117,6 +118,39 @@ def test_report_sections_and_png_files(tmp_path):
     assert page.count("&middot; warm L2") == 2  # the ctx4096 cells, whose rotation stayed within the L2
     assert page.count(", spread 0.0") == 4  # not the ctx16384 cells: their results predate the spread
     assert page.count("host behind in 32 of 1000 samples") == 2  # the ctx8192 cells
+
+
+def test_the_capability_matrix_puts_each_combination_on_one_row_across_impls(tmp_path):
+    """The suite labels a cell "<impl>: <combination>": rows keyed by that label gave each impl rows of its own and
+    '-' under every other impl, as if untested; the summary result was a cell of a "(bench)" column."""
+    results = [Result("roundtrip", "capability", status, impl=impl, label=f"{impl}: decode / {layout}",
+                      details={"row": "decode", "column": layout})
+               for impl, layout, status in (("torch_eager", "bf16", "passed"), ("triton_decode", "bf16", "passed"),
+                                            ("torch_eager", "fp8_ds_mla", "unsupported"),
+                                            ("triton_decode", "fp8_ds_mla", "passed"))]
+    results.append(Result("roundtrip", "capability matrix", "passed", label="capability matrix"))
+    page = write_report(Run(environment={}, results=results), tmp_path / "r.html").read_text()
+    matrix = page[page.index("<h2>Capability matrix</h2>"):].split("</table>")[0]
+    rows = re.findall(r"<tr><td>([^<]*)</td>(.*?)</tr>", matrix)
+    assert [(label, re.findall(r'class="(\w+)"', cells)) for label, cells in rows] == [
+        ("decode / bf16", ["passed", "passed"]), ("decode / fp8_ds_mla", ["unsupported", "passed"])]
+    assert "(bench)" not in matrix
+
+
+def test_a_message_with_undecodable_path_bytes_writes_the_report(tmp_path):
+    """A traceback naming a path that is not UTF-8 holds lone surrogates: writing the page raised
+    UnicodeEncodeError and left an empty report.html."""
+    path = os.fsdecode(b"/tmp/\xff")
+    bad = Result("accuracy", "accuracy", "error", impl="x", label="w", message=f"File {path}")
+    page = write_report(Run(environment={}, results=[bad]), tmp_path / "r.html").read_bytes().decode("utf-8")
+    assert "/tmp/\\udcff" in page
+
+
+def test_replays_count_a_nan_difference_as_the_largest(tmp_path):
+    results = [Result("accuracy", "accuracy", "passed", impl="x", label=f"w{i}", metrics={"replay_max_abs": v})
+               for i, v in enumerate((0.0, float("nan")))]
+    page = write_report(Run(environment={}, results=results), tmp_path / "r.html").read_text()
+    assert re.search(r"<td>x</td><td class=\"num\">2</td><td class=\"num\">1</td><td class=\"num\">nan", page)
 
 
 def _chromium() -> str | None:
