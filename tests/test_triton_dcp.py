@@ -8,6 +8,7 @@ Planted bug: a combine that NaNs on a row no rank saw must be caught.
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -164,6 +165,22 @@ def test_a_combine_that_nans_on_an_empty_row_is_caught():
     assert compare(outcome.out, outcome.lse, ref.out, ref.lse).nonfinite_mismatch > 0
 
 
+def rescale_where_rank_1_fails_and_rank_0_hangs(part, all_lse, rank):
+    """Planted: rank 1 fails in the combine while rank 0 waits for ever, as NCCL ranks wait for a dead peer."""
+    if rank == 1:
+        raise ValueError("planted: rank 1 fails")
+    time.sleep(600)
+
+
+def test_a_failed_rank_ends_the_run_soon_naming_the_rank_that_failed_first():
+    """run_dcp waited the whole timeout (600 s by default) for the survivors, then named rank 0's secondary error."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DCP rank failed \(error_1, the first of 1 to report") as failure:
+        run_dcp(dcp_workload(2, 1), backend="gloo", attention="torch",
+                rescale=rescale_where_rank_1_fails_and_rank_0_hangs, timeout_s=300)
+    assert time.monotonic() - start < 60 and "planted: rank 1 fails" in str(failure.value)
+
+
 @gloo_on_cpu
 def test_a_decode_workload_runs_as_dcp_through_the_accuracy_suite():
     decode = Workload(mode="decode", q_lens=(1, 1), kv_lens=(33, 9), page_size=8)
@@ -176,6 +193,8 @@ def test_a_decode_workload_runs_as_dcp_through_the_accuracy_suite():
 def test_run_dcp_refuses_other_modes_and_missing_gpus():
     with pytest.raises(ValueError, match="mode dcp"):
         run_dcp(Workload(mode="decode", q_lens=(1,), kv_lens=(4,)))
+    with pytest.raises(ValueError, match="takes bfloat16 queries, the workload's are float16"):  # were rounded
+        run_dcp(dcp_workload(2, 1).replace(dtype="float16"), backend="gloo")
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="GPUs"):
             run_dcp(dcp_workload(2, 1), backend="nccl")

@@ -135,6 +135,15 @@ def test_sparse_kernel_refuses_bad_inputs_by_name():
         gather_latent(p.cache, strided, torch.empty(len(strided), 576, device=DEVICE))
 
 
+@pytest.mark.parametrize("impl, transform", [(TritonSparse, "paged"), (TritonSparseRagged, "ragged")])
+def test_int64_indices_are_refused_by_plan_not_run(impl, transform):
+    """torch.topk gives int64: plan took them and run's kernel refused them, an error instead of a named refusal."""
+    p = build_problem(sparse(transform), DEVICE)
+    p.sparse_indices = p.sparse_indices.long()
+    with pytest.raises(ValueError, match="sparse_indices must be int32 .* got torch.int64"):
+        impl().plan(p)
+
+
 # ---- the Gluon kernel (Hopper) ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_ds_mla_pow2"])

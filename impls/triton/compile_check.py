@@ -121,6 +121,7 @@ def _drive_impls() -> None:
     from impls.triton import decode, prefill_kernel, sparse_kernel
     from impls.triton.cache_ops import gather_cache_triton, has_kernel, write_cache_triton
     from impls.triton.chunked import TritonChunkedPrefill
+    from impls.triton.kv_indices import kv_indices_triton
     from impls.triton.latent_io import LAYOUT_CODES
     from impls.triton.merge import merge_attn_states, rescale_partial
     from impls.triton.prefill import TritonPrefill
@@ -178,6 +179,7 @@ def _drive_impls() -> None:
     parts = [(torch.randn(3, 4, 512), torch.randn(3, 4)) for _ in range(2)]
     merge_attn_states(*parts[0], *parts[1])
     rescale_partial(parts[0][0], torch.stack([lse for _, lse in parts]), rank=1)
+    kv_indices_triton(torch.tensor([0, 2, 3], dtype=torch.int32), torch.arange(6, dtype=torch.int32).view(2, 3), 3)
 
 
 @contextlib.contextmanager

@@ -178,6 +178,32 @@ def default_backend(world: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
 
 
+FAILED_RANK_GRACE_S = 10.0  # after one rank fails, how long the others get to finish or fail on their own
+
+
+def _wait(procs: list, workdir: Path, timeout_s: float) -> list:
+    """Wait for the ranks until ``timeout_s``, or until ``FAILED_RANK_GRACE_S`` after one of them failed (an exit
+    code other than 0, or an error file): its peers may wait in a collective for ever, as NCCL does not notice a dead
+    rank. Stops (terminates, then kills) those still running and returns them."""
+    deadline, failed_at = time.monotonic() + timeout_s, None
+    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+        if failed_at is None and (any(proc.exitcode not in (None, 0) for proc in procs)
+                                  or any(workdir.glob("error_*.txt"))):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > FAILED_RANK_GRACE_S:
+            break
+        time.sleep(0.05)
+    hung = [proc for proc in procs if proc.is_alive()]
+    for proc in hung:
+        proc.terminate()
+    for proc in hung:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    return hung
+
+
 def run_dcp(source: Workload | Problem, world: int | None = None, interleave: int | None = None,
             backend: str | None = None, attention: Any = "triton_decode", rescale: Any = rescale_partial,
             time_iters: int = 0, reorg_chunk: int | None = None, synthetic: bool = False,
@@ -197,6 +223,9 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
     backend = backend or default_backend(world)
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"run_dcp: NCCL with W={world} needs {world} GPUs, {torch.cuda.device_count()} visible")
+    if attention == "triton_decode" and workload.dtype != "bfloat16":  # its shard queries are a bf16 buffer
+        raise ValueError(f"run_dcp: the triton_decode shard attention takes bfloat16 queries, the workload's are "
+                         f"{workload.dtype} (they would be rounded silently; attention='torch' takes any)")
     if synthetic and not isinstance(source, Workload):
         raise ValueError("run_dcp: synthetic timing draws shards from a Workload, not a Problem")
     if world != workload.dcp_world or interleave != workload.dcp_interleave:
@@ -218,19 +247,16 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
         with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
             for proc in procs:
                 proc.start()
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        hung = [proc for proc in procs if proc.is_alive()]
-        for proc in hung:
-            proc.terminate()
-            proc.join(5)
-        errors = sorted(Path(workdir).glob("error_*.txt"))
-        if errors:
-            raise RuntimeError(f"DCP rank failed ({errors[0].stem}):\n{errors[0].read_text()}")
-        if hung or any(proc.exitcode != 0 for proc in procs):
-            raise RuntimeError(f"DCP ranks did not finish (exit codes {[p.exitcode for p in procs]}; "
-                               f"{len(hung)} still running after {timeout_s:.0f} s were stopped)")
+        hung = _wait(procs, Path(workdir), timeout_s)
+        codes = [proc.exitcode for proc in procs]
+        errors = sorted(Path(workdir).glob("error_*.txt"), key=lambda path: path.stat().st_mtime)
+        if errors:  # the first to fail is the likely cause: the others mostly lost their peer
+            later = "".join(f"\n--- then {e.stem}: {e.read_text().strip().splitlines()[-1]}" for e in errors[1:])
+            raise RuntimeError(f"DCP rank failed ({errors[0].stem}, the first of {len(errors)} to report; exit codes "
+                               f"{codes}):\n{errors[0].read_text()}{later}")
+        if hung or any(code != 0 for code in codes):
+            raise RuntimeError(f"DCP ranks did not finish (exit codes {codes}; {len(hung)} still running were "
+                               f"stopped, {timeout_s:.0f} s allowed)")
         results = [torch.load(Path(workdir, f"result_{rank}.pt")) for rank in range(world)]
     reorg = [r["reorg_max_diff"] for r in results if "reorg_max_diff" in r]
     timings = {key: [r[key] for r in results if key in r] for key in ("step_ms", "attention_ms")}
