@@ -195,6 +195,8 @@ def test_run_dcp_refuses_other_modes_and_missing_gpus():
         run_dcp(Workload(mode="decode", q_lens=(1,), kv_lens=(4,)))
     with pytest.raises(ValueError, match="takes bfloat16 queries, the workload's are float16"):  # were rounded
         run_dcp(dcp_workload(2, 1).replace(dtype="float16"), backend="gloo")
+    with pytest.raises(ValueError, match="unknown shard attention 'bogus'"):  # was an error in every rank, each run
+        TritonDcp(attention="bogus")
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="GPUs"):
             run_dcp(dcp_workload(2, 1), backend="nccl")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from impls.triton.dcp.attention import shard_attention
 from impls.triton.dcp.launch import default_backend, run_dcp
 from impls.triton.decode import KERNEL_LAYOUTS
 from mla_bench.errors import UnsupportedConfig
@@ -19,6 +20,7 @@ class TritonDcp(Impl):
     capabilities = Capabilities(modes=frozenset({Mode.DCP}), layouts=frozenset(KERNEL_LAYOUTS))  # the decode's
 
     def __init__(self, attention: str = "triton_decode") -> None:
+        shard_attention(attention)  # an unknown name is refused here, not in every rank of every run
         self.attention = attention
 
     def plan(self, problem: Problem) -> Problem:
