@@ -42,6 +42,7 @@ from mla_bench.timing import CEILINGS_CHECK
 from mla_bench.workload import Mode
 
 _STDERR_TAIL = 4000
+EXIT_GRACE_S = 30.0  # how long a worker that sent all its results may take to exit
 # The command line's flag for each filter (RunContext field) that a suite may leave unapplied.
 _FLAGS = {"impls": "--impl", "modes": "--mode", "layouts": "--layout", "page_sizes": "--page-size",
           "sweep": "--sweep", "dcp_world": "--dcp"}
@@ -303,13 +304,13 @@ def _value(options: RunOptions, name: str) -> str:
 
 
 def _context(options: RunOptions, device: torch.device, entries: list[ImplEntry], progress: Progress,
-             shard: int = 0, shards: int = 1):
+             shard: int = 0, shards: int = 1, impl_free: bool = True):
     from suites.base import RunContext
 
     return RunContext(impls=entries, device=device, preset=options.preset, modes=list(options.modes),
                       layouts=list(options.layouts), page_sizes=list(options.page_sizes), seed=options.seed,
                       progress=progress.advance, sweep=options.sweep, shard=shard, shards=shards,
-                      dcp_world=options.dcp_world, dcp_interleave=options.dcp_interleave)
+                      dcp_world=options.dcp_world, dcp_interleave=options.dcp_interleave, impl_free=impl_free)
 
 
 def _runs_in_shard(suite: Any, shard: int) -> bool:
@@ -351,23 +352,31 @@ def _execute_workers(options: RunOptions, device: torch.device, entries: list[Im
     jobs: dict[int, list[dict[str, Any]]] = {}
     for shard, slot in enumerate(slots):
         jobs[shard] = [{"options": asdict(options), "impls": [_spec(e) for e in group],
-                        "names": [e.name for e in group], "suites": suite_names, "device": device.type,
-                        "shard": shard, "shards": len(slots), "visible_device": slot, "parent": os.getpid()}
-                       for group in groups]
+                        "names": [e.name for e in group], "suites": suite_names,
+                        "device": device.type if slot is not None else str(device),  # cuda:N without --devices
+                        "shard": shard, "shards": len(slots), "visible_device": slot, "parent": os.getpid(),
+                        "impl_free": index == 0}
+                       for index, group in enumerate(groups)]
     suites = [(name, load_suite(name)) for name in suite_names]
-    contexts = [_context(options, device, group, progress, shard, len(slots))
-                for shard in jobs for group in groups]
+    contexts = [_context(options, device, group, progress, shard, len(slots), index == 0)
+                for shard in jobs for index, group in enumerate(groups)]
     progress.start(_total([count for ctx in contexts for count in _counts(suites, ctx)]))
     collected: dict[tuple[int, int], list[Result]] = {}
     lock = threading.Lock()
 
     def work(shard: int) -> None:
         for index, job in enumerate(jobs[shard]):
-            found = _run_worker(job, progress)
+            try:
+                found = _run_worker(job, progress)
+            except Exception:  # noqa: BLE001 - the runner failed one job: its impls get an error, the rest run
+                found = [Result("run", "worker", "error", impl=name, label="(runner)",
+                                message=f"running the worker of {name} failed:\n{traceback.format_exc()}")
+                         for name in job["names"]]
             with lock:
                 collected[(shard, index)] = found
 
-    threads = [threading.Thread(target=work, args=(shard,)) for shard in jobs]
+    # daemon: an interrupted run (Ctrl-C) does not wait for the threads to start the jobs left
+    threads = [threading.Thread(target=work, args=(shard,), daemon=True) for shard in jobs]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -384,7 +393,7 @@ def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
         env["CUDA_VISIBLE_DEVICES"] = str(job["visible_device"])
     results, last, done = [], "(before the first workload)", False
     limit = job["options"]["stall_timeout"]
-    with tempfile.TemporaryFile(mode="w+") as stderr:
+    with tempfile.TemporaryFile(mode="w+b") as stderr:  # bytes: an impl may print any
         proc = subprocess.Popen([sys.executable, "-m", "mla_bench.runner"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=stderr, env=env, text=True)
         watchdog = _Watchdog(proc, limit) if limit else None
@@ -404,14 +413,22 @@ def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
                 results.append(Result.from_dict(message["result"]))
             elif message.get("done"):
                 done = True
-        code = proc.wait()
+        try:
+            code = proc.wait(EXIT_GRACE_S if done else None)  # done: its results are in, only its exit is left
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            code = proc.wait()
         if watchdog:
             watchdog.stop()
         stderr.seek(0)
-        tail = stderr.read()[-_STDERR_TAIL:]
+        tail = stderr.read()[-_STDERR_TAIL:].decode("utf-8", errors="replace")
     if code == 0 and done:
         return results
-    if watchdog and watchdog.stalled:
+    if done:  # every result arrived: the worker hung or crashed on its way out (a thread or a communicator left)
+        last = "(at exit)"
+        how = (f"finished its workloads, then did not exit within {EXIT_GRACE_S:g} s and was killed"
+               if code == -signal.SIGKILL else f"finished its workloads, then exited with code {code}")
+    elif watchdog and watchdog.stalled:
         how = f"made no progress for {limit:g} s (--stall-timeout) and was killed"
     else:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -495,9 +512,9 @@ def _worker_main() -> int:
     from suites.registry import load_suite
 
     options = RunOptions(**job["options"])
-    device = pick_device("cuda" if job["device"] == "cuda" else "cpu")
+    device = pick_device(job["device"])
     entries = [resolve(spec) for spec in job["impls"]]
-    ctx = _context(options, device, entries, Relay(), job["shard"], job["shards"])
+    ctx = _context(options, device, entries, Relay(), job["shard"], job["shards"], job["impl_free"])
     for name in job["suites"]:
         suite = load_suite(name)
         if not _runs_in_shard(suite, job["shard"]):

@@ -43,6 +43,8 @@ class RunContext:
     shards: int = 1
     dcp_world: int | None = None  # --dcp W: run the decode workloads as decode context parallel over W ranks
     dcp_interleave: int = 1
+    impl_free: bool = True  # run the checks that test no impl (metadata builders, codecs, cache ops): under
+    #                         --isolate only the first worker does, so that each runs once
 
 
 class Suite(Protocol):

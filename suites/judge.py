@@ -179,14 +179,14 @@ def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: 
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
         return Verdict(status, message=message)
-    except Exception:  # noqa: BLE001 - any crash of an impl is a result, not a bench failure
+    except (Exception, SystemExit):  # noqa: BLE001 - any crash of an impl (sys.exit too) is a result
         return Verdict("error", message=traceback.format_exc())
     between_runs()  # what plan changed in the problem is restored (and named) before the reference reads it
     try:
         refs = refs or References.of(problem)  # before run: what run writes into its inputs cannot move it
         first = _poisoned_run(impl, plan, problem)
         kernel, e2e, violations = _errors(first, refs, problem)
-    except Exception:  # noqa: BLE001
+    except (Exception, SystemExit):  # noqa: BLE001
         return Verdict("error", message=traceback.format_exc())
     if violations:  # a second run would only repeat what the first broke
         return Verdict("failed", kernel, e2e, violations)
@@ -199,7 +199,7 @@ def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: 
         if difference:
             kernel, e2e, again = _errors(second, refs, problem) if not shapes else (kernel, e2e, shapes)
             violations = [f"second run of the same plan: {v}" for v in again]
-    except Exception:  # noqa: BLE001
+    except (Exception, SystemExit):  # noqa: BLE001
         return Verdict("error", message=f"the second run of the same plan raised:\n{traceback.format_exc()}")
     return Verdict("failed" if violations else "passed", kernel, e2e, violations, replay_max_abs=difference)
 

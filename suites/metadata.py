@@ -269,6 +269,8 @@ class MetadataSuite:
         self.builders = builders
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
+        if not ctx.impl_free:
+            return  # another worker of the run checks the builders
         triton_reason = _triton_unavailable(ctx.device)
         for page_size in ctx.page_sizes or PAGE_SIZES:
             cases = [make_case(name, q, kv, page_size, ctx.seed, ctx.device)

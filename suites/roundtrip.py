@@ -77,6 +77,13 @@ class RoundtripSuite:
     def run(self, ctx: RunContext) -> Iterator[Result]:
         layouts = self.layouts if self.layouts is not None else {name: get_layout(name)
                                                                   for name in (ctx.layouts or LAYOUTS)}
+        if ctx.impl_free:  # the checks of no impl: under --isolate, another worker may make them
+            yield from self._impl_free_checks(ctx, layouts)
+        if self.matrix:
+            yield from run_matrix(ctx.impls, [name for name in layouts if name in LAYOUTS], ctx.device, ctx.preset,
+                                  ctx.seed, ctx.progress)
+
+    def _impl_free_checks(self, ctx: RunContext, layouts: dict[str, CacheLayout]) -> Iterator[Result]:
         for layout in layouts.values():
             ctx.progress(f"roundtrip codec {layout.name}")
             yield _guarded("codec bounds", layout.name, lambda: check_codec_bounds(layout, ctx.seed))
@@ -98,9 +105,6 @@ class RoundtripSuite:
             ctx.progress(f"roundtrip transforms {layout.name}")
             if layout is LAYOUTS.get(layout.name):
                 yield _guarded("paged vs ragged", layout.name, lambda: check_paged_vs_ragged(layout.name, ctx))
-        if self.matrix:
-            yield from run_matrix(ctx.impls, [name for name in layouts if name in LAYOUTS], ctx.device, ctx.preset,
-                                  ctx.seed, ctx.progress)
 
     def _cache_ops(self, device: torch.device) -> tuple[Callable, Callable, dict[str, Callable]]:
         """The write and gather under test (each the given one, else the Triton op), and per op's check why it cannot

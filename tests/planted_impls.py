@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -304,3 +305,33 @@ class RaisesWithoutMessage(PlainDecode):
 
     def __init__(self):
         raise AssertionError()
+
+
+class PrintsLatin1(PlainDecode):
+    """Right answers, and a byte that is no UTF-8 on its stderr (a driver's message in latin-1, say)."""
+
+    name = "prints_latin1"
+
+    def run(self, p):
+        os.write(2, b"caf\xe9\n")
+        return super().run(p)
+
+
+class LingersAtExit(PlainDecode):
+    """Right answers, and a thread left running that keeps its process from exiting (a communicator never
+    destroyed, say)."""
+
+    name = "lingers_at_exit"
+
+    def run(self, p):
+        threading.Thread(target=time.sleep, args=(600,)).start()
+        return super().run(p)
+
+
+class ExitsInRun(PlainDecode):
+    """Calls ``sys.exit(0)`` in ``run``: in-process, the run itself ended with status 0 and no run file."""
+
+    name = "exits_in_run"
+
+    def run(self, p):
+        sys.exit(0)

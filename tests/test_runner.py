@@ -16,6 +16,7 @@ import torch
 import planted_impls as planted
 from mla_bench.registry import ImplNotInstalled, discover
 from mla_bench.results import Result, Run
+from mla_bench import runner
 from mla_bench.runner import Progress, RunOptions, _one_gpu_a_worker_notes, execute, select_run, untested_impls
 from suites.accuracy import AccuracySuite
 from suites.registry import SUITES, load_suite
@@ -83,6 +84,61 @@ def test_isolate_turns_a_hard_crash_into_an_error_result():
     assert "SIGABRT" in crashed[0].message and "decode tiny" in crashed[0].message  # which workload it died on
     statuses = _statuses(run)
     assert statuses["torch_eager"]["passed"] >= 5 and not statuses["torch_eager"]["error"]
+
+
+def test_a_worker_printing_bytes_that_are_no_utf8_keeps_its_results_and_the_next_jobs(monkeypatch):
+    """The runner read a worker's stderr as strict UTF-8: one latin-1 byte ended the thread, every later job of the
+    shard was lost with the worker's results, and the run passed with nothing in it."""
+    run = execute(RunOptions(impls=["planted_impls:PrintsLatin1", "torch_eager"], device="cpu", preset="tiny",
+                             modes=["decode"], isolate=True))
+    statuses = _statuses(run)
+    assert statuses["prints_latin1"]["passed"] >= 5 and statuses["torch_eager"]["passed"] >= 5, statuses
+
+
+def test_a_worker_that_finishes_but_does_not_exit_keeps_its_results_and_is_killed(monkeypatch):
+    """The runner waited for such a worker for ever (or blamed a finished workload on --stall-timeout)."""
+    monkeypatch.setattr(runner, "EXIT_GRACE_S", 2.0)
+    start = time.monotonic()
+    run = execute(RunOptions(impls=["planted_impls:LingersAtExit"], device="cpu", preset="tiny", modes=["decode"],
+                             isolate=True))
+    assert time.monotonic() - start < 60
+    statuses = _statuses(run)
+    assert statuses["lingers_at_exit"]["passed"] >= 5 and statuses["lingers_at_exit"]["error"] == 1, statuses
+    (late,) = [r for r in run.results if r.status == "error"]
+    assert late.label == "(at exit)" and "then did not exit within 2 s and was killed" in late.message
+
+
+def test_isolated_workers_make_the_checks_of_no_impl_once():
+    """Each --isolate worker ran the metadata builders and the round trip's codec and cache-op checks: every one of
+    those results came once per impl, duplicates the gate refuses."""
+    options = dict(impls=["torch_eager", "planted_impls:PlainDecode"], device="cpu", preset="tiny",
+                   suites=["metadata", "roundtrip"], layouts=["bf16"], page_sizes=[16])
+    alone, isolated = execute(RunOptions(**options)), execute(RunOptions(**options, isolate=True))
+
+    def keys(run):  # the capability matrix's summary: one a worker, each filed under its impl
+        return sorted((r.suite, r.check, r.impl or "", r.label) for r in run.results if r.check != "capability matrix")
+    assert keys(isolated) == keys(alone) and len(set(keys(isolated))) == len(keys(isolated))
+    assert sorted(r.impl for r in isolated.results if r.check == "capability matrix") == ["plain_decode",
+                                                                                           "torch_eager"]
+
+
+def test_a_gpu_index_past_the_visible_ones_is_refused_before_the_run(monkeypatch):
+    """--device cuda:5 on a host of two GPUs made every result fail, then the run file was never written."""
+    from mla_bench.device import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="device 'cuda:5' asked for, but 2 GPU\\(s\\) are visible"):
+        pick_device("cuda:5")
+
+
+def test_an_impl_calling_sys_exit_in_process_is_an_error_result():
+    """In-process, sys.exit(0) in run ended the whole run with status 0 and no run file."""
+    run = execute(RunOptions(impls=["planted_impls:ExitsInRun", "torch_eager"], device="cpu", preset="tiny",
+                             modes=["decode"]))
+    statuses = _statuses(run)
+    assert statuses["exits_in_run"]["error"] >= 5 and statuses["torch_eager"]["passed"] >= 5 and not run.ok
 
 
 def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_with_its_children_and_the_others_run_on(
