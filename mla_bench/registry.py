@@ -226,6 +226,12 @@ def _missing_dependency(exc: ImportError, module_name: str) -> bool:
     return missing.split(".")[0] not in {*PROJECT_PACKAGES, module_name.split(".")[0]}
 
 
+def _broken(target: str, module_name: str, exc: BaseException, why: str = "") -> ValueError:
+    """The error of an impl whose module raised ``exc`` on import, with the trace."""
+    return ValueError(f"{target}: importing {module_name} raised {type(exc).__name__}: {exc}{why}\n"
+                      f"{''.join(traceback.format_exception(exc))}")
+
+
 def load_class(target: str) -> type[Impl]:
     """Import ``module:Class`` and check that it is an Impl with a ``name`` and ``Capabilities``. ValueError names
     what is wrong (also an exception other than ImportError raised while importing the module)."""
@@ -237,12 +243,10 @@ def load_class(target: str) -> type[Impl]:
     except ImportError as exc:
         if _missing_dependency(exc, module_name):
             raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
-        raise ValueError(f"{target}: importing {module_name} raised {type(exc).__name__}: {exc} (a name missing from "
-                         f"the impl's own code or the project's, not an absent package)\n"
-                         f"{''.join(traceback.format_exception(exc))}") from exc
+        raise _broken(target, module_name, exc, " (a name missing from the impl's own code or the project's, not an "
+                                                 "absent package)") from exc
     except Exception as exc:  # noqa: BLE001 - the impl's module is broken: a refusal that says so, with the trace
-        raise ValueError(f"{target}: importing {module_name} raised {type(exc).__name__}: {exc}\n"
-                         f"{''.join(traceback.format_exception(exc))}") from exc
+        raise _broken(target, module_name, exc) from exc
     if not hasattr(module, attr):
         raise ValueError(f"{target}: module {module_name} has no attribute {attr!r}")
     cls = getattr(module, attr)

@@ -77,6 +77,8 @@ def tolerance_for(dtype: str, layout: str, kind: str = "kernel") -> Tolerance:
         kernel = KERNEL_TOLERANCES[dtype]
     except KeyError:
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(KERNEL_TOLERANCES)}") from None
-    if kind == "kernel" or lossless(dtype, layout) or layout not in (*E2E_TOLERANCES, "bf16"):
+    if kind == "kernel" or lossless(dtype, layout):
         return kernel
-    return E2E_TOLERANCES.get(layout, BF16_CACHE_OF_WIDER_VALUES)
+    if layout == "bf16":
+        return BF16_CACHE_OF_WIDER_VALUES
+    return E2E_TOLERANCES.get(layout, kernel)

@@ -74,13 +74,13 @@ class References:
 
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
-    saved = {name: (owner, attr, tensor, tensor.clone(), _layout(tensor))
-             for name, (owner, attr, tensor) in input_tensors(problem).items()}
-    fields = _fields(problem)
+    fields = _attributes(problem)
+    saved = {name: (tensor, tensor.clone(), _layout(tensor)) for name, (_, _, tensor) in fields.items()
+             if isinstance(tensor, torch.Tensor)}
     changed: dict[tuple[str, str], str] = {}  # (input, kind of change) -> its first description, over the runs
 
     def restore() -> None:
-        for key, entry in {**_restore_changed(saved), **_restore_fields(fields)}.items():
+        for key, entry in {**_restore_rebound(fields), **_restore_changed(saved)}.items():
             changed.setdefault(key, entry)
 
     verdict = _judge(impl, problem, refs, between_runs=restore)
@@ -94,26 +94,17 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
                    replay_max_abs=verdict.replay_max_abs)
 
 
-def input_tensors(problem: Problem) -> dict[str, tuple[object, str, torch.Tensor]]:
-    """The problem's tensors an impl reads, by name (``q``, ``cache.data``, ``meta.block_table``, ...), each with
-    the object and attribute that hold it."""
-    return {name: (owner, attr, value) for name, (owner, attr, value) in _attributes(problem).items()
-            if isinstance(value, torch.Tensor)}
-
-
 def _attributes(problem: Problem) -> dict[str, tuple[object, str, object]]:
+    """Every field of the problem, its metadata and its cache (tensors, ``scale``, ``meta.kv_lens``, ...), each with
+    the object and attribute that hold it: an impl that rebinds one changes what the reference, or the next impl,
+    reads."""
     owners = {"": problem, "meta.": problem.meta, "cache.": problem.cache}
     return {prefix + name: (owner, name, value) for prefix, owner in owners.items() if owner is not None
             for name, value in vars(owner).items()}
 
 
-def _fields(problem: Problem) -> dict[str, tuple[object, str, object]]:
-    """The problem's other fields (``scale``, ``meta.kv_lens``, ``cache.tensor_scale``, ...): an impl that rebinds
-    one changes what the reference, or the next impl, reads."""
-    return {name: entry for name, entry in _attributes(problem).items() if not isinstance(entry[2], torch.Tensor)}
-
-
-def _restore_fields(saved: dict[str, tuple[object, str, object]]) -> dict[tuple[str, str], str]:
+def _restore_rebound(saved: dict[str, tuple[object, str, object]]) -> dict[tuple[str, str], str]:
+    """The fields an impl rebound to other objects, rebound to theirs."""
     changed = {}
     for name, (owner, attr, value) in saved.items():
         if getattr(owner, attr) is not value:
@@ -127,20 +118,16 @@ def _layout(tensor: torch.Tensor) -> tuple:
     return tensor.dtype, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.data_ptr()
 
 
-def _restore_changed(saved: dict[str, tuple[object, str, torch.Tensor, torch.Tensor, tuple]]
-                     ) -> dict[tuple[str, str], str]:
-    """The tensors an impl rebound to others, changed the dtype or shape of in place, or whose bits differ from
-    their saved copies, restored: (name, kind of change) -> the name with what changed."""
+def _restore_changed(saved: dict[str, tuple[torch.Tensor, torch.Tensor, tuple]]) -> dict[tuple[str, str], str]:
+    """The tensors an impl changed the dtype or shape of in place, or whose bits differ from their saved copies,
+    restored: (name, kind of change) -> the name with what changed."""
     changed = {}
-    for name, (owner, attr, tensor, copy, layout) in saved.items():
-        if getattr(owner, attr) is not tensor:
-            setattr(owner, attr, tensor)
-            changed[(name, "rebound")] = f"{name} (rebound)"
+    for name, (tensor, copy, layout) in saved.items():
         if _layout(tensor) != layout:
             changed[(name, "reshaped")] = (f"{name} (now {tensor.dtype} {list(tensor.shape)} in place, was "
                                            f"{copy.dtype} {list(copy.shape)})")
             tensor.data = copy.clone()
-            saved[name] = (owner, attr, tensor, copy, _layout(tensor))
+            saved[name] = (tensor, copy, _layout(tensor))
             continue
         differ = int((_bits(tensor) != _bits(copy)).sum())
         if differ:

@@ -2,12 +2,12 @@
 
 Mixes (per page size): decode (q = 1), MTP (uniform q > 1), varlen, empty requests (kv 0, q 0 or padding
 queries), lengths on and next to page boundaries, one huge request among small ones, a single request, the longest
-query last. Builders: cumulative
-lengths, block allocation from a permuted pool, slot mapping, FlashInfer CSR (kv_indptr, kv_indices in torch and
-in Triton, last_page_len), token page table and its flattened form, max_qo_len / max_kv_len, DCP local lengths
-and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1, FlashMLA's invalid indices
-among them). The builders read their inputs as engines hold them: the block table is the first columns of a wider
-table (row stride > width), and a builder that writes into an input is named for it (other builders read them).
+query last. Builders: cumulative lengths, block allocation from a permuted pool, slot mapping, FlashInfer CSR
+(kv_indptr, kv_indices in torch and in Triton, last_page_len), token page table and its flattened form, max_qo_len /
+max_kv_len, DCP local lengths and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1,
+FlashMLA's invalid indices among them). The builders read their inputs as engines hold them: the block table is the
+first columns of a wider table (row stride > width), and a builder that writes into an input is named for it (other
+builders read them).
 
 One Result per (builder, page size); its message names every mix where the builder differs and how. The tests
 run the same comparison on thousands of random mixes.

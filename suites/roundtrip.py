@@ -387,8 +387,9 @@ def check_write(layout: CacheLayout, write: Callable, gather: Callable, device: 
     strided = torch.cat([values, values[:, :24]], dim=1).clamp(-6e4, 6e4).half().to(device)[:, :LATENT_DIM]
     assert strided.stride(0) != LATENT_DIM, f"the strided fp16 input has contiguous rows: strides {strided.stride()}"
     for name, x in (("fp32", values.to(device)), ("bf16", values.bfloat16().to(device)), ("strided fp16", strided)):
-        expect, got = _cache_pair(layout, num_blocks, x.cpu(), device)
-        write_cache(expect, x.cpu(), slots)
+        host = x.cpu()
+        expect, got = _cache_pair(layout, num_blocks, host, device)
+        write_cache(expect, host, slots)
         write(got, x, slots.to(device))
         wrong, where = byte_mismatches(got, expect, slots)
         mismatched += wrong

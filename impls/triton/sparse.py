@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
-from impls.triton.sparse_kernel import SparseConfig, check_wgmma, default_config, sparse_mqa
+from impls.triton.sparse_kernel import SparseConfig, check_indices, check_wgmma, default_config, sparse_mqa
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -41,12 +41,8 @@ class _TritonSparseBase(Impl):
 
     def _outputs(self, problem: Problem, layout: int, buffer: torch.Tensor | None = None) -> SparsePlan:
         tokens, heads = problem.q.shape[:2]
-        indices = problem.sparse_indices  # what sparse_mqa takes, checked here so that plan refuses it, not run
-        if indices.dtype != torch.int32 or indices.shape[:1] != (tokens,) or indices.dim() != 2 \
-                or indices.stride(1) != 1 or indices.device != problem.device:
-            raise ValueError(f"{self.name}: sparse_indices must be int32 [{tokens}, topk] with contiguous rows on "
-                             f"{problem.device} (torch.topk gives int64: convert them), got {indices.dtype} "
-                             f"{list(indices.shape)} on {indices.device}")
+        # what sparse_mqa takes, checked here so that plan refuses it, not run
+        check_indices(problem.sparse_indices, tokens, problem.device, f"{self.name}: sparse_indices")
         out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)
         config = self.config or default_config(problem.device, heads, layout, problem.q.dtype)

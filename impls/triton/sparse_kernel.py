@@ -188,6 +188,17 @@ def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, qu
         raise UnsupportedConfig(f"the sparse wgmma kernel needs a Hopper GPU (compute capability 9), not {device}")
 
 
+def check_indices(indices: torch.Tensor, tokens: int, device: torch.device | None = None,
+                  name: str = "sparse_mqa: indices") -> None:
+    """ValueError unless ``indices`` is what the kernels read: int32 ``[tokens, topk]`` with contiguous rows (on
+    ``device`` when given; torch.topk gives int64)."""
+    if indices.dim() != 2 or indices.shape[0] != tokens or indices.dtype != torch.int32 or indices.stride(1) != 1 \
+            or (device is not None and indices.device != device):
+        where = "" if device is None else f" on {device}"
+        raise ValueError(f"{name} must be int32 [{tokens}, topk] with contiguous rows{where} (torch.topk gives int64: "
+                         f"convert them), got {indices.dtype} {list(indices.shape)} on {indices.device}")
+
+
 def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
                tensor_scale: float = 1.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                config: SparseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,9 +211,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
                                                                                            torch.float16):
         raise ValueError(f"sparse_mqa: q must be bf16/fp16 [T, H, {LATENT_DIM}] (last dim contiguous), got "
                          f"{q.dtype} {list(q.shape)}")
-    if indices.dim() != 2 or indices.shape[0] != q.shape[0] or indices.dtype != torch.int32 or indices.stride(1) != 1:
-        raise ValueError(f"sparse_mqa: indices must be int32 [{q.shape[0]}, topk] (rows contiguous), got "
-                         f"{indices.dtype} {list(indices.shape)}")
+    check_indices(indices, q.shape[0])
     if rows.dim() != 2 or rows.dtype != torch.uint8 or not rows.is_contiguous():
         raise ValueError(f"sparse_mqa: rows must be a contiguous uint8 [N, bytes_per_token] source, got "
                          f"{rows.dtype} {list(rows.shape)}")
