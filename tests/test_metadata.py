@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from impls.triton.cache_ops import triton_unavailable
 from impls.triton.kv_indices import _kv_indices_kernel
 from mla_bench.metadata import fast, reference
 from suites.base import RunContext
@@ -170,8 +171,9 @@ def _slot_mapping_by_shift_and_mask(case):
     shift, mask = case.page_size.bit_length() - 1, case.page_size - 1
     request, position = fast._new_token_positions(case.on_device("query_start_loc"), case.on_device("seq_lens"),
                                                   case.sizes.num_tokens)
-    safe = position.clamp(min=0)
-    slots = case.on_device("block_table")[request, safe >> shift].long() * case.page_size + (safe & mask)
+    safe, table = position.clamp(min=0), case.on_device("block_table")
+    page = (safe >> shift).clamp(max=table.shape[1] - 1)  # kept in the table: wrong in silence, not a CUDA assert
+    slots = table[request, page].long() * case.page_size + (safe & mask)
     return torch.where(position >= 0, slots, -1)
 
 
@@ -274,7 +276,11 @@ def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on, says, on
     assert [r.check for r in failed] == [builder], f"seed {seed}"
     mix = next((part for part in failed[0].message.split("; ") if part.startswith(caught_on + ":")), "")
     assert says in mix, f"seed {seed}: {failed[0].message[:500]}"
-    assert all(r.status == "passed" for r in results if r.check != builder), f"seed {seed}"
+    # on a GPU host the planted CPU run has no Triton interpreter: only the Triton builder may be unsupported there
+    others = {r.check: r.status for r in results if r.check != builder}
+    allowed = {"passed", "unsupported"} if triton_unavailable(device) else {"passed"}
+    assert all(status in allowed and (status == "passed" or "triton" in check) for check, status in others.items()), \
+        f"seed {seed}: {others}"
 
 
 def test_planted_shift_and_mask_page_math_is_flagged_only_at_the_page_size_no_power_of_two(one_thread):

@@ -42,7 +42,7 @@ class _TritonSparseBase(Impl):
     def _outputs(self, problem: Problem, layout: int, buffer: torch.Tensor | None = None) -> SparsePlan:
         tokens, heads = problem.q.shape[:2]
         # what sparse_mqa takes, checked here so that plan refuses it, not run
-        check_indices(problem.sparse_indices, tokens, problem.device, f"{self.name}: sparse_indices")
+        check_indices(problem.sparse_indices, tokens, problem.q.device, f"{self.name}: sparse_indices")
         out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)
         config = self.config or default_config(problem.device, heads, layout, problem.q.dtype)

@@ -191,7 +191,7 @@ def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, qu
 def check_indices(indices: torch.Tensor, tokens: int, device: torch.device | None = None,
                   name: str = "sparse_mqa: indices") -> None:
     """ValueError unless ``indices`` is what the kernels read: int32 ``[tokens, topk]`` with contiguous rows (on
-    ``device`` when given; torch.topk gives int64)."""
+    ``device`` when given: a tensor's own device such as ``cuda:0``, never a bare ``cuda``; torch.topk gives int64)."""
     if indices.dim() != 2 or indices.shape[0] != tokens or indices.dtype != torch.int32 or indices.stride(1) != 1 \
             or (device is not None and indices.device != device):
         where = "" if device is None else f" on {device}"
