@@ -160,7 +160,7 @@ class _HostTwin(TorchFunctionMode):
         if target is None:
             return func(*args, **kwargs)
         self.moved.append(source)
-        waits = f" {_WAITS}" if target == "cpu" and not _non_blocking(args, kwargs) else ""
+        waits = f" {_WAITS}" if target == "cpu" and not _non_blocking(func, args, kwargs) else ""
         with record_function(f"{_MOVE} {target} {source.nbytes} {source.data_ptr()}{waits}"):
             return func(*args, **kwargs)
 
@@ -181,9 +181,20 @@ def _move(func: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor 
     return (source, target) if target else (None, None)
 
 
-def _non_blocking(args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a ``to`` call asks for ``non_blocking`` (a keyword, or a bool among its positional arguments)."""
-    return bool(kwargs.get("non_blocking")) or any(arg is True for arg in args[1:])
+def _non_blocking(func: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a move (``args`` as the mode gets them, ``self`` first) asks for ``non_blocking``: the keyword, or the
+    positional argument where torch's overload puts it: ``to(device, dtype, non_blocking, copy)``,
+    ``to(dtype | tensor, non_blocking, copy)``, ``cuda(device, non_blocking)``. A ``True`` elsewhere (``copy``) is
+    not it; ``cpu()`` and the constructors take none, so they always block."""
+    if "non_blocking" in kwargs:
+        return bool(kwargs["non_blocking"])
+    if func is torch.Tensor.to:  # a dtype (a Python type too) or a tensor first: non_blocking is next, else third
+        at = 2 if len(args) > 1 and isinstance(args[1], (torch.dtype, type, torch.Tensor)) else 3
+    elif func is torch.Tensor.cuda:
+        at = 2
+    else:
+        return False
+    return len(args) > at and bool(args[at])
 
 
 def _move_target(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
@@ -191,7 +202,7 @@ def _move_target(func: Any, args: tuple, kwargs: dict[str, Any]) -> str | None:
     nothing)."""
     if func in (torch.Tensor.cpu, torch.Tensor.cuda):
         return func.__name__
-    for value in (kwargs.get("device"), *args):
+    for value in (kwargs.get("device"), kwargs.get("tensor"), *args):  # to(tensor=other) names one too
         if isinstance(value, torch.Tensor):
             return value.device.type
         if isinstance(value, (str, torch.device)):

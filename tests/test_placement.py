@@ -15,7 +15,7 @@ from rich.console import Console
 
 from impls.torch_eager import TorchEager, TorchEagerHostCache
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.hidden_costs import COST_METRICS, _move_target, count_trace, profile_costs
+from mla_bench.hidden_costs import COST_METRICS, _move_target, _non_blocking, count_trace, profile_costs
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplEntry, resolve
 from mla_bench.results import Result
@@ -154,6 +154,35 @@ def test_cpu_counts_see_value_reads_and_device_moves_no_operator_shows():
     _, costs = profile_costs(lambda: x[:0].to("cpu"), "cpu")  # a move of no bytes is no copy
     assert costs.copy_events == {} and costs.d2h_copies == 0
     assert _move_target(torch.Tensor.to, (0,), {}) == "cuda"  # a bare device index names a GPU
+
+
+def test_cpu_counts_read_non_blocking_where_each_overload_of_a_move_puts_it():
+    """A ``True`` in ``copy``'s place is no ``non_blocking``: the host still waits for that move to the CPU."""
+    x = torch.randint(1, 9, (64,), dtype=torch.int32)
+    other = torch.empty(0, dtype=x.dtype)  # names the device and dtype only
+    moves = {  # the call -> whether the host waits for it
+        "to(device, dtype, False, True)": (lambda: x.to("cpu", x.dtype, False, True), True),
+        "to(device, dtype, True)": (lambda: x.to("cpu", x.dtype, True), False),
+        "to(other, False, True)": (lambda: x.to(other, False, True), True),
+        "to(other, True)": (lambda: x.to(other, True), False),
+        "to(tensor=other)": (lambda: x.to(tensor=other), True),
+        "to(tensor=other, non_blocking=True)": (lambda: x.to(tensor=other, non_blocking=True), False),
+        "to(device=, dtype=, non_blocking=False, copy=True)":
+            (lambda: x.to(device="cpu", dtype=x.dtype, non_blocking=False, copy=True), True),
+    }
+    for name, (move, waits) in moves.items():
+        _, costs = profile_costs(move, "cpu")
+        assert costs.d2h_bytes == x.nbytes, name
+        assert costs.sync_events == ({"blocking copy to the CPU": 1} if waits else {}), (name, costs.sync_events)
+    _, costs = profile_costs(lambda: (x.to(torch.float64, False, True), x.to(float, True)), "cpu")  # no device
+    assert costs.moved_bytes == 0 and costs.syncs == 0
+    # the overloads no CPU-only count can show: a dtype first, cuda(device, non_blocking), cpu() (always blocks)
+    assert not _non_blocking(torch.Tensor.to, (x, torch.float64, False, True), {})
+    assert _non_blocking(torch.Tensor.to, (x, float, True), {})
+    assert not _non_blocking(torch.Tensor.to, (x, None, torch.float64, False, True), {})
+    assert _non_blocking(torch.Tensor.cuda, (x, 0, True), {}) and not _non_blocking(torch.Tensor.cuda, (x, 0), {})
+    assert _non_blocking(torch.Tensor.cuda, (x,), {"non_blocking": True})
+    assert not _non_blocking(torch.Tensor.cpu, (x,), {})
 
 
 def test_profiling_leaves_no_profiler_chatter_on_stderr_unless_the_user_asks_for_it():
