@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-slack", type=_gate_limit, default=0.10,
                    help="allowed relative slowdown before noise is considered (default 0.10)")
     p.add_argument("--noise-factor", type=_gate_limit, default=3.0,
-                   help="a slowdown must also exceed this many IQRs of the timings (default 3)")
+                   help="a slowdown must also exceed this many IQRs of the baseline's timings (default 3)")
     p.add_argument("--allow-missing", action="store_true",
                    help="results that passed in the baseline may be absent from the run (a run of part of it)")
     p.set_defaults(func=cmd_gate)

@@ -16,10 +16,11 @@ A finding is fatal when:
   of the bounds the two runs' accuracy suites recorded in the result's details: a change that loosens a tolerance
   does not loosen the gate with it), or NaN/Inf positions appeared;
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
-  noise_factor * IQR, spread)``, each the larger of either run's (the spread, already a range of slice medians: see
-  ``mla_bench.timing.TimingStats``); latencies are compared only when both runs ran on the same GPU model (else a
-  latency result counts as compared only where its status is, so a latency-only run against another GPU's baseline
-  compares nothing).
+  noise_factor * IQR, spread)``, the IQR and spread the baseline's (the spread, already a range of slice medians: see
+  ``mla_bench.timing.TimingStats``): the run's own noise does not loosen its bound, or a regression that also brings
+  jitter would pass; the finding says where the run's noise alone would allow more (re-run on a quieter machine).
+  Latencies are compared only when both runs ran on the same GPU model (else a latency result counts as compared
+  only where its status is, so a latency-only run against another GPU's baseline compares nothing).
 
 Results that failed in both runs, failed results now unsupported, allowed missing results, incomparable latencies and
 plans that replayed bit for bit in the baseline but not in the run (``replay_max_abs``: no longer deterministic run
@@ -211,18 +212,31 @@ def _replay(base: Result, new: Result) -> list[Finding]:
 
 
 def _latency(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
+    """A fatal finding where the median is slower than the baseline's median and noise allow. The noise terms are
+    the baseline's only (recorded on a quiet machine): a regression that also brings jitter would excuse itself."""
     median, base_median = new.metrics.get("run_ms"), base.metrics.get("run_ms")
     if median is None or base_median is None:
         return []
-    iqr, spread = (max(new.metrics.get(name, 0.0), base.metrics.get(name, 0.0))
-                   for name in ("run_ms_iqr", "run_ms_spread"))  # files written before the spread existed lack it
-    threshold = base_median + max(limits.latency_slack * base_median, limits.noise_factor * iqr, spread)
+    iqr, spread = (base.metrics.get(name, 0.0)  # files written before the spread existed lack it
+                   for name in ("run_ms_iqr", "run_ms_spread"))
+    allowed = max(limits.latency_slack * base_median, limits.noise_factor * iqr, spread)
+    threshold = base_median + allowed
     if median > threshold or math.isnan(median):
         behind = new.details.get("host_behind")
         host = f"; the host was behind in {behind} samples, which may time the host" if behind else ""
         return [_finding("latency", new, f"median {median:.4g} ms > {threshold:.4g} ms (baseline {base_median:.4g} "
-                         f"ms, IQR {iqr:.3g} ms, spread {spread:.3g} ms){host}", True)]
+                         f"ms, IQR {iqr:.3g} ms, spread {spread:.3g} ms){host}"
+                         f"{_noisier(base, new, limits.noise_factor, allowed)}", True)]
     return []
+
+
+def _noisier(base: Result, new: Result, noise_factor: float, allowed: float) -> str:
+    """A note naming the run's IQR and spread that would each allow more than the baseline's ``allowed`` slowdown
+    (ms): the run's machine may have been busy, so a flaky machine is told from a slower kernel (it still fails)."""
+    louder = [f"{name} {new.metrics.get(metric, 0.0):.3g} ms against {base.metrics.get(metric, 0.0):.3g}"
+              for name, metric, factor in (("IQR", "run_ms_iqr", noise_factor), ("spread", "run_ms_spread", 1.0))
+              if factor * new.metrics.get(metric, 0.0) > allowed]
+    return f"; the run was noisier than the baseline: {', '.join(louder)}; re-run before believing it" if louder else ""
 
 
 def _bound(result: Result, kind: str, metric: str) -> float | None:
