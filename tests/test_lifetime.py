@@ -33,7 +33,15 @@ def test_a_child_is_killed_when_its_parent_is_killed():
         parent.kill()
 
 
+LATE_CHILD = "import time; time.sleep(1.0); " + CHILD.split("; ", 1)[1]  # asks only after its parent has gone
+GONE_PARENT = ("import os, subprocess, sys; "
+               "child = subprocess.Popen([sys.executable, '-c', {child!r}.format(parent=os.getpid())]); "
+               "print(child.pid, flush=True)")  # exits at once
+
+
 @linux_only
 def test_a_child_whose_parent_is_already_gone_exits_at_once():
-    done = subprocess.run([sys.executable, "-c", CHILD.format(parent=1)], timeout=30)
-    assert done.returncode == 1
+    """The death signal is asked for after the parent died: only the parent check can end the child then."""
+    parent = subprocess.run([sys.executable, "-c", GONE_PARENT.format(child=LATE_CHILD)], capture_output=True,
+                            text=True, timeout=30, check=True)
+    assert _ends_within(int(parent.stdout), seconds=15)
