@@ -2,12 +2,14 @@
 
 The reorg (chunked prefill's context gathered across ranks) is checked for every W, interleave, page size and
 chunk size, chunks starting mid-page included, against the float64 reference reorg and the unsharded cache.
-Planted bug: a combine that NaNs on a row no rank saw must be caught.
+Planted bug: a combine that NaNs on a row no rank saw must be caught. Refusals come before any rank runs: an
+interleave that does not divide the page size (vLLM's rule) and a layout the chosen shard attention cannot read.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import time
 
 import pytest
@@ -22,8 +24,9 @@ from impls.triton.dcp.impl import TritonDcp
 from impls.triton.dcp.reorg import local_part_slots, padded_part_len, reorg_source_rows
 from impls.triton.dcp.shard import build_shard, local_count
 from mla_bench.compare import compare
+from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts.ops import gather_cache
-from mla_bench.metadata.reference import cumulative, dcp_local_len, dcp_rank_of_position
+from mla_bench.metadata.reference import check_dcp, cumulative, dcp_local_len, dcp_rank_of_position
 from mla_bench.problem import build_problem
 from mla_bench.tolerances import tolerance_for
 from mla_bench.workload import Workload
@@ -197,6 +200,59 @@ def test_run_dcp_refuses_other_modes_and_missing_gpus():
         run_dcp(dcp_workload(2, 1).replace(dtype="float16"), backend="gloo")
     with pytest.raises(ValueError, match="unknown shard attention 'bogus'"):  # was an error in every rank, each run
         TritonDcp(attention="bogus")
+    with pytest.raises(ValueError, match="a shard attention needs name, layouts, prepare"):  # an object, not a name
+        run_dcp(dcp_workload(2, 1), backend="gloo", attention=object())
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="GPUs"):
             run_dcp(dcp_workload(2, 1), backend="nccl")
+
+
+ODD_INTERLEAVE = re.escape("DCP needs an interleave that divides the page size; got interleave=3, page_size=4")
+
+
+def test_run_dcp_and_the_impl_refuse_an_interleave_that_does_not_divide_the_page_size_as_the_metadata_does():
+    """vLLM asserts ``block_size % cp_kv_cache_interleave_size == 0`` and the bench's DCP slot mappings refuse the
+    rest (``check_dcp``); run_dcp ran such a layout anyway and the impl passed it, so the entry points disagreed."""
+    w = dcp_workload(2, 3, page=4)
+    with pytest.raises(ValueError, match=ODD_INTERLEAVE) as from_metadata:
+        check_dcp(4, 2, 3)
+    with pytest.raises(ValueError, match=ODD_INTERLEAVE) as from_run:
+        run_dcp(w, backend="gloo", attention="torch")
+    assert str(from_run.value) == str(from_metadata.value)  # one check, one message
+    with pytest.raises(ValueError, match=ODD_INTERLEAVE):  # an interleave given to run_dcp, not the workload's
+        run_dcp(dcp_workload(2, 1, page=4), interleave=3, backend="gloo", attention="torch")
+    verdict = judge(TritonDcp(attention="torch"), build_problem(w))
+    assert (verdict.status, verdict.message) == ("unsupported", f"triton_dcp: {from_metadata.value}")
+
+
+FP4_LAYOUTS = {"fp4_mx16", "mxfp4_nsa", "nvfp4"}
+BF16_AND_FP8 = {"bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2"}
+
+
+@pytest.mark.parametrize("attention, reads", [("triton_decode", BF16_AND_FP8 | FP4_LAYOUTS),
+                                              ("torch", BF16_AND_FP8 | FP4_LAYOUTS), ("triton_sparse", BF16_AND_FP8)])
+def test_the_impl_declares_the_layouts_of_its_shard_attention(attention, reads):
+    """Each attention's layouts as found by running it over gloo (the sparse kernel's latent readers have no FP4);
+    the impl declared the decode's whatever attention it was made with."""
+    assert TritonDcp(attention=attention).capabilities.layouts == reads
+    assert TritonDcp.capabilities.layouts == BF16_AND_FP8 | FP4_LAYOUTS  # the registered impl: the default attention
+
+
+def test_a_layout_the_shard_attention_cannot_read_is_refused_before_any_rank_runs():
+    """triton_sparse reads no FP4 cache: each rank failed once it had built its shard, a rank error, not a refusal."""
+    w = dcp_workload(2, 1, layout="nvfp4")
+    with pytest.raises(UnsupportedConfig, match="triton_dcp: unsupported layout nvfp4"):
+        TritonDcp(attention="triton_sparse").plan(build_problem(w))
+    with pytest.raises(ValueError, match=r"run_dcp: the triton_sparse shard attention reads layouts "
+                                         r"\['bf16', 'fp8_ds_mla', 'fp8_ds_mla_pow2', 'fp8_e4m3'\], not 'nvfp4'"):
+        run_dcp(w, backend="gloo", attention="triton_sparse")
+
+
+@gloo_on_cpu
+@pytest.mark.parametrize("attention, layout", [("torch", "nvfp4"), ("triton_decode", "mxfp4_nsa"),
+                                               ("triton_sparse", "fp8_e4m3")])
+def test_a_shard_attention_reads_the_layouts_it_declares(attention, layout):
+    """One layout at the edge of each declaration, run for real (FP4 for those that claim it)."""
+    w = dcp_workload(2, 2, layout=layout)
+    outcome = run_dcp(w, backend="gloo", attention=attention)
+    check_against_reference(build_problem(w), outcome.out, outcome.lse, layout)

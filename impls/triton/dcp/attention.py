@@ -2,12 +2,14 @@
 
 A ``ShardAttention`` turns ``(q [T, H, 576], shard)`` into the rank's partial ``(out [T, H, 512], lse [T, H]
 float32)``: rows see the rank's first ``shard.visible_lens[row]`` keys of their request; a row that sees none
-gives out 0, lse -inf. ``prepare`` is the per-step host work (kept out of timings).
+gives out 0, lse -inf. ``prepare`` is the per-step host work (kept out of timings); ``layouts`` names the cache
+layouts it reads, so a run over another is refused before any rank starts.
 
 - ``triton_decode`` (the default): the Triton split-KV paged decode (issue 5) over the shard's own pages, with
-  ``visible_lens`` as its per-row causal frontier;
+  ``visible_lens`` as its per-row causal frontier; every layout the decode kernel reads (FP4 ones included);
 - ``triton_sparse``: the Triton sparse kernel fed every visible local slot of each row (-1 past the row's
-  frontier): a second Triton path (no split over the context: slow on few rows);
+  frontier): a second Triton path (no split over the context: slow on few rows); the Triton latent readers'
+  layouts (bf16 and FP8, no FP4);
 - ``torch``: eager gather-and-softmax per request in float32, any layout (decoded by the layout's own codec).
 """
 
@@ -18,15 +20,16 @@ from typing import Any, Protocol
 import torch
 
 from impls.triton.dcp.shard import DcpShard
-from impls.triton.decode import DecodePlan, plan_decode, run_decode
-from impls.triton.latent_io import cache_tensor_scale, layout_code
+from impls.triton.decode import KERNEL_LAYOUTS, DecodePlan, plan_decode, run_decode
+from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
 from impls.triton.sparse_kernel import sparse_mqa
-from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM
 from mla_bench.metadata.reference import cumulative
 
 
 class ShardAttention(Protocol):
     name: str
+    layouts: frozenset[str]  # the cache layouts it reads
 
     def prepare(self, shard: DcpShard, scale: float, heads: int) -> Any:
         """Per-step host work (metadata, buffers) for ``heads`` query heads; the result goes to ``__call__``."""
@@ -37,6 +40,7 @@ class ShardAttention(Protocol):
 
 class TorchShardAttention:
     name = "torch"
+    layouts = frozenset(LAYOUTS)  # each decoded by its own codec
 
     def prepare(self, shard: DcpShard, scale: float, heads: int) -> tuple[DcpShard, float]:
         return shard, scale
@@ -69,6 +73,7 @@ class TorchShardAttention:
 
 class TritonSparseShardAttention:
     name = "triton_sparse"
+    layouts = frozenset(LAYOUT_CODES)
 
     def prepare(self, shard: DcpShard, scale: float, heads: int) -> dict[str, Any]:
         tokens = shard.visible_lens.shape[0]
@@ -96,6 +101,7 @@ class TritonSparseShardAttention:
 
 class TritonDecodeShardAttention:
     name = "triton_decode"
+    layouts = frozenset(KERNEL_LAYOUTS)
 
     def prepare(self, shard: DcpShard, scale: float, heads: int) -> tuple[DecodePlan, torch.Tensor]:
         tokens = shard.visible_lens.shape[0]
@@ -121,4 +127,7 @@ def shard_attention(name_or_obj: Any) -> ShardAttention:
             return SHARD_ATTENTIONS[name_or_obj]()
         except KeyError:
             raise ValueError(f"unknown shard attention {name_or_obj!r}; known: {sorted(SHARD_ATTENTIONS)}") from None
+    missing = [attr for attr in ("name", "layouts", "prepare") if not hasattr(name_or_obj, attr)]
+    if missing:
+        raise ValueError(f"a shard attention needs {', '.join(missing)} (see ShardAttention), got {name_or_obj!r}")
     return name_or_obj

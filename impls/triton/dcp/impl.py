@@ -1,14 +1,17 @@
 """``triton_dcp``: the DCP path as a registered impl, each call a real multi-process run (see ``launch``); each
-rank attends its shard with the Triton paged decode (``attention="triton_decode"``, the default)."""
+rank attends its shard with the Triton paged decode (``attention="triton_decode"``, the default). An impl made with
+another shard attention declares that attention's layouts: a layout it cannot read is refused before any rank runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from impls.triton.dcp.attention import shard_attention
+from impls.triton.dcp.attention import TritonDecodeShardAttention, shard_attention
 from impls.triton.dcp.launch import default_backend, run_dcp
-from impls.triton.decode import KERNEL_LAYOUTS
 from mla_bench.errors import UnsupportedConfig
+from mla_bench.metadata.reference import check_dcp
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -17,16 +20,22 @@ from mla_bench.workload import Mode
 class TritonDcp(Impl):
     name = "triton_dcp"
     description = "decode context parallel over W processes (gloo / NCCL), combined by LSE"
-    capabilities = Capabilities(modes=frozenset({Mode.DCP}), layouts=frozenset(KERNEL_LAYOUTS))  # the decode's
+    # the default attention's layouts (the registered impl's); an impl made with another declares that one's
+    capabilities = Capabilities(modes=frozenset({Mode.DCP}), layouts=TritonDecodeShardAttention.layouts)
 
     def __init__(self, attention: str = "triton_decode") -> None:
-        shard_attention(attention)  # an unknown name is refused here, not in every rank of every run
+        layouts = shard_attention(attention).layouts  # an unknown name is refused here, not in every rank of every run
         self.attention = attention
+        self.capabilities = dataclasses.replace(self.capabilities, layouts=layouts)
 
     def plan(self, problem: Problem) -> Problem:
-        world = problem.workload.dcp_world
-        if problem.device.type == "cuda" and default_backend(world) != "nccl":
-            raise UnsupportedConfig(f"{self.name}: W={world} ranks need {world} GPUs, "
+        w = problem.workload
+        try:  # run_dcp's own check (vLLM's rule too), made here so that such a workload is unsupported, not an error
+            check_dcp(w.page_size, w.dcp_world, w.dcp_interleave)
+        except ValueError as exc:
+            raise UnsupportedConfig(f"{self.name}: {exc}") from None
+        if problem.device.type == "cuda" and default_backend(w.dcp_world) != "nccl":
+            raise UnsupportedConfig(f"{self.name}: W={w.dcp_world} ranks need {w.dcp_world} GPUs, "
                                     f"{torch.cuda.device_count()} visible")
         return problem
 

@@ -34,7 +34,7 @@ from impls.triton.latent_io import gather_latent
 from impls.triton.merge import rescale_partial
 from mla_bench.layouts import LATENT_DIM
 from mla_bench.lifetime import die_with_parent
-from mla_bench.metadata.reference import cumulative
+from mla_bench.metadata.reference import check_dcp, cumulative
 from mla_bench.problem import TORCH_DTYPES, Problem, build_problem
 from mla_bench.timing import SLEEP_CYCLES, capture_graphs, warm_up
 from mla_bench.workload import Mode, Workload
@@ -220,12 +220,17 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
         raise ValueError(f"run_dcp needs a workload of mode dcp, got {workload.mode.value}")
     world = world or workload.dcp_world
     interleave = interleave or workload.dcp_interleave
+    check_dcp(workload.page_size, world, interleave)  # vLLM's rule, as the bench's DCP slot mappings keep it
     backend = backend or default_backend(world)
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"run_dcp: NCCL with W={world} needs {world} GPUs, {torch.cuda.device_count()} visible")
     if attention == "triton_decode" and workload.dtype != "bfloat16":  # its shard queries are a bf16 buffer
         raise ValueError(f"run_dcp: the triton_decode shard attention takes bfloat16 queries, the workload's are "
                          f"{workload.dtype} (they would be rounded silently; attention='torch' takes any)")
+    reader = shard_attention(attention)
+    if workload.layout not in reader.layouts:  # else every rank fails once it has built its shard
+        raise ValueError(f"run_dcp: the {reader.name} shard attention reads layouts {sorted(reader.layouts)}, "
+                         f"not {workload.layout!r}")
     if synthetic and not isinstance(source, Workload):
         raise ValueError("run_dcp: synthetic timing draws shards from a Workload, not a Problem")
     if world != workload.dcp_world or interleave != workload.dcp_interleave:
