@@ -1,7 +1,8 @@
 """Where a run ran: GPU, driver, CUDA, torch, triton, python, platform and the bench's git commit.
 
 No hostname and no user names: a results file may be shared. ``gpu`` is what the gate compares before it
-compares latencies (only runs on the same GPU model are comparable).
+compares latencies (only runs on the same GPU model are comparable): the model of every device that ran part of
+the run, so a run over several models (``--devices``) names them all and compares with no run of one model.
 """
 
 from __future__ import annotations
@@ -10,23 +11,35 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 import mla_bench
+from mla_bench.results import Device
 
 PROJECT_ROOT = Path(mla_bench.__file__).resolve().parent.parent
 
 
-def collect(device: torch.device) -> dict[str, Any]:
-    """The environment of a run on ``device``."""
+def describe(device: torch.device, id: str) -> Device:
+    """``device`` of this process as the run names it (``id``): a worker's ``cuda`` is the host's GPU that ``id``
+    names, the only one it sees."""
+    if device.type != "cuda":
+        return Device(id)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return Device(id, torch.cuda.get_device_name(index), f"{major}.{minor}")
+
+
+def collect(device: torch.device, devices: list[Device]) -> dict[str, Any]:
+    """The environment of a run asked to run on ``device`` (``--device``) whose results ``devices`` produced:
+    ``gpu`` and ``compute_capability`` are theirs, the distinct values joined by " + "."""
     env: dict[str, Any] = {
         "device": str(device),
-        "gpu": None,
+        "gpu": _joined(d.name for d in devices),
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "compute_capability": None,
-        "driver": None,
+        "compute_capability": _joined(d.compute_capability for d in devices),
+        "driver": _driver_version() if any(d.name for d in devices) else None,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -35,13 +48,14 @@ def collect(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "mla_bench": mla_bench.__version__,
     }
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        env.update(gpu=torch.cuda.get_device_name(index), compute_capability=f"{major}.{minor}",
-                   driver=_driver_version())
     env.update(_git())
     return env
+
+
+def _joined(values: Iterable[str | None]) -> str | None:
+    """The distinct values, sorted and joined by " + " (None when there is none)."""
+    distinct = sorted({v for v in values if v is not None})
+    return " + ".join(distinct) or None
 
 
 def _triton_version() -> str | None:

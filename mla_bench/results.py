@@ -4,9 +4,9 @@
 counts); ``details`` holds small JSON-able extras (tolerances, tables); ``message`` the refusal reason,
 violations or traceback. Results serialize to plain JSON and load back with validation.
 
-A run file (``save_run`` / ``load_run``) is one versioned JSON object: format tag, version, environment,
-device ceilings and every Result. It may come from anyone, so loading never uses pickle or eval and checks
-every field's type; a corrupt or foreign file raises ``RunFileError``.
+A run file (``save_run`` / ``load_run``) is one versioned JSON object: format tag, version, environment, the
+devices that ran it, device ceilings and every Result. It may come from anyone, so loading never uses pickle or
+eval and checks every field's type; a corrupt or foreign file raises ``RunFileError``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Result:
     metrics: dict[str, float] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
     message: str = ""
+    device: str | None = None    # the Device.id of the run's device that produced it; None: none did (a suite that
+    #                              failed to load) or a run file of version 1
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -40,8 +42,9 @@ class Result:
         for name in ("suite", "check", "label", "message"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"Result.{name} must be a string")
-        if self.impl is not None and not isinstance(self.impl, str):
-            raise ValueError("Result.impl must be a string or null")
+        for name in ("impl", "device"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"Result.{name} must be a string or null")
         if self.workload is not None and not isinstance(self.workload, dict):
             raise ValueError("Result.workload must be an object or null")
         if not isinstance(self.metrics, dict) or not isinstance(self.details, dict):
@@ -96,9 +99,40 @@ def _decode_number(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Device:
+    """A device that ran part of a run, as the run's results name it (``Result.device``).
+
+    ``id`` is ``cuda:N`` (the host's GPU N, as ``--device`` and ``--devices`` number them) or ``cpu``; ``name`` the
+    GPU's model, which keys the run's ceilings, and ``compute_capability`` its ``major.minor`` (both None for the
+    CPU, and for a worker that died before it said).
+    """
+
+    id: str
+    name: str | None = None
+    compute_capability: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError("Device.id must be a non-empty string")
+        for name in ("name", "compute_capability"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"Device.{name} must be a string or null")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Device":
+        if not isinstance(data, dict):
+            raise ValueError(f"a device must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown device fields: {sorted(unknown)}")
+        return cls(**data)
+
+
 # ---- run files ---------------------------------------------------------------------------------------------------
 RUN_FORMAT = "mla-bench-run"
-RUN_VERSION = 1
+RUN_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 1: no devices, and results that do not say which device produced them
 
 
 class RunFileError(ValueError):
@@ -107,9 +141,11 @@ class RunFileError(ValueError):
 
 @dataclass
 class Run:
-    """One run: where it ran (environment), the device ceilings measured during it, and its Results.
+    """One run: where it ran (environment, and each device that ran part of it), the device ceilings measured
+    during it, and its Results.
 
-    ``ceilings`` maps a device name to its measured ``copy_gbps`` (read + write) and ``matmul_tflops`` (bf16).
+    ``ceilings`` maps a device name (``Device.name``: a GPU model) to its measured ``copy_gbps`` (read + write) and
+    ``matmul_tflops`` (bf16).
     """
 
     environment: dict[str, Any]
@@ -117,6 +153,7 @@ class Run:
     ceilings: dict[str, dict[str, float]] = field(default_factory=dict)
     created: str = ""
     command: list[str] = field(default_factory=list)
+    devices: list[Device] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -124,8 +161,8 @@ class Run:
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": RUN_FORMAT, "version": RUN_VERSION, "created": self.created, "command": self.command,
-                "environment": self.environment, "ceilings": self.ceilings,
-                "results": [r.to_dict() for r in self.results]}
+                "environment": self.environment, "devices": [asdict(d) for d in self.devices],
+                "ceilings": self.ceilings, "results": [r.to_dict() for r in self.results]}
 
     @classmethod
     def from_dict(cls, data: Any) -> "Run":
@@ -135,10 +172,11 @@ class Run:
         if data.get("format") != RUN_FORMAT:
             raise RunFileError(f"not an mla-bench run file (format is {data.get('format')!r}, "
                                f"expected {RUN_FORMAT!r})")
-        if isinstance(data.get("version"), bool) or data.get("version") != RUN_VERSION:
+        if isinstance(data.get("version"), bool) or data.get("version") not in READ_VERSIONS:
             raise RunFileError(f"unsupported run file version {data.get('version')!r} (this mla-bench reads "
-                               f"version {RUN_VERSION})")
-        unknown = set(data) - {"format", "version", "created", "command", "environment", "ceilings", "results"}
+                               f"versions {', '.join(map(str, READ_VERSIONS))})")
+        unknown = set(data) - {"format", "version", "created", "command", "environment", "devices", "ceilings",
+                               "results"}
         if unknown:
             raise RunFileError(f"unknown top-level fields: {sorted(unknown)}")
         created, command = data.get("created", ""), data.get("command", [])
@@ -150,17 +188,36 @@ class Run:
         if not isinstance(environment, dict) or not all(
                 isinstance(v, (str, int, float, bool)) or v is None for v in environment.values()):
             raise RunFileError("'environment' must be an object of strings, numbers, booleans or nulls")
+        devices = _parse_devices(data.get("devices", []))
         ceilings = _parse_ceilings(data.get("ceilings", {}))
         results = data.get("results")
         if not isinstance(results, list):
             raise RunFileError("'results' must be a list")
-        parsed = []
+        parsed, known = [], {None} | {d.id for d in devices}
         for i, item in enumerate(results):
             try:
                 parsed.append(Result.from_dict(item))
             except (TypeError, ValueError) as exc:
                 raise RunFileError(f"results[{i}]: {exc}") from None
-        return cls(environment=environment, results=parsed, ceilings=ceilings, created=created, command=command)
+            if parsed[-1].device not in known:
+                raise RunFileError(f"results[{i}]: device {parsed[-1].device!r} is not one of the run's 'devices'")
+        return cls(environment=environment, results=parsed, ceilings=ceilings, created=created, command=command,
+                   devices=devices)
+
+
+def _parse_devices(value: Any) -> list[Device]:
+    """The run's devices; ``RunFileError`` unless they are a list of device objects of distinct ids."""
+    if not isinstance(value, list):
+        raise RunFileError("'devices' must be a list")
+    devices = []
+    for i, item in enumerate(value):
+        try:
+            devices.append(Device.from_dict(item))
+        except (TypeError, ValueError) as exc:
+            raise RunFileError(f"devices[{i}]: {exc}") from None
+    if len({d.id for d in devices}) < len(devices):
+        raise RunFileError("'devices' names a device more than once")
+    return devices
 
 
 def _parse_ceilings(value: Any) -> dict[str, dict[str, float]]:

@@ -9,8 +9,11 @@ which also ends as an ``error`` Result per impl. A worker dies with the runner, 
 however either ends (``mla_bench.lifetime``).
 
 A worker is this module run as ``python -m mla_bench.runner``: it reads its job (JSON) on stdin and writes
-JSON lines (progress, results, done) on a private copy of stdout; anything the impls print goes to stderr,
-whose tail is kept when the worker dies.
+JSON lines (its device, progress, results, done) on a private copy of stdout; anything the impls print goes to
+stderr, whose tail is kept when the worker dies.
+
+Every result carries the device that produced it (``Result.device``), and the run lists those devices
+(``Run.devices``): the GPUs of one ``--devices`` run may be of several models.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -37,7 +40,7 @@ from mla_bench import environment
 from mla_bench.device import pick_device
 from mla_bench.lifetime import die_with_parent
 from mla_bench.registry import ImplEntry, discover, resolve
-from mla_bench.results import Result, Run
+from mla_bench.results import Device, Result, Run
 from mla_bench.timing import CEILINGS_CHECK
 from mla_bench.workload import Mode
 
@@ -133,9 +136,14 @@ def select_run(options: RunOptions) -> Selection:
 
 def _one_gpu_a_worker_notes(options: RunOptions, device: torch.device, suites: list[tuple[str, Any]]) -> list[str]:
     """``--devices`` on CUDA gives each worker one GPU, where DCP over W ranks needs W: ``--dcp`` then tests nothing
-    (a ValueError), and the equivalence suite's DCP checks are unsupported (a note)."""
+    (a ValueError), and the equivalence suite's DCP checks are unsupported (a note). A GPU index past the visible
+    ones is a ValueError too."""
     if not options.devices or device.type != "cuda":
         return []
+    past = [i for i in options.devices if i >= torch.cuda.device_count()]
+    if past:
+        raise ValueError(f"--devices {','.join(map(str, past))} asked for, but {torch.cuda.device_count()} GPU(s) "
+                         "are visible")
     if options.dcp_world:
         raise ValueError(f"--dcp {options.dcp_world} runs {options.dcp_world} ranks on as many GPUs of one worker; "
                          "--devices gives each worker one GPU: leave --devices out")
@@ -159,16 +167,30 @@ def run_selection(selection: Selection, progress: Progress | None = None) -> Run
     results = list(selection.results)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if options.isolate or options.devices:
-        results += _execute_workers(options, device, entries, [name for name, _ in suites], progress)
+        devices, found = _execute_workers(options, device, entries, [name for name, _ in suites], progress)
     else:
+        devices = [environment.describe(device, _device_id(device, None))]
         ctx = _context(options, device, entries, progress)
         progress.start(_total(selection.counts))
-        for name, suite in suites:
-            results += list(run_suite(name, suite, ctx))
+        found = _ran_on(devices[0].id, (r for name, suite in suites for r in run_suite(name, suite, ctx)))
+    results += found
     ceilings = {r.label: dict(r.metrics) for r in results if r.check == CEILINGS_CHECK}
     results = [r for r in results if r.check != CEILINGS_CHECK]
-    return Run(environment=environment.collect(device), results=results, ceilings=ceilings, created=started,
-               command=list(sys.argv))
+    return Run(environment=environment.collect(device, devices), results=results, ceilings=ceilings,
+               created=started, command=list(sys.argv), devices=devices)
+
+
+def _device_id(device: torch.device, slot: int | None) -> str:
+    """The ``Device.id`` of a worker given GPU ``slot`` (``--devices``), or, with no slot, of ``device``: ``cpu``, or
+    ``cuda:N`` for the host's GPU N (``cuda`` is GPU 0: no process of the bench changes its current device)."""
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{slot if slot is not None else device.index or 0}"
+
+
+def _ran_on(device_id: str, results: Iterable[Result]) -> list[Result]:
+    """``results``, each marked as produced by the device ``device_id``."""
+    return [dataclasses.replace(r, device=device_id) for r in results]
 
 
 def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
@@ -344,7 +366,8 @@ def _spec(entry: ImplEntry) -> str:
 
 
 def _execute_workers(options: RunOptions, device: torch.device, entries: list[ImplEntry], suite_names: list[str],
-                     progress: Progress) -> list[Result]:
+                     progress: Progress) -> tuple[list[Device], list[Result]]:
+    """The devices of the workers' slots (one a slot, as its workers described it) and every worker's results."""
     from suites.registry import load_suite
 
     slots = options.devices or [None]
@@ -354,26 +377,30 @@ def _execute_workers(options: RunOptions, device: torch.device, entries: list[Im
         jobs[shard] = [{"options": asdict(options), "impls": [_spec(e) for e in group],
                         "names": [e.name for e in group], "suites": suite_names,
                         "device": device.type if slot is not None else str(device),  # cuda:N without --devices
-                        "shard": shard, "shards": len(slots), "visible_device": slot, "parent": os.getpid(),
-                        "impl_free": index == 0}
+                        "device_id": _device_id(device, slot), "shard": shard, "shards": len(slots),
+                        "visible_device": slot, "parent": os.getpid(), "impl_free": index == 0}
                        for index, group in enumerate(groups)]
     suites = [(name, load_suite(name)) for name in suite_names]
     contexts = [_context(options, device, group, progress, shard, len(slots), index == 0)
                 for shard in jobs for index, group in enumerate(groups)]
     progress.start(_total([count for ctx in contexts for count in _counts(suites, ctx)]))
     collected: dict[tuple[int, int], list[Result]] = {}
+    described: dict[str, Device] = {}  # by id: the first that a worker of the slot described
     lock = threading.Lock()
 
     def work(shard: int) -> None:
         for index, job in enumerate(jobs[shard]):
             try:
-                found = _run_worker(job, progress)
+                device_of_job, found = _run_worker(job, progress)
             except Exception:  # noqa: BLE001 - the runner failed one job: its impls get an error, the rest run
+                device_of_job = None
                 found = [Result("run", "worker", "error", impl=name, label="(runner)",
                                 message=f"running the worker of {name} failed:\n{traceback.format_exc()}")
                          for name in job["names"]]
             with lock:
-                collected[(shard, index)] = found
+                collected[(shard, index)] = _ran_on(job["device_id"], found)
+                if device_of_job is not None:
+                    described.setdefault(device_of_job.id, device_of_job)
 
     # daemon: an interrupted run (Ctrl-C) does not wait for the threads to start the jobs left
     threads = [threading.Thread(target=work, args=(shard,), daemon=True) for shard in jobs]
@@ -381,17 +408,19 @@ def _execute_workers(options: RunOptions, device: torch.device, entries: list[Im
         thread.start()
     for thread in threads:
         thread.join()
-    return [r for key in sorted(collected) for r in collected[key]]
+    # In slot order, once each (CPU workers share "cpu"); one that no worker described before it died by its id only.
+    ids = dict.fromkeys(jobs[shard][0]["device_id"] for shard in sorted(jobs))
+    return [described.get(i, Device(i)) for i in ids], [r for key in sorted(collected) for r in collected[key]]
 
 
-def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
-    """Run one job in a fresh interpreter; a worker that dies, or stalls past the job's ``stall_timeout``, yields an
-    ``error`` Result per impl of the job."""
+def _run_worker(job: dict[str, Any], progress: Progress) -> tuple[Device | None, list[Result]]:
+    """Run one job in a fresh interpreter: the device it described (None when it died first) and its results. A
+    worker that dies, or stalls past the job's ``stall_timeout``, yields an ``error`` Result per impl of the job."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
     if job["visible_device"] is not None and job["device"] == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(job["visible_device"])
-    results, last, done = [], "(before the first workload)", False
+        env["CUDA_VISIBLE_DEVICES"] = _host_gpu(job["visible_device"])
+    results, last, done, device = [], "(before the first workload)", False, None
     limit = job["options"]["stall_timeout"]
     with tempfile.TemporaryFile(mode="w+b") as stderr:  # bytes: an impl may print any
         proc = subprocess.Popen([sys.executable, "-m", "mla_bench.runner"], stdin=subprocess.PIPE,
@@ -406,7 +435,9 @@ def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
                 message = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if "progress" in message:
+            if "device" in message:
+                device = Device.from_dict(message["device"])
+            elif "progress" in message:
                 last = str(message["progress"])
                 progress.advance(last)
             elif "result" in message:
@@ -423,7 +454,7 @@ def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
         stderr.seek(0)
         tail = stderr.read()[-_STDERR_TAIL:].decode("utf-8", errors="replace")
     if code == 0 and done:
-        return results
+        return device, results
     if done:  # every result arrived: the worker hung or crashed on its way out (a thread or a communicator left)
         last = "(at exit)"
         how = (f"finished its workloads, then did not exit within {EXIT_GRACE_S:g} s and was killed"
@@ -436,7 +467,14 @@ def _run_worker(job: dict[str, Any], progress: Progress) -> list[Result]:
         results.append(Result("run", "worker", "error", impl=name, label=last,
                               message=f"the worker running {name} {how} during '{last}' "
                                       f"(shard {job['shard']} of {job['shards']}).\nstderr tail:\n{tail}"))
-    return results
+    return device, results
+
+
+def _host_gpu(slot: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of the runner's GPU ``slot``: the runner's own list maps it when it was
+    started with one (``CUDA_VISIBLE_DEVICES=4,5 mla-bench run --devices 0,1`` runs on GPUs 4 and 5, not 0 and 1)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return visible.split(",")[slot].strip() if visible else str(slot)
 
 
 class _Watchdog:
@@ -513,6 +551,7 @@ def _worker_main() -> int:
 
     options = RunOptions(**job["options"])
     device = pick_device(job["device"])
+    send({"device": asdict(environment.describe(device, job["device_id"]))})
     entries = [resolve(spec) for spec in job["impls"]]
     ctx = _context(options, device, entries, Relay(), job["shard"], job["shards"], job["impl_free"])
     for name in job["suites"]:

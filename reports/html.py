@@ -1,6 +1,6 @@
-"""One self-contained HTML report of a run: environment, ceilings, pass/fail matrices, error heatmaps, latency and
-bandwidth with the roofline, impls side by side, the capability matrix, the hidden-cost table and how each impl's
-plans replay.
+"""One self-contained HTML report of a run: environment, the devices that ran it, ceilings, pass/fail matrices, error
+heatmaps, latency and bandwidth with the roofline, impls side by side, the capability matrix, the hidden-cost table
+and how each impl's plans replay.
 
 A results file may come from anyone: every string taken from it goes through ``html.escape`` (text and
 attributes), images are PNGs this module renders (embedded as base64 and also written beside the report), and
@@ -21,7 +21,7 @@ from mla_bench.results import STATUSES, Result, Run
 from reports.gate import BAD
 from reports.hidden_costs import hidden_cost_html
 from reports.limits import REPORT_ROWS
-from reports.plots import Plot, all_plots, layout_name
+from reports.plots import Plot, all_plots, layout_name, measured_on
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 SHORT = {"passed": "pass", "failed": "FAIL", "unsupported": "n/a", "error": "ERROR"}
@@ -139,11 +139,14 @@ def _verdict(run: Run) -> str:
 def _environment(run: Run) -> str:
     rows = [[esc(k), esc(v)] for k, v in run.environment.items()]
     out = "<h2>Environment</h2>" + _table(["", "value"], rows)
+    if run.devices:
+        drow = [[esc(d.id), esc(d.name or "-"), esc(d.compute_capability or "-")] for d in run.devices]
+        out += "<h3>Devices that ran this run</h3>" + _table(["device", "model", "compute capability"], drow)
     if run.ceilings:
-        crow = [[esc(device), _num(c.get("copy_gbps", "")), _num(c.get("matmul_tflops", "")),
-                 _num(c.get("l2_bytes", ""))] for device, c in run.ceilings.items()]
+        crow = [[esc(model), _num(c.get("copy_gbps", "")), _num(c.get("matmul_tflops", "")),
+                 _num(c.get("l2_bytes", ""))] for model, c in run.ceilings.items()]
         out += "<h3>Ceilings measured in this run</h3>" + _table(
-            ["device", "copy GB/s (read + write)", "bf16 matmul TFLOP/s", "L2 bytes"], crow)
+            ["model", "copy GB/s (read + write)", "bf16 matmul TFLOP/s", "L2 bytes"], crow)
     return out
 
 
@@ -237,21 +240,24 @@ def _latency(run: Run, plots: list[Plot], limit: int) -> str:
     rows = _by_label(results)
     out = "<h2>Latency, bandwidth and the roofline</h2>" + "".join(_img(p) for p in plots)
     out += ("<h3>Impls side by side</h3><p class='muted'>median run time &plusmn; IQR, the spread of the medians of "
-            "its slices, bandwidth and compute as a fraction of the ceilings measured in this run, plan time, timer; "
-            "\"warm L2\" where the workload is so small that its rotating input sets stay within a few times the "
-            "L2</p>")
+            "its slices, bandwidth and compute as a fraction of the ceilings of its GPU measured in this run, plan "
+            "time, timer; \"warm L2\" where the workload is so small that its rotating input sets stay within a few "
+            "times the L2; the GPU where the run had several models</p>")
     if len(rows) > limit:
         shown = set(sorted(rows, key=lambda label: -len(rows[label]))[:limit])
         out += (f"<p>the {limit} of {len(rows)} workloads timed on the most impls (--rows); the run file holds every "
                 "number</p>")
         rows = {label: cells for label, cells in rows.items() if label in shown}
-    body = [[esc(label)] + [_latency_cell(cells.get(impl)) for impl in impls] for label, cells in rows.items()]
+    several = len({measured_on(r) for r in results}) > 1
+    body = [[esc(label)] + [_latency_cell(cells.get(impl), several) for impl in impls]
+            for label, cells in rows.items()]
     return out + _table(["workload", *[esc(i) for i in impls]], body)
 
 
-def _latency_cell(r: Result | None) -> str:
+def _latency_cell(r: Result | None, several: bool) -> str:
     """A latency result's median and IQR, bandwidth, compute, plan time and timer (and how many samples the host
-    may have enqueued late: those can include the host's time)."""
+    may have enqueued late: those can include the host's time), and the GPU model it ran on where the run's latency
+    results span ``several``."""
     if r is None:
         return '<td class="muted">-</td>'
     m = r.metrics
@@ -262,7 +268,8 @@ def _latency_cell(r: Result | None) -> str:
             f"plan {m.get('plan_ms', float('nan')):.3g} ms &middot; {esc(r.details.get('timer', ''))}"
             + (" &middot; warm L2" if r.details.get("cold_l2") is False else "")
             + (f" &middot; host behind in {esc(r.details['host_behind'])} of {esc(m.get('iterations', '?'))} samples"
-               if r.details.get("host_behind") else ""))
+               if r.details.get("host_behind") else "")
+            + (f"<br>on {esc(measured_on(r) or '(GPU not recorded)')}" if several else ""))
     return f'<td class="num">{text}</td>'
 
 

@@ -1,6 +1,9 @@
 """The report's figures (matplotlib, rendered to PNG bytes): error heatmaps, latency and bandwidth against
 context length with the copy ceiling, and the roofline.
 
+A run's GPUs may be of several models (``--devices``): each latency result is drawn against the ceilings of the
+model it was measured on (``measured_on``), the latency lines and the roofline split by model.
+
 Figures are built with ``matplotlib.figure.Figure`` (no pyplot, no global backend). Labels come from results
 files: ``_text`` escapes ``$`` so a crafted name is drawn as typed, never parsed as math text. Numbers too:
 a value a log axis cannot draw (NaN, inf, <= 0, outside ``LOG_RANGE``) is written uncoloured in its heatmap cell,
@@ -15,6 +18,7 @@ import io
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterable
 
 import matplotlib
 from matplotlib.colors import LogNorm
@@ -22,7 +26,7 @@ from matplotlib.figure import Figure
 
 from mla_bench.results import Result, Run
 
-MAX_IMPLS_PER_FIGURE = 12
+MAX_IMPLS_PER_FIGURE = 12  # impls a roofline panel draws
 LOG_RANGE = (1e-200, 1e200)  # matplotlib's log-axis ticks overflow near the ends of the float range
 
 
@@ -153,28 +157,31 @@ def _note_left_out(fig: Figure, left_out: int, why: str) -> None:
         fig.suptitle(f"{left_out} passed latency result(s) not drawn: {why}", color="firebrick")
 
 
-def _series_key(r: Result) -> tuple[str, str]:
-    """(panel, line): a panel per mode and preset (and head override), a line per impl, batch, layout, page."""
+def _series_key(r: Result, by_model: bool) -> tuple[str, str]:
+    """(panel, line): a panel per mode and preset (and head override), a line per impl, batch, layout, page, and GPU
+    model where ``by_model`` (a run over several: one line's workloads are sharded over its GPUs)."""
     w = _workload(r)
     panel = f"{w.get('mode', '?')} {w.get('preset', '?')}" + (f" h{w['num_heads']}" if w.get("num_heads") else "")
     line = f"{r.impl} b{len(w.get('kv_lens') or [])} {layout_name(r)} ps{w.get('page_size', '?')}"
-    return panel, line
+    return panel, line + (f" on {measured_on(r)}" if by_model else "")
 
 
 PANELS_PER_ROW = 3  # panels (mode x preset) side by side before the figure wraps
 MAX_LINES_PER_PANEL = 30  # more lines (and their legend) are unreadable and take minutes to lay out (gpu-quick: 15)
+CEILING_STYLES = ("--", ":", "-.")  # a copy ceiling line per GPU model of a panel
 
 
 def latency_plots(run: Run) -> list[Plot]:
-    """Per panel: latency (top) and bandwidth with the measured copy ceiling (bottom) against context."""
+    """Per panel: latency (top) and bandwidth with the copy ceiling of each GPU model measured on (bottom) against
+    context."""
     results = _latency_results(run)
     if not results:
         return []
+    models = _models(map(measured_on, results))
     panels: dict[str, dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
-        panel, line = _series_key(r)
+        panel, line = _series_key(r, len(models) > 1)
         panels[panel][line].append(r)
-    copy = _ceiling(run, "copy_gbps")
     names = sorted(panels)
     cols = min(PANELS_PER_ROW, len(names))
     rows = -(-len(names) // cols)
@@ -193,8 +200,12 @@ def latency_plots(run: Run) -> list[Plot]:
             top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_text(line))
             gbps = [r.metrics.get("gbps") for r in items]  # a gap where absent, NaN, inf, <= 0 or absurd
             bottom.plot(xs, [g if _loggable(g) else math.nan for g in gbps], marker="o", label=_text(line))
-        if copy:
-            bottom.axhline(copy, color="black", linestyle="--", label=f"copy ceiling {copy:.0f} GB/s")
+        for i, model in enumerate(_models(measured_on(r) for items in panels[panel].values() for r in items)):
+            copy = _ceiling(run, model, "copy_gbps")
+            if copy:
+                name = f" of {model}" if len(models) > 1 else ""
+                bottom.axhline(copy, color="black", linestyle=CEILING_STYLES[i % len(CEILING_STYLES)],
+                               label=_text(f"copy ceiling{name} {copy:.0f} GB/s"))
         left_out = len(panels[panel]) > len(lines)
         top.set_title(_text(f"{panel}: latency (median)")
                       + (f", {len(lines)} of {len(panels[panel])} lines (most points)" if left_out else ""))
@@ -217,18 +228,47 @@ def _longest(lines: dict[str, list[Result]]) -> list[tuple[str, list[Result]]]:
     return sorted(ranked[:MAX_LINES_PER_PANEL])
 
 
+@dataclass
+class RooflinePanel:
+    """The roofline of one GPU model: its ceilings (None where the run has none a log axis can draw) and, per impl,
+    the (FLOP/byte, TFLOP/s) points of the latency results measured on it."""
+
+    model: str | None  # None: results that do not say which model they were measured on
+    copy_gbps: float | None
+    matmul_tflops: float | None
+    points: dict[str, list[tuple[float, float]]]
+
+
+def roofline_panels(run: Run) -> list[RooflinePanel]:
+    """A panel per GPU model that drawable latency results were measured on (``_models`` order), each result placed
+    against the ceilings of its own model, never another's."""
+    points: dict[str | None, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for r in _latency_results(run):
+        if point := _roofline_point(r):
+            points[measured_on(r)][r.impl].append(point)
+    return [RooflinePanel(model, _ceiling(run, model, "copy_gbps"), _ceiling(run, model, "matmul_tflops"),
+                          dict(points[model])) for model in _models(points)]
+
+
 def roofline(run: Run) -> list[Plot]:
-    """Achieved TFLOP/s against arithmetic intensity, under min(copy bandwidth x intensity, matmul rate)."""
-    points = [(r.impl, point) for r in _latency_results(run) if (point := _roofline_point(r))]
-    copy, matmul = _ceiling(run, "copy_gbps"), _ceiling(run, "matmul_tflops")
-    if not points:
+    """Achieved TFLOP/s against arithmetic intensity, under min(copy bandwidth x intensity, matmul rate): a panel per
+    GPU model (``roofline_panels``)."""
+    panels = roofline_panels(run)
+    if not panels:
         return []
-    fig = Figure(figsize=(8, 5.5), layout="constrained")
-    ax = fig.subplots()
-    by_impl: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for impl, point in points:
-        by_impl[impl].append(point)
-    intensities = [x for _, (x, _) in points]
+    fig = Figure(figsize=(8 * len(panels), 5.5), layout="constrained")
+    for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        _roofline_panel(ax, panel)
+    drawn = sum(len(items) for panel in panels for items in panel.points.values())
+    _note_left_out(fig, len(_passed_latency(run)) - drawn, "no positive finite median, context, bytes, FLOPs or "
+                   "intensity")
+    return [Plot("roofline", "Roofline", _png(fig))]
+
+
+def _roofline_panel(ax, panel: RooflinePanel) -> None:
+    """Draw one model's roofline (where both its ceilings are drawable) and the points of its first impls."""
+    copy, matmul = panel.copy_gbps, panel.matmul_tflops
+    intensities = [x for items in panel.points.values() for x, _ in items]
     if copy and matmul:
         lo = max(min(intensities) / 2, LOG_RANGE[0])
         hi = min(max(max(intensities) * 2, matmul * 1e3 / copy * 4), LOG_RANGE[1])
@@ -236,19 +276,18 @@ def roofline(run: Run) -> list[Plot]:
         line = [(x, y) for x, y in line if _loggable(y)]
         ax.plot([x for x, _ in line], [y for _, y in line], color="black",
                 label=f"roofline: copy {copy:.0f} GB/s, bf16 matmul {matmul:.0f} TFLOP/s")
-    for impl, items in sorted(by_impl.items())[:MAX_IMPLS_PER_FIGURE]:
+    for impl, items in sorted(panel.points.items())[:MAX_IMPLS_PER_FIGURE]:
         ax.scatter([x for x, _ in items], [y for _, y in items], label=_text(impl))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("TFLOP/s")
-    shown = "" if len(by_impl) <= MAX_IMPLS_PER_FIGURE else f", first {MAX_IMPLS_PER_FIGURE} of {len(by_impl)} impls"
-    ax.set_title(f"Roofline (ceilings measured in this run{shown})")
-    _note_left_out(fig, len(_passed_latency(run)) - len(points), "no positive finite median, context, bytes, "
-                   "FLOPs or intensity")
+    impls = len(panel.points)
+    shown = "" if impls <= MAX_IMPLS_PER_FIGURE else f", first {MAX_IMPLS_PER_FIGURE} of {impls} impls"
+    where = _text(panel.model, 40) if panel.model is not None else "a device the results do not name"
+    ax.set_title(f"Roofline of {where} (ceilings measured in this run{shown})")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    return [Plot("roofline", "Roofline", _png(fig))]
 
 
 def _roofline_point(r: Result) -> tuple[float, float] | None:
@@ -260,7 +299,20 @@ def _roofline_point(r: Result) -> tuple[float, float] | None:
     return (x, y) if _loggable(x) and _loggable(y) else None
 
 
-def _ceiling(run: Run, name: str) -> float | None:
-    """The first device's ceiling ``name`` that a log axis can draw (a file may hold NaN, 0 or negatives)."""
-    values = [c.get(name) for c in run.ceilings.values() if _loggable(c.get(name))]
-    return float(values[0]) if values else None
+def measured_on(r: Result) -> str | None:
+    """The GPU model a latency result was measured on: the latency suite names it in ``details["device"]`` (every
+    version of it), the very name that keys the run's ceilings of that model. None where a file does not say."""
+    model = r.details.get("device")
+    return model if isinstance(model, str) else None
+
+
+def _models(models: Iterable[str | None]) -> list[str | None]:
+    """The distinct GPU models, sorted, None (not said) last."""
+    return sorted(set(models), key=lambda model: (model is None, model or ""))
+
+
+def _ceiling(run: Run, model: str | None, name: str) -> float | None:
+    """The ceiling ``name`` the run measured for GPU ``model``, where a log axis can draw it (a file may hold NaN, 0
+    or negatives)."""
+    value = run.ceilings.get(model, {}).get(name) if model is not None else None
+    return float(value) if _loggable(value) else None

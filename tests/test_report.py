@@ -15,12 +15,13 @@ import pytest
 from rich.console import Console
 
 from mla_bench.hidden_costs import COST_METRICS
-from mla_bench.results import Result, Run, load_run, save_run
+from mla_bench.results import Device, Result, Run, load_run, save_run
 from reports.console import compare_table, failures_table, gate_table, summary_table
 from reports.gate import Finding
 from reports.hidden_costs import hidden_cost_rows, hidden_cost_table
 from reports.html import render, write_report
-from reports.plots import MAX_IMPLS_PER_FIGURE, _ceiling, all_plots, error_heatmaps, roofline
+from reports.plots import (MAX_IMPLS_PER_FIGURE, _ceiling, all_plots, error_heatmaps, latency_plots, roofline,
+                           roofline_panels)
 
 EVIL = '<script>alert(1)</script>"><img src=x onerror=alert(2)><iframe src="http://evil.example/">$\\alpha$'
 ALLOWED_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "code", "b", "table", "tr",
@@ -33,14 +34,20 @@ def _workload(kv: int, layout: str = "bf16", batch: int = 2, mode: str = "decode
             "dcp_world": 1, "dcp_interleave": 1, "chunk_size": None, "seed": 0}
 
 
-def _latency(impl: str, kv: int, ms: float, batch: int = 2, cold_l2: bool = True, spread: bool = True) -> Result:
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def _latency(impl: str, kv: int, ms: float, batch: int = 2, cold_l2: bool = True, spread: bool = True,
+             device: str = H100) -> Result:
+    """A passed latency result as the latency suite makes it, measured on the GPU model ``device``."""
     w = _workload(kv, batch=batch, preset="deepseek-v3-tp8")
     nbytes, flops = 1152 * kv * batch, 2 * 16 * 1088 * kv * batch
     return Result("latency", "latency", "passed", impl=impl, workload=w, label=f"decode b{batch} ctx{kv}",
                   metrics={"run_ms": ms, "run_ms_iqr": ms / 50, "plan_ms": 0.05, "bytes": nbytes, "flops": flops,
                            "gbps": nbytes / ms / 1e6, "tflops": flops / ms / 1e9, "copy_fraction": 0.5,
                            "matmul_fraction": 0.1, "iterations": 1000} | ({"run_ms_spread": ms / 20} if spread else {}),
-                  details={"timer": "cuda_graph", "cold_l2": cold_l2, "host_behind": 32 if kv == 8192 else 0})
+                  details={"timer": "cuda_graph", "cold_l2": cold_l2, "host_behind": 32 if kv == 8192 else 0,
+                           "device": device})
 
 
 def rich_run(evil: str = "") -> Run:
@@ -57,7 +64,7 @@ def rich_run(evil: str = "") -> Run:
                                                "replay_max_abs": 0.0 if impl == "beta" or kv < 512 else kv / 1e6}))
         for kv in (4096, 8192, 16384):
             results.append(_latency(impl, kv, 0.01 * kv / 4096 * (2 if impl == "beta" else 1), cold_l2=kv > 4096,
-                                    spread=kv != 16384))
+                                    spread=kv != 16384, device=f"NVIDIA H100{evil}"))
             if evil and kv == 8192:
                 results[-1].details["host_behind"] = evil
     results += [
@@ -76,6 +83,23 @@ def rich_run(evil: str = "") -> Run:
                results=results, created=f"2026{evil}", command=["mla-bench", "run", evil])
 
 
+TWO_GPU_CEILINGS = {H100: {"copy_gbps": 3000.0, "matmul_tflops": 700.0, "l2_bytes": 52428800},
+                    H200: {"copy_gbps": 4400.0, "matmul_tflops": 800.0, "l2_bytes": 62914560}}
+
+
+def two_gpu_run() -> Run:
+    """A ``--devices 0,1`` run on a host of an H100 (GPU 0) and an H200 (GPU 1): the workloads sharded round robin,
+    each latency result measured on its shard's GPU, the ceilings of both models."""
+    results = [_latency(impl, kv, 0.01 * kv / 4096, device=(H100, H200)[i % 2])
+               for i, kv in enumerate((4096, 8192, 16384, 32768)) for impl in ("alpha", "beta")]
+    return Run(environment={"gpu": f"{H100} + {H200}"}, results=results, ceilings=TWO_GPU_CEILINGS)
+
+
+def _point(r: Result) -> tuple[float, float]:
+    """A latency result's roofline point: (FLOP/byte, TFLOP/s)."""
+    return r.metrics["flops"] / r.metrics["bytes"], r.metrics["flops"] / (r.metrics["run_ms"] * 1e-3) / 1e12
+
+
 class TagCollector(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
@@ -87,7 +111,9 @@ class TagCollector(html.parser.HTMLParser):
 
 
 def test_crafted_results_file_injects_no_markup(tmp_path):
-    path = save_run(rich_run(EVIL), tmp_path / "evil.json")
+    run = rich_run(EVIL)
+    run.devices = [Device(f"cuda:0{EVIL}", f"NVIDIA H100{EVIL}", f"9.0{EVIL}")]
+    path = save_run(run, tmp_path / "evil.json")
     run = load_run(path)  # structurally valid: it is accepted, and must be rendered harmlessly
     page = render(run, all_plots(run))
     assert "<script" not in page.lower() and "<iframe" not in page.lower()
@@ -209,8 +235,8 @@ def test_odd_metric_values_still_render(metric, value, step):
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -5.0, 1e300])
 def test_odd_ceilings_are_not_drawn(value):
     run = rich_run()
-    run.ceilings = {"H100": {"copy_gbps": value, "matmul_tflops": value}}
-    assert _ceiling(run, "copy_gbps") is None  # was drawn as "copy ceiling nan GB/s" (or crashed the roofline)
+    run.ceilings = {H100: {"copy_gbps": value, "matmul_tflops": value}}
+    assert _ceiling(run, H100, "copy_gbps") is None  # was drawn as "copy ceiling nan GB/s" (or crashed the roofline)
     render(run, all_plots(run))
 
 
@@ -247,6 +273,61 @@ def test_roofline_title_says_when_impls_are_left_out(monkeypatch):
     run = Run(environment={}, results=[_latency(f"impl{i:02}", 4096, 0.01) for i in range(MAX_IMPLS_PER_FIGURE + 3)])
     roofline(run)
     assert f"first {MAX_IMPLS_PER_FIGURE} of {MAX_IMPLS_PER_FIGURE + 3} impls" in figures[0].axes[0].get_title()
+
+
+def test_each_latency_result_is_on_the_roofline_of_its_own_gpu_model():
+    """The roofline drew every result of a run over an H100 and an H200 under the H100's ceilings (the first in the
+    file): each model now has its panel, its own ceilings and only the results measured on it. A result naming a
+    model the run measured no ceilings for, or none, is drawn under no other model's roofline."""
+    run = two_gpu_run()
+    run.results += [_latency("alpha", 1024, 0.005, device="NVIDIA B200"), _latency("beta", 1024, 0.005)]
+    del run.results[-1].details["device"]
+    panels = roofline_panels(run)
+    assert [(p.model, p.copy_gbps, p.matmul_tflops) for p in panels] == [
+        ("NVIDIA B200", None, None), (H100, 3000.0, 700.0), (H200, 4400.0, 800.0), (None, None, None)]
+    for panel in panels:
+        mine = [r for r in run.results if r.details.get("device") == panel.model]
+        assert panel.points == {impl: [_point(r) for r in mine if r.impl == impl] for impl in {r.impl for r in mine}}
+    assert sum(len(points) for points in panels[1].points.values()) == 4
+
+
+def test_the_roofline_figure_draws_a_panel_per_gpu_model_under_its_own_ceilings(monkeypatch):
+    figures = _figures(monkeypatch)
+    run = two_gpu_run()
+    roofline(run)
+    axes = figures[0].axes
+    assert [ax.get_title() for ax in axes] == [f"Roofline of {H100} (ceilings measured in this run)",
+                                               f"Roofline of {H200} (ceilings measured in this run)"]
+    for ax, model in zip(axes, (H100, H200)):
+        top = max(ax.lines[0].get_ydata())  # the roofline's flat part: the model's matmul rate
+        assert top == TWO_GPU_CEILINGS[model]["matmul_tflops"]
+        drawn = sorted(tuple(xy) for c in ax.collections for xy in c.get_offsets())
+        assert drawn == sorted(_point(r) for r in run.results if r.details["device"] == model)
+
+
+def test_latency_lines_and_copy_ceilings_are_split_by_gpu_model(monkeypatch):
+    """A line's workloads are sharded over the GPUs: one line joined H100 and H200 points, under the H100's copy
+    ceiling only."""
+    figures = _figures(monkeypatch)
+    latency_plots(two_gpu_run())
+    bottom = figures[0].axes[1]
+    lines = {line.get_label(): list(line.get_xdata()) for line in bottom.lines}
+    assert lines == {f"alpha b2 bf16 ps64 on {H100}": [4096, 16384], f"alpha b2 bf16 ps64 on {H200}": [8192, 32768],
+                     f"beta b2 bf16 ps64 on {H100}": [4096, 16384], f"beta b2 bf16 ps64 on {H200}": [8192, 32768],
+                     f"copy ceiling of {H100} 3000 GB/s": [0, 1], f"copy ceiling of {H200} 4400 GB/s": [0, 1]}
+    ceilings = {line.get_label(): line.get_ydata()[0] for line in bottom.lines if "ceiling" in line.get_label()}
+    assert sorted(ceilings.values()) == [3000.0, 4400.0]
+
+
+def test_the_report_lists_the_devices_and_names_the_gpu_of_each_latency_result_of_a_mixed_run():
+    run = two_gpu_run()
+    run.devices = [Device("cuda:0", H100, "9.0"), Device("cuda:1", H200, "9.0")]
+    page = render(run, [])
+    devices = page[page.index("<h3>Devices that ran this run</h3>"):].split("</table>")[0]
+    assert re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", devices) == [
+        ("cuda:0", H100, "9.0"), ("cuda:1", H200, "9.0")]
+    assert page.count(f"<br>on {H100}</td>") == page.count(f"<br>on {H200}</td>") == 4
+    assert "<br>on " not in render(rich_run(), [])  # one model: the environment says it
 
 
 def test_hidden_cost_row_without_its_metrics():

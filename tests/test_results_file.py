@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mla_bench.results import RUN_FORMAT, RUN_VERSION, Result, Run, RunFileError, load_run, save_run
+from mla_bench.results import RUN_FORMAT, RUN_VERSION, Device, Result, Run, RunFileError, load_run, save_run
 
 
 def _run() -> Run:
@@ -43,6 +43,27 @@ def test_non_finite_ceilings_round_trip(tmp_path):
     run.ceilings = {"H100": {"copy_gbps": float("nan"), "matmul_tflops": float("inf")}}
     loaded = load_run(save_run(run, tmp_path / "run.json"))
     assert math.isnan(loaded.ceilings["H100"]["copy_gbps"]) and loaded.ceilings["H100"]["matmul_tflops"] == math.inf
+
+
+def test_round_trip_keeps_the_devices_and_the_device_of_each_result(tmp_path):
+    run = _run()
+    run.devices = [Device("cuda:0", "NVIDIA H100 80GB HBM3", "9.0"), Device("cuda:1", "NVIDIA H200", "9.0")]
+    run.results[0].device = "cuda:1"
+    loaded = load_run(save_run(run, tmp_path / "run.json"))
+    assert loaded.devices == run.devices and [r.device for r in loaded.results] == ["cuda:1", None]
+
+
+def test_a_version_1_file_loads_without_devices(tmp_path):
+    """A file as version 1 wrote it (no devices, results that do not name theirs) still loads."""
+    old = {"format": RUN_FORMAT, "version": 1, "created": "then", "command": ["mla-bench", "run"],
+           "environment": {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"},
+           "ceilings": {"NVIDIA H100 80GB HBM3": {"copy_gbps": 3000.0, "matmul_tflops": "nan"}},
+           "results": [{"suite": "latency", "check": "latency", "status": "passed", "impl": "x", "workload": None,
+                        "label": "w", "metrics": {"run_ms": 0.01}, "details": {"device": "NVIDIA H100 80GB HBM3"},
+                        "message": ""}]}
+    loaded = load_run(_write(tmp_path, old))
+    assert loaded.devices == [] and [r.device for r in loaded.results] == [None]
+    assert math.isnan(loaded.ceilings["NVIDIA H100 80GB HBM3"]["matmul_tflops"])
 
 
 def _write(tmp_path, data) -> str:
@@ -81,6 +102,16 @@ def _valid() -> dict:
     (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "metrics": {"x": 10 ** 400}}]},
      "results[0]: Result.metrics['x'] must be a number"),  # no float holds it: the report would crash
     (_valid() | {"ceilings": {"H100": {"copy_gbps": 10 ** 400}}}, "'ceilings'"),
+    (_valid() | {"devices": {"cuda:0": "H100"}}, "'devices' must be a list"),
+    (_valid() | {"devices": [{"id": 0}]}, "devices[0]: Device.id must be a non-empty string"),
+    (_valid() | {"devices": [{"id": "cuda:0", "name": ["H100"]}]}, "devices[0]: Device.name must be a string"),
+    (_valid() | {"devices": [{"id": "cuda:0", "serial": "x"}]}, "devices[0]: unknown device fields: ['serial']"),
+    (_valid() | {"devices": ["cuda:0"]}, "devices[0]: a device must be a JSON object"),
+    (_valid() | {"devices": [{"id": "cuda:0"}, {"id": "cuda:0", "name": "H200"}]}, "names a device more than once"),
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "device": "cuda:7"}]},
+     "results[0]: device 'cuda:7' is not one of the run's 'devices'"),
+    (_valid() | {"results": [{"suite": "a", "check": "b", "status": "passed", "device": 0}]},
+     "results[0]: Result.device must be a string or null"),
 ])
 def test_corrupt_or_foreign_files_get_a_clear_error(tmp_path, data, message):
     path = _write(tmp_path, data)

@@ -6,6 +6,8 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -15,8 +17,8 @@ import torch
 
 import planted_impls as planted
 from mla_bench.registry import ImplNotInstalled, discover
-from mla_bench.results import Result, Run
-from mla_bench import runner
+from mla_bench.results import Device, Result, Run, load_run, save_run
+from mla_bench import environment, runner
 from mla_bench.runner import Progress, RunOptions, _one_gpu_a_worker_notes, execute, select_run, untested_impls
 from suites.accuracy import AccuracySuite
 from suites.registry import SUITES, load_suite
@@ -187,6 +189,79 @@ def test_sharding_over_workers_gives_the_same_results_as_one_process():
     key = lambda r: (r.impl, r.label, r.status)  # noqa: E731
     assert sorted(map(key, sharded.results)) == sorted(map(key, single.results))
     assert len(single.results) == len({r.label for r in single.results}) == 4
+    for run in (single, sharded):  # CPU workers share the one CPU
+        assert run.devices == [Device("cpu")] and {r.device for r in run.results} == {"cpu"}
+        assert run.environment["gpu"] is None
+
+
+# A worker on a host of an H100 (GPU 0) and an H200 (GPU 1): it describes the GPU it was given, sends that GPU's
+# ceilings and a latency result measured on it, as the latency suite does; FAKE_WORKER_DIES names a GPU whose
+# worker dies before saying anything.
+FAKE_GPU_WORKER = """
+import json, os, sys
+job, gpu = json.loads(sys.stdin.read()), os.environ["CUDA_VISIBLE_DEVICES"]
+if gpu == os.environ.get("FAKE_WORKER_DIES"):
+    sys.exit(3)
+name, copy = {"0": ("NVIDIA H100 80GB HBM3", 3000.0), "1": ("NVIDIA H200", 4400.0)}[gpu]
+for message in [{"device": {"id": job.get("device_id"), "name": name, "compute_capability": "9.0"}},
+                {"result": {"suite": "latency", "check": "ceilings", "status": "passed", "label": name,
+                            "metrics": {"copy_gbps": copy, "matmul_tflops": 700.0}}},
+                {"result": {"suite": "latency", "check": "latency", "status": "passed", "impl": "torch_eager",
+                            "label": f"shard {job['shard']}", "metrics": {"run_ms": 0.01},
+                            "details": {"device": name}}},
+                {"done": True}]:
+    print(json.dumps(message), flush=True)
+"""
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def _two_gpu_host(monkeypatch) -> None:
+    """This process sees CUDA with GPU 0 an H100 and GPU 1 an H200; the workers it starts are ``FAKE_GPU_WORKER``."""
+    names = {0: H100, 1: H200}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: names[index])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    popen = subprocess.Popen
+
+    def start(argv, **kwargs):
+        worker = argv[1:] == ["-m", "mla_bench.runner"]
+        return popen([sys.executable, "-c", FAKE_GPU_WORKER] if worker else argv, **kwargs)
+    monkeypatch.setattr(subprocess, "Popen", start)
+
+
+def test_a_run_over_gpus_of_two_models_records_each_device_and_the_device_of_each_result(monkeypatch, tmp_path):
+    """``--devices 0,1`` recorded GPU 0's name as the run's GPU, though GPU 1 (another model) ran half of it, and no
+    result said which GPU ran it."""
+    _two_gpu_host(monkeypatch)
+    run = execute(RunOptions(impls=["torch_eager"], suites=["latency"], device="cuda", preset="tiny", devices=[0, 1]))
+    assert run.environment["gpu"] == f"{H100} + {H200}" and run.environment["compute_capability"] == "9.0"
+    assert run.devices == [Device("cuda:0", H100, "9.0"), Device("cuda:1", H200, "9.0")]
+    assert {r.label: r.device for r in run.results} == {"shard 0": "cuda:0", "shard 1": "cuda:1"}
+    assert run.ceilings == {H100: {"copy_gbps": 3000.0, "matmul_tflops": 700.0},
+                            H200: {"copy_gbps": 4400.0, "matmul_tflops": 700.0}}
+    assert load_run(save_run(run, tmp_path / "run.json")) == run
+
+
+def test_a_gpu_whose_worker_died_before_describing_it_is_listed_by_its_index(monkeypatch):
+    _two_gpu_host(monkeypatch)
+    monkeypatch.setenv("FAKE_WORKER_DIES", "1")
+    run = execute(RunOptions(impls=["torch_eager"], suites=["latency"], device="cuda", preset="tiny", devices=[0, 1]))
+    assert run.devices == [Device("cuda:0", H100, "9.0"), Device("cuda:1")]
+    assert run.environment["gpu"] == H100
+    assert [(r.status, r.device) for r in run.results] == [("passed", "cuda:0"), ("error", "cuda:1")]
+    assert "exited with code 3" in run.results[1].message
+
+
+def test_a_device_is_described_by_the_process_that_uses_it(monkeypatch):
+    """A worker's ``cuda`` is the GPU it was given: it names its model; the run's id says which of the host's it is."""
+    _two_gpu_host(monkeypatch)
+    assert environment.describe(torch.device("cuda", 1), "cuda:1") == Device("cuda:1", H200, "9.0")
+    assert environment.describe(torch.device("cpu"), "cpu") == Device("cpu")
+    env = environment.collect(torch.device("cuda"), [Device("cuda:1", H200, "9.0"), Device("cuda:0", H100, "9.0"),
+                                                      Device("cuda:2", H200, "9.0")])
+    assert (env["device"], env["gpu"], env["compute_capability"]) == ("cuda", f"{H100} + {H200}", "9.0")
 
 
 def test_latency_on_cpu_is_unsupported_with_the_reason():
@@ -302,15 +377,28 @@ def test_impls_given_beside_all_are_added_and_an_untested_one_is_reported():
         select_run(RunOptions(impls=["all", "nosuchmod:MyMLA"], device="cpu", preset="tiny"))
 
 
-def test_devices_on_cuda_refuse_dcp_and_note_the_equivalence_suites_dcp_checks():
+def test_devices_on_cuda_refuse_dcp_and_note_the_equivalence_suites_dcp_checks(monkeypatch):
     """Each --devices worker sees one GPU: --dcp 4 tested nothing and exited 0, the DCP checks were unsupported."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     cuda, equivalence = torch.device("cuda"), [("equivalence", load_suite("equivalence"))]
+    with pytest.raises(ValueError, match=r"--devices 4,7 asked for, but 4 GPU\(s\) are visible"):  # was a worker
+        _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 4, 7]), cuda, [])  # error per job
     with pytest.raises(ValueError, match="--dcp 4 runs 4 ranks on as many GPUs of one worker"):
         _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 1, 2, 3], dcp_world=4), cuda, [])
     assert _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 1]), cuda, equivalence) == [
         "note: --devices gives each worker one GPU: the equivalence suite's DCP checks are unsupported"]
     assert _one_gpu_a_worker_notes(RunOptions(impls=["all"], devices=[0, 1], dcp_world=2), torch.device("cpu"),
                                    equivalence) == []  # CPU workers run DCP over gloo
+
+
+def test_a_devices_index_is_mapped_through_the_runners_own_visible_gpus(monkeypatch):
+    """Started with CUDA_VISIBLE_DEVICES=4,6, --devices 1 is the host's GPU 6 (a worker was given GPU 1)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")
+    assert [runner._host_gpu(slot) for slot in (0, 1)] == ["4", "6"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-7a1e,GPU-09fd")  # UUIDs too
+    assert runner._host_gpu(1) == "GPU-09fd"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert runner._host_gpu(3) == "3"
 
 
 def test_filters_a_suite_does_not_apply_get_one_note_each():
