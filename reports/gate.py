@@ -19,8 +19,9 @@ A finding is fatal when:
   noise_factor * IQR, spread)``, the IQR and spread the baseline's (the spread, already a range of slice medians: see
   ``mla_bench.timing.TimingStats``): the run's own noise does not loosen its bound, or a regression that also brings
   jitter would pass; the finding says where the run's noise alone would allow more (re-run on a quieter machine).
-  Latencies are compared only when both runs ran on the same GPU model (else a latency result counts as compared
-  only where its status is, so a latency-only run against another GPU's baseline compares nothing).
+  Latencies are compared only when both runs ran on the same GPU model, and both results on one model where they
+  say which (runs over several models shard a workload onto either); else a latency result counts as compared
+  only where its status is, so a latency-only run against another GPU's baseline compares nothing.
 
 Results that failed in both runs, failed results now unsupported, allowed missing results, incomparable latencies and
 plans that replayed bit for bit in the baseline but not in the run (``replay_max_abs``: no longer deterministic run
@@ -33,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from mla_bench.results import Result, Run
-from reports.pairing import duplicates, pair, same_gpu
+from reports.pairing import duplicates, measured_on, measured_on_one_model, pair, same_gpu
 
 BAD = ("failed", "error")
 MISSING_SHOWN = 3  # workload labels a missing finding names
@@ -78,9 +79,13 @@ class GateOutcome:
 def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> GateOutcome:
     """Every finding of ``run`` against ``baseline``; the gate passes when none is fatal."""
     pairs = [(base, new) for _, base, new in pair(baseline, run)]
-    compare_latency = same_gpu(baseline, run)
+    same_models = same_gpu(baseline, run)
+
+    def latency_comparable(base: Result | None, new: Result | None) -> bool:
+        return same_models and (base is None or new is None or measured_on_one_model(base, new))
+
     compared = sum(base is not None and new is not None and not base.status == new.status == "unsupported"
-                   and (compare_latency or new.suite != "latency" or base.status != new.status)
+                   and (latency_comparable(base, new) or new.suite != "latency" or base.status != new.status)
                    for base, new in pairs)
     findings = _duplicates(baseline, "baseline") + _duplicates(run, "run")
     if not compared:
@@ -88,12 +93,16 @@ def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> GateOutc
                                 f"pairs with one of the baseline's {len(baseline.results)} (same suite, check, impl "
                                 "and workload, seed included) other than ones unsupported in both, and latencies "
                                 "of another GPU model", True))
-    if not compare_latency and any(r.suite == "latency" and r.status == "passed" for r in run.results):
+    if not same_models and any(r.suite == "latency" and r.status == "passed" for r in run.results):
         findings.append(Finding("not compared", "latency", "", "", "latency not compared: baseline GPU "
                                 f"{baseline.environment.get('gpu')!r}, run GPU {run.environment.get('gpu')!r}",
                                 False))
     for base, new in pairs:
-        findings += compare_pair(base, new, limits, compare_latency)
+        other_model = same_models and not latency_comparable(base, new)
+        if other_model and new.suite == "latency" and new.status == "passed":
+            findings.append(_finding("not compared", new, f"latency measured on {measured_on(new)!r}, the "
+                                     f"baseline's on {measured_on(base)!r}", False))
+        findings += compare_pair(base, new, limits, latency_comparable(base, new))
     return GateOutcome(findings + _missing(pairs, run, limits.allow_missing), compared)
 
 

@@ -21,7 +21,8 @@ from mla_bench.results import STATUSES, Result, Run
 from reports.gate import BAD
 from reports.hidden_costs import hidden_cost_html
 from reports.limits import REPORT_ROWS
-from reports.plots import Plot, all_plots, layout_name, measured_on
+from reports.pairing import measured_on
+from reports.plots import Plot, all_plots, layout_name
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 SHORT = {"passed": "pass", "failed": "FAIL", "unsupported": "n/a", "error": "ERROR"}

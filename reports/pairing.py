@@ -56,3 +56,16 @@ def same_gpu(a: Run, b: Run) -> bool:
     """Latencies compare only between runs on the same GPU model."""
     gpu_a, gpu_b = a.environment.get("gpu"), b.environment.get("gpu")
     return gpu_a is not None and gpu_a == gpu_b
+
+
+def measured_on(r: Result) -> str | None:
+    """The GPU model a latency result was measured on: the latency suite names it in ``details["device"]`` (every
+    version of it), the very name that keys the run's ceilings of that model. None where a file does not say."""
+    model = r.details.get("device")
+    return model if isinstance(model, str) else None
+
+
+def measured_on_one_model(a: Result, b: Result) -> bool:
+    """Two latency results measured on one GPU model, where both say which (in a run over several models, two
+    runs of the same mix may shard a workload onto different ones)."""
+    return measured_on(a) is None or measured_on(b) is None or measured_on(a) == measured_on(b)

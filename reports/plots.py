@@ -25,6 +25,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
 from mla_bench.results import Result, Run
+from reports.pairing import measured_on
 
 MAX_IMPLS_PER_FIGURE = 12  # impls a roofline panel draws
 LOG_RANGE = (1e-200, 1e200)  # matplotlib's log-axis ticks overflow near the ends of the float range
@@ -297,13 +298,6 @@ def _roofline_point(r: Result) -> tuple[float, float] | None:
         return None
     x, y = flops / nbytes, flops / (r.metrics["run_ms"] * 1e-3) / 1e12
     return (x, y) if _loggable(x) and _loggable(y) else None
-
-
-def measured_on(r: Result) -> str | None:
-    """The GPU model a latency result was measured on: the latency suite names it in ``details["device"]`` (every
-    version of it), the very name that keys the run's ceilings of that model. None where a file does not say."""
-    model = r.details.get("device")
-    return model if isinstance(model, str) else None
 
 
 def _models(models: Iterable[str | None]) -> list[str | None]:

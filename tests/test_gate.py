@@ -88,6 +88,22 @@ def test_a_regression_that_brings_jitter_does_not_widen_its_own_bound():
     assert "noisier" not in found.message
 
 
+def test_latencies_of_a_mixed_gpu_run_compare_only_between_results_of_one_model():
+    """Runs over an H100 and an H200 (--devices) name both; their shards may put one workload on either model."""
+    def on(model, median, label):
+        result = _lat(median, label=label)
+        result.details = {"device": model}
+        return result
+
+    mix = "NVIDIA H100 80GB HBM3 + NVIDIA H200"
+    base = _run(on("NVIDIA H200", 0.100, "a"), on("NVIDIA H100 80GB HBM3", 0.100, "b"), gpu=mix)
+    outcome = gate(base, _run(on("NVIDIA H100 80GB HBM3", 0.140, "a"), on("NVIDIA H100 80GB HBM3", 0.140, "b"),
+                              gpu=mix))
+    assert [(f.kind, f.label) for f in outcome.fatal] == [("latency", "b")]  # "a" was 40% slower on the other model
+    assert ("not compared", "a") in {(f.kind, f.label) for f in outcome.findings if not f.fatal}
+    assert outcome.compared == 1
+
+
 def test_a_slowdown_timed_with_the_host_behind_says_so():
     base = _run(_lat(0.100))
     late = _lat(0.130)
