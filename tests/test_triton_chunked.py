@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import impls.triton  # noqa: F401
+from impls.triton import cache_ops
 from impls.triton.chunked import TritonChunkedPrefill, context_lens, context_segments
 from mla_bench.problem import build_problem
 from mla_bench.registry import resolve
@@ -35,8 +36,8 @@ def test_chunked_prefill_passes_the_judge_for_every_mcc(mcc):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
-@pytest.mark.parametrize("layout, dtype", [("fp8_ds_mla", "bfloat16"), ("fp8_e4m3", "bfloat16"), ("fp8_ds_mla_pow2", "bfloat16"),
-                                           ("bf16", "float16")])
+@pytest.mark.parametrize("layout, dtype", [("fp8_ds_mla", "bfloat16"), ("fp8_e4m3", "bfloat16"),
+                                           ("fp8_ds_mla_pow2", "bfloat16"), ("bf16", "float16")])
 def test_chunked_prefill_dequantizes_fp8_caches(layout, dtype):
     verdict = judge(TritonChunkedPrefill(), build_problem(chunked(12, layout, dtype=dtype), DEVICE))
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -82,3 +83,42 @@ def test_workspace_depends_on_mcc_not_on_the_context_length():
     expect = mcc * (576 + heads * 256) * 2 + 2 * tokens * heads * (128 + 1) * 4
     assert short.workspace_bytes == long.workspace_bytes == expect
     assert len(long.chunks) == math.ceil((395 + 297) / mcc) > len(short.chunks)
+
+
+def _slot_set(p, index, slot):
+    slots = p.meta.token_slots.clone()
+    slots[index] = slot
+    p.meta.token_slots = slots
+
+
+def _new_keys_short(p):
+    p.k_nope, p.k_pe, p.v = p.k_nope[:-1], p.k_pe[:-1], p.v[:-1]
+
+
+PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused by plan now
+    "slot past the cache": (lambda p: _slot_set(p, 0, p.cache.num_slots + 5), r"must lie in the cache's \[0, 56\)"),
+    "negative slot": (lambda p: _slot_set(p, 0, -1), r"must lie in the cache's \[0, 56\), got \[-1,"),  # zeros
+    "token_slots short": (lambda p: setattr(p.meta, "token_slots", p.meta.token_slots[:-3]), r"token_slots .*\[29\]"),
+    "nan scale": (lambda p: setattr(p, "scale", float("nan")), "softmax scale"),  # out 0 with lse NaN
+    "int64 offsets": (lambda p: setattr(p.meta, "query_start_loc", p.meta.query_start_loc.long()), "int32"),
+    "short new keys": (_new_keys_short, "k_nope has 4 rows but the lengths give 5"),
+    "one head's w_uk": (lambda p: setattr(p, "w_uk", p.w_uk[:1]), r"w_uk must be \[4, 512, 128\], got \[1,"),
+}
+
+
+@pytest.mark.parametrize("case", PLAN_REFUSALS)
+def test_chunked_plan_refuses_what_its_run_would_read_wrongly(case):
+    """A slot outside the cache was gathered as zeros and one head's w_uk broadcast to every head (plausible
+    answers); int64 offsets failed after every context chunk had run, at the suffix."""
+    spoil, message = PLAN_REFUSALS[case]
+    p = build_problem(chunked(7, q_lens=(3, 2), kv_lens=(20, 9)), DEVICE)
+    spoil(p)
+    with pytest.raises(ValueError, match=message):
+        TritonChunkedPrefill().plan(p)
+
+
+def test_cpu_problems_without_the_interpreter_are_refused(monkeypatch):
+    """Without TRITON_INTERPRET the run crashed in Triton's launcher; refused up front instead."""
+    monkeypatch.setattr(cache_ops, "INTERPRETED", False)  # the kernels compiled, not interpreted
+    verdict = judge(TritonChunkedPrefill(), build_problem(chunked(7, q_lens=(3,), kv_lens=(9,)), "cpu"))
+    assert verdict.status == "unsupported" and "need TRITON_INTERPRET=1" in verdict.message, verdict.message

@@ -106,3 +106,26 @@ def test_rescaled_parts_sum_to_merge_many_and_empty_rows_stay_clean(rescale, ok)
     clean = not torch.isnan(total).any() and torch.allclose(total.double(), ref_out, atol=2e-6, rtol=1e-5)
     clean = clean and bool(torch.isneginf(lse[0, 0])) and not torch.isnan(lse).any()
     assert clean == ok
+
+
+def test_rescale_refuses_an_out_it_would_write_wrongly():
+    """``out`` was not checked: a narrower one was written past its rows, a strided one as if contiguous."""
+    part, all_lse = torch.randn(3, 2, 16, device=DEVICE), torch.randn(2, 3, 2, device=DEVICE)
+    with pytest.raises(ValueError, match=r"out must be \[3, 2, 16\] like part.*got \[3, 2, 8\]"):
+        rescale_partial(part, all_lse, 0, out=torch.empty(3, 2, 8, device=DEVICE))
+    with pytest.raises(ValueError, match=r"contiguous in its last dim, got \[3, 2, 16\] with strides \[64, 32, 2\]"):
+        rescale_partial(part, all_lse, 0, out=torch.empty(3, 2, 32, device=DEVICE)[..., ::2])
+    with pytest.raises(ValueError, match="rank must be an int in a world of 2, got 1.5"):
+        rescale_partial(part, all_lse, 1.5)  # crashed inside the kernel's launch
+
+
+def test_merge_refuses_integer_tensors():
+    """An int32 lse_out was written as truncated lse, integer inputs were read as numbers: both in silence."""
+    out_a, lse_a, out_b, lse_b = parts()
+    with pytest.raises(ValueError, match="result .* must be floating point, got torch.float32, torch.int32"):
+        merge_attn_states(out_a, lse_a, out_b, lse_b, lse_out=torch.empty(lse_a.shape, dtype=torch.int32,
+                                                                          device=DEVICE))
+    with pytest.raises(ValueError, match="part b .* must be floating point"):
+        merge_attn_states(out_a, lse_a, out_b, lse_b.long())
+    with pytest.raises(ValueError, match="rescale_partial: part, all_lse and out must be floating point"):
+        rescale_partial(out_a, torch.stack([lse_a, lse_b]).long(), 0)

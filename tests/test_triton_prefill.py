@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import impls.triton  # noqa: F401
+from impls.triton import cache_ops
 from impls.triton.prefill import TritonPrefill
 from impls.triton.prefill_kernel import PrefillConfig, causal_pairs, mha_prefill, prefill_flops
 from mla_bench.problem import build_problem
@@ -89,3 +90,53 @@ def test_causal_flops_count_only_visible_pairs():
                 for q, kv in zip(q_lens, kv_lens))
     assert causal_pairs(q_lens, kv_lens) == brute == 3 * 4 + 6 + 15
     assert prefill_flops(q_lens, kv_lens, heads=2) == 2 * 320 * 2 * brute
+
+
+def _rows_dropped(p, *names):
+    for name in names:
+        setattr(p, name, getattr(p, name)[:-1])
+
+
+PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused by plan now
+    "nan scale": (lambda p: setattr(p, "scale", float("nan")), "softmax scale"),  # out all NaN
+    "tensor scale": (lambda p: setattr(p, "scale", torch.tensor(p.scale)), "softmax scale"),  # a pointer to Triton
+    "float32 q": (lambda p: setattr(p, "q", p.q.float()), "bfloat16 or float16"),
+    "int64 offsets": (lambda p: setattr(p.meta, "query_start_loc", p.meta.query_start_loc.long()), "int32"),
+    "short keys": (lambda p: _rows_dropped(p, "k_nope", "k_pe", "v"), "k_nope has 8 rows but the lengths give 9"),
+    "short queries": (lambda p: _rows_dropped(p, "q"), "q has 6 rows but the lengths give 7"),
+}
+
+
+@pytest.mark.parametrize("case", PLAN_REFUSALS)
+def test_prefill_plan_refuses_what_its_run_would_read_wrongly(case):
+    """Short keys were read past their end (a plausible answer), short queries' rows written past ``out``, a NaN
+    scale gave NaN everywhere: all of them ran."""
+    spoil, message = PLAN_REFUSALS[case]
+    p = build_problem(Workload(mode="prefill", q_lens=(4, 3), kv_lens=(6, 3)), DEVICE)
+    spoil(p)
+    with pytest.raises(ValueError, match=message):
+        TritonPrefill().plan(p)
+
+
+def test_mha_prefill_refuses_strided_offsets():
+    """The kernel reads cu_seqlens as contiguous memory: a strided view's other elements were taken as offsets."""
+    p = build_problem(Workload(mode="prefill", q_lens=(4, 3), kv_lens=(6, 3)), DEVICE)
+    cu_q = p.meta.query_start_loc.repeat_interleave(2)[::2]
+    cu_k = p.meta.kv_start_loc.repeat_interleave(2)[::2]
+    with pytest.raises(ValueError, match=r"contiguous int32 .* strides \(2,\)"):
+        mha_prefill(p.q, p.k_nope, p.k_pe, p.v, cu_q, cu_k, 4, p.scale)
+
+
+@pytest.mark.parametrize("field", ["block_m", "block_n"])
+def test_prefill_config_refuses_tiles_that_are_not_powers_of_two(field):
+    """Such a tile failed inside Triton (``tl.arange``) at the first run, after plan accepted it."""
+    with pytest.raises(ValueError, match=f"{field} must be a power of two, got 24"):
+        PrefillConfig(**{field: 24})
+
+
+def test_cpu_problems_without_the_interpreter_are_refused(monkeypatch):
+    """Without TRITON_INTERPRET (a GPU host's CPU problems) the run crashed in Triton's launcher ("0 active
+    drivers"); the prefill paths refuse it as the decode does."""
+    monkeypatch.setattr(cache_ops, "INTERPRETED", False)  # the kernels compiled, not interpreted
+    verdict = judge(TritonPrefill(), build_problem(Workload(mode="prefill", q_lens=(2,), kv_lens=(2,)), "cpu"))
+    assert verdict.status == "unsupported" and "need TRITON_INTERPRET=1" in verdict.message, verdict.message

@@ -26,8 +26,11 @@ import torch
 
 from impls.triton.latent_io import LAYOUT_CODES, gather_latent, layout_code
 from impls.triton.merge import merge_attn_states
-from impls.triton.prefill_kernel import PrefillConfig, default_config, mha_prefill
+from impls.triton.cache_ops import triton_unavailable
+from impls.triton.prefill import check_problem
+from impls.triton.prefill_kernel import NOPE, VDIM, PrefillConfig, default_config, mha_prefill
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+from mla_bench.layouts.ops import check_slots
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -107,6 +110,24 @@ def context_segments(ctx_lens, chunk_size: int) -> list[list[tuple[int, int, int
     return chunks
 
 
+def check_context_inputs(problem: Problem) -> None:
+    """ValueError unless the context path's own inputs are what it reads: a slot of the cache for every key in
+    ``meta.token_slots`` (the gather reads a slot outside the cache as a row of zeros, a wrong key that no error
+    shows; the slots' range is read on the host) and ``[H, 512, 128]`` up-projections (one head's would be
+    broadcast to every head)."""
+    meta, num_slots = problem.meta, problem.cache.num_slots
+    check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
+    if meta.token_slots.numel():
+        lo, hi = torch.stack([meta.token_slots.min(), meta.token_slots.max()]).tolist()
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"token_slots must lie in the cache's [0, {num_slots}), got [{lo}, {hi}]")
+    heads = problem.q.shape[1]
+    for name, width in (("w_uk", NOPE), ("w_uv", VDIM)):
+        shape = getattr(problem, name).shape
+        if shape != (heads, NOPE_DIM, width):
+            raise ValueError(f"{name} must be [{heads}, {NOPE_DIM}, {width}], got {list(shape)}")
+
+
 def context_chunks(problem: Problem, chunk_size: int) -> list[ContextChunk]:
     """The context chunks of ``problem`` with their cache slots and per-request split."""
     meta = problem.meta
@@ -141,8 +162,13 @@ class TritonChunkedPrefill(Impl):
     def __init__(self, config: PrefillConfig | None = None) -> None:
         self.config = config
 
+    def refusal(self, problem: Problem) -> str | None:
+        return super().refusal(problem) or triton_unavailable(problem.device)
+
     def plan(self, problem: Problem) -> ChunkedPlan:
         layout_code(problem.cache.layout.name)  # refuses layouts the gather cannot decode
+        check_problem(problem, problem.meta.query_start_loc, sum(problem.meta.q_lens))  # keys: the new tokens
+        check_context_inputs(problem)
         w = problem.workload
         tokens, heads = problem.q.shape[:2]
         dtype, device = problem.q.dtype, problem.device

@@ -7,6 +7,8 @@ nothing even where its output holds garbage (the poisoned buffer of a row that s
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -64,6 +66,14 @@ def _check_part(name: str, out: torch.Tensor, lse: torch.Tensor) -> None:
                          f"{list(out.shape)} and {list(lse.shape)}")
     if out.stride(-1) != 1:
         raise ValueError(f"merge_attn_states: {name} output must be contiguous in its last dim")
+    _check_floats(f"merge_attn_states: {name} (out, lse)", out, lse)
+
+
+def _check_floats(what: str, *tensors: torch.Tensor) -> None:
+    """The kernels compute in float32: an integer input would be read as, or its result rounded to, other
+    numbers in silence."""
+    if not all(t.dtype.is_floating_point for t in tensors):
+        raise ValueError(f"{what} must be floating point, got {', '.join(str(t.dtype) for t in tensors)}")
 
 
 def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
@@ -137,17 +147,21 @@ def rescale_partial(part: torch.Tensor, all_lse: torch.Tensor, rank: int,
     if part.dim() != 3 or all_lse.dim() != 3 or all_lse.shape[1:] != part.shape[:2]:
         raise ValueError(f"rescale_partial: part [T, H, D] and all_lse [W, T, H] needed, got {list(part.shape)} "
                          f"and {list(all_lse.shape)}")
-    if not 0 <= rank < world:
-        raise ValueError(f"rescale_partial: rank {rank} outside a world of {world}")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world:
+        raise ValueError(f"rescale_partial: rank must be an int in a world of {world}, got {rank!r}")
     if part.stride(-1) != 1:
         raise ValueError("rescale_partial: part must be contiguous in its last dim")
     out = torch.empty(part.shape, dtype=torch.float32, device=part.device) if out is None else out
+    if out.shape != part.shape or out.stride(-1) != 1:
+        raise ValueError(f"rescale_partial: out must be {list(part.shape)} like part, contiguous in its last dim, "
+                         f"got {list(out.shape)} with strides {list(out.stride())}")
+    _check_floats("rescale_partial: part, all_lse and out", part, all_lse, out)
     lse_total = torch.empty(part.shape[:2], dtype=torch.float32, device=part.device)
     tokens, heads, dim = part.shape
     if tokens and heads:
         block_r, block_d = _tiles(dim)
         _rescale_kernel[(triton.cdiv(tokens * heads, block_r),)](
-            out, lse_total, part, all_lse, rank, world, tokens * heads, heads, dim,
+            out, lse_total, part, all_lse, int(rank), world, tokens * heads, heads, dim,
             out.stride(0), out.stride(1), part.stride(0), part.stride(1),
             all_lse.stride(0), all_lse.stride(1), all_lse.stride(2), lse_total.stride(0), lse_total.stride(1),
             BLOCK_W=max(2, triton.next_power_of_2(world)), BLOCK_R=block_r, BLOCK_D=block_d)

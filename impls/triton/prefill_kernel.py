@@ -21,6 +21,7 @@ import triton.language as tl
 
 from impls.triton.common import INTERPRETING, cast, mma
 from impls.triton.merge import LOG2E
+from mla_bench.dims import check_softmax_scale
 
 NOPE, ROPE, VDIM = 128, 64, 128
 
@@ -34,8 +35,16 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 3  # best of six tile shapes on an H200 at 8k tokens, 16 and 128 heads (NOTES.md, part 2)
 
+    def __post_init__(self) -> None:
+        """Tiles that are not powers of two fail inside Triton at the first launch (``tl.arange``): refuse them here."""
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"PrefillConfig.{name} must be a power of two, got {value!r}")
 
-INTERPRETER_CONFIG = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op, not per element
+
+# the interpreter pays per op, not per element
+INTERPRETER_CONFIG = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
 
 def default_config(device: torch.device) -> PrefillConfig:
@@ -138,7 +147,10 @@ def _prefill_kernel(Q, K_NOPE, K_PE, V, OUT, LSE, CU_Q, CU_K, qk_scale,
         tl.store(LSE + (q_start + offs_m).to(tl.int64) * s_lt + h * s_lh, lse, mask=row_ok)
 
 
-def _check(q, k_nope, k_pe, v, cu_q, cu_k) -> None:
+def check_mha_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                     cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float) -> None:
+    """ValueError naming every input ``mha_prefill`` would read wrongly: shapes, dtypes, strides, the offsets
+    (read as contiguous int32) and the scale. Host-only, so a plan calls it to refuse what its run would."""
     heads = q.shape[1] if q.dim() == 3 else -1
     problems = []
     if q.dim() != 3 or q.shape[2] != NOPE + ROPE:
@@ -155,9 +167,15 @@ def _check(q, k_nope, k_pe, v, cu_q, cu_k) -> None:
     if any(t.dtype not in half for t in (q, k_nope, k_pe, v)) or k_nope.dtype != v.dtype:
         problems.append(f"q, k_nope, k_pe, v must be bfloat16 or float16 (k_nope and v alike); got {q.dtype}, "
                         f"{k_nope.dtype}, {k_pe.dtype}, {v.dtype}")
-    if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape or cu_q.dim() != 1:
-        problems.append(f"cu_seqlens_q / cu_seqlens_k must be int32 [B+1] of one shape, got "
-                        f"{cu_q.dtype} {list(cu_q.shape)} and {cu_k.dtype} {list(cu_k.shape)}")
+    if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.shape != cu_k.shape or cu_q.dim() != 1 \
+            or not (cu_q.is_contiguous() and cu_k.is_contiguous()):
+        problems.append(f"cu_seqlens_q / cu_seqlens_k must be contiguous int32 [B+1] of one shape, got "
+                        f"{cu_q.dtype} {list(cu_q.shape)} strides {cu_q.stride()} and "
+                        f"{cu_k.dtype} {list(cu_k.shape)} strides {cu_k.stride()}")
+    try:
+        check_softmax_scale(scale)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         raise ValueError("mha_prefill: " + "; ".join(problems))
 
@@ -173,7 +191,7 @@ def mha_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     Keys and values may be float16 with bfloat16 queries: each query part is converted to its keys' dtype
     and the probabilities to the values' dtype before the tensor-core products.
     """
-    _check(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k)
+    check_mha_inputs(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale)
     tokens, heads, _ = q.shape
     out = torch.empty(tokens, heads, VDIM, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -186,7 +204,7 @@ def mha_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
         return out, lse
     num_m_blocks = triton.cdiv(max_q_len, config.block_m)
     _prefill_kernel[(num_m_blocks, heads, batch)](
-        q, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
+        q, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(scale) * LOG2E,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_m_blocks,
         CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, D_NOPE=NOPE, D_ROPE=ROPE, D_V=VDIM,
@@ -208,5 +226,5 @@ def prefill_flops(q_lens, kv_lens, heads: int) -> int:
     return 2 * (NOPE + ROPE + VDIM) * heads * causal_pairs(q_lens, kv_lens)
 
 
-__all__ = ["INTERPRETER_CONFIG", "PrefillConfig", "causal_pairs", "default_config", "mha_prefill",
-           "prefill_flops"]
+__all__ = ["INTERPRETER_CONFIG", "PrefillConfig", "causal_pairs", "check_mha_inputs", "default_config",
+           "mha_prefill", "prefill_flops"]
