@@ -369,7 +369,8 @@ def peer_check_workloads() -> list[Workload]:
 def check_tasks(entries: list[tuple[Shape, list]], peers: list[str], sweep: bool, device: str) -> list[tuple]:
     """The judging tasks of a run: the correctness sweep (``sweep``), then each configuration and peer to be timed
     on a small problem of its shape, and each peer on its own check workloads; duplicates once."""
-    tasks = [(f"sweep {w.label}", "triton", None, w.to_dict(), device) for w in correctness_workloads()] if sweep else []
+    tasks = ([(f"sweep {w.label}", "triton", None, w.to_dict(), device) for w in correctness_workloads()]
+             if sweep else [])
     for shape, configs in entries:
         for config in configs:
             resolved = config or shape_default(shape, torch.device(device))

@@ -29,7 +29,8 @@ THIRD_PARTY = textwrap.dedent('''
 
         def plan(self, problem):
             m = problem.meta
-            return problem, [request_token_slots(m.block_table.cpu(), b, n, m.page_size) for b, n in enumerate(m.kv_lens)]
+            table = m.block_table.cpu()
+            return problem, [request_token_slots(table, b, n, m.page_size) for b, n in enumerate(m.kv_lens)]
 
         def run(self, plan):
             p, slots = plan

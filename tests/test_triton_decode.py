@@ -792,7 +792,8 @@ IDS_16_ROWS = ["ps64", "ps1-mtp-h8", "ps48-split3", "pow2-ps16-h20", "ps128-q3-s
                          ids=[f"{kernel}-{case}"
                               for kernel in ("mma", "ws", "ws-e4m3", "ws-nvfp4", "ws-mxfp4", "ws-mx16")
                               for case in IDS_16_ROWS])
-def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits, keep):
+def test_the_16_row_quantized_gluon_kernels_pass_the_judge_on_hopper(kernel, layout, page_size, mix, heads, splits,
+                                                                      keep):
     """The same cases through decode_mma_fp8 and decode_ws (16-row blocks: MTP and varlen rows across tokens,
     padded heads), and fp8_e4m3 and the FP4 layouts through decode_ws (fp8_e4m3's layer scale and e4m3 rope; the
     FP4 decoder's PTX on packed words; nvfp4's layer scales; mxfp4_nsa's and fp4_mx16's block exponents split into

@@ -134,7 +134,8 @@ def test_the_row_blocks_of_a_request_run_side_by_side_over_the_same_keys(q_lens,
     assert schedule.side == 2 and schedule.num_programs % 2 == 0 and schedule.num_programs <= programs
     for p in range(0, schedule.num_programs, 2):
         pair = [schedule.items[schedule.program_items[p + k]:schedule.program_items[p + k + 1]] for k in (0, 1)]
-        assert [(r, start, end) for r, _, start, end, _ in pair[0]] == [(r, start, end) for r, _, start, end, _ in pair[1]]
+        spans = [[(r, start, end) for r, _, start, end, _ in items] for items in pair]
+        assert spans[0] == spans[1]
         assert {rb for _, rb, *_ in pair[0]} == {0} and {rb for _, rb, *_ in pair[1]} == {1}
 
 

@@ -311,7 +311,8 @@ def write_mx_kernel(values_ptr, stride_v, slots_ptr, cache_u8_ptr, cache_i16_ptr
         den = _pow2_ceil(tl.math.div_rn(tl.maximum(amax, 1e-12), 6.0))
     packed = _e2m1_code_away(x_even, den[:, None]) | (_e2m1_code_away(x_odd, den[:, None]) << 4)
     packed = tl.where(bad[:, None], 0, packed)
-    tl.store(row + block[:, None] * (BLOCK // 2) + pair[None, :], packed.to(tl.uint8), mask=in_row & _written(even, slot))
+    tl.store(row + block[:, None] * (BLOCK // 2) + pair[None, :], packed.to(tl.uint8),
+             mask=in_row & _written(even, slot))
     scale_byte = tl.where(bad, 0xFF, _bits(den) >> 23)
     tl.store(row + DIM // 2 + block, scale_byte.to(tl.uint8), mask=(block < DIM // BLOCK) & _written(block, slot))
     if ROPE_BF16:

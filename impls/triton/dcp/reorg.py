@@ -3,7 +3,8 @@
 For a chunk (pieces ``(request, start, end)`` of global positions), each rank gathers the tokens it holds of
 each piece (local positions ``[local_count(start), local_count(end))``: a contiguous range of its own cache, which
 may start mid-page), pads its part to the longest rank's, and all-gathers. Row ``i`` of the reorganized chunk
-is position ``p`` of its piece, found at ``rank(p) * padded + offset(rank, piece) + local_count(p) - local_count(start)``.
+is position ``p`` of its piece, found at
+``rank(p) * padded + offset(rank, piece) + local_count(p) - local_count(start)``.
 
 vLLM's ``reorg_kvcache`` only regroups rows per request, rank after rank (enough for attention without a mask);
 here the rows come back in exact sequence order, so the chunk equals the unsharded gather row for row.
