@@ -125,11 +125,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     untested = untested_impls(selection, run)
     for impl, reasons in untested.items():
         console.print(untested_text(impl, reasons))
-    console.print(f"results: {path}")
+    console.print(Text(f"results: {path}"))  # Text, not markup: a path may hold "[/x]"
     if not args.no_report:
         from reports.html import write_report
 
-        console.print(f"report:  {write_report(run, out / 'report.html')}")
+        console.print(Text(f"report:  {write_report(run, out / 'report.html')}"))
     return 0 if run.ok and not untested else 1
 
 
@@ -140,9 +140,9 @@ def _run_options(args: argparse.Namespace, device):
     from suites.sweeps import sweep_presets
 
     tiny = device.type == "cpu" and "tiny" in sweep_presets(args.sweep or "tiny")
-    return RunOptions(impls=_split(args.impl), suites=_split(args.suite), device=str(device),
-                      preset=args.preset or ("tiny" if tiny else None), modes=_split(args.mode),
-                      layouts=_split(args.layout), page_sizes=args.page_size or [], seed=args.seed, sweep=args.sweep,
+    return RunOptions(impls=_split(args.impl), suites=args.suite, device=str(device),
+                      preset=args.preset or ("tiny" if tiny else None), modes=args.mode or [],
+                      layouts=args.layout or [], page_sizes=args.page_size or [], seed=args.seed, sweep=args.sweep,
                       devices=args.devices or [], isolate=args.isolate, stall_timeout=args.stall_timeout,
                       dcp_world=args.dcp, dcp_interleave=args.dcp_interleave)
 
@@ -200,7 +200,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if problem:
         return _usage_error(problem)
     try:
-        console.print(f"report: {write_report(run, target, args.rows)}")
+        console.print(Text(f"report: {write_report(run, target, args.rows)}"))
     except OSError as exc:  # a path the checks could not foresee (/proc, a full disk)
         return _usage_error(f"cannot write the report at {target}: {exc.strerror or exc}")
     return 0
@@ -287,16 +287,55 @@ def _gate_limit(text: str) -> float:
 
 
 def _int_list(minimum: int) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated ints of at least ``minimum`` (an argparse error for anything else)."""
+    """An argparse type: comma-separated ints of at least ``minimum``, one or more (an argparse error for anything
+    else: an empty list would be taken as the option left out)."""
     def parse(text: str) -> list[int]:
+        problem = argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
         try:
             values = [int(v) for v in _split(text)]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+            raise problem from None
+        if not values:
+            raise problem
         if any(v < minimum for v in values):
             raise argparse.ArgumentTypeError(f"values must be >= {minimum}, got {text!r}")
         return values
     return parse
+
+
+def _gpus(text: str) -> list[int]:
+    """``--devices``: GPU indices, each once (two workers on one GPU would time each other's kernels)."""
+    return _once(_int_list(minimum=0)(text), "GPU", "each GPU runs one worker")
+
+
+def _suites(text: str) -> list[str]:
+    """``--suite``: suite names, each once (a suite named twice runs twice: every result twice, an ambiguous file
+    the gate refuses). None given is the runner's usage error."""
+    return _once(_split(text), "suite", "name each once")
+
+
+def _once(values: list, what: str, why: str) -> list:
+    """``values``; an argparse error naming the first of them given more than once, and ``why`` once is right."""
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise argparse.ArgumentTypeError(f"{what} {repeated!r} is given more than once: {why}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    """An argparse type: comma-separated names, one or more (an empty list would be taken as the option left out,
+    lifting its filter)."""
+    names = _split(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated values, got {text!r}")
+    return names
+
+
+def _nonblank(text: str) -> str:
+    """An argparse type: a value that is not blank (a blank one would be taken as the option left out)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
+    return text
 
 
 def _split(value: str | None) -> list[str]:
@@ -319,16 +358,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run suites over implementations, write results and a report")
     p.add_argument("--impl", default="all", help="impl names or module:Class, comma-separated, or 'all'")
-    p.add_argument("--suite", default="accuracy", help=f"comma-separated of {', '.join(SUITE_CHOICES)}")
-    p.add_argument("--preset", help="model preset (default: tiny on CPU unless --sweep is a gpu sweep, else the GPU "
-                                    "sweep's presets)")
-    p.add_argument("--mode", help="only these modes (comma-separated)")
-    p.add_argument("--layout", help="run the cache-reading workloads with these layouts (comma-separated)")
+    p.add_argument("--suite", type=_suites, default="accuracy", help=f"comma-separated of {', '.join(SUITE_CHOICES)}")
+    p.add_argument("--preset", type=_nonblank, help="model preset (default: tiny on CPU unless --sweep is a gpu "
+                                                    "sweep, else the GPU sweep's presets)")
+    p.add_argument("--mode", type=_names, help="only these modes (comma-separated)")
+    p.add_argument("--layout", type=_names,
+                   help="run the cache-reading workloads with these layouts (comma-separated)")
     p.add_argument("--page-size", type=_int_list(minimum=1),
                    help="run the cache-reading workloads with these page sizes (comma-separated)")
-    p.add_argument("--sweep", help="sweep name (tiny, gpu, gpu-quick; default from the preset and device)")
+    p.add_argument("--sweep", type=_nonblank,
+                   help="sweep name (tiny, gpu, gpu-quick; default from the preset and device)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--devices", type=_int_list(minimum=0),
+    p.add_argument("--devices", type=_gpus,
                    help="shard workloads over these GPUs, one worker process each (e.g. 0,1,2,3)")
     p.add_argument("--isolate", action="store_true", help="run each impl in its own process (crashes become errors)")
     p.add_argument("--stall-timeout", type=float, metavar="SECONDS",
@@ -341,13 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "over W GPUs); with --impl all, the DCP impl")
     p.add_argument("--dcp-interleave", type=_int_from(1), default=1, metavar="I",
                    help="with --dcp: token t lives on rank (t // I) %% W")
-    p.add_argument("--out", help="directory for run.json and report.html (default results/<time>-<device>)")
+    p.add_argument("--out", type=_nonblank,
+                   help="directory for run.json and report.html (default results/<time>-<device>)")
     p.add_argument("--no-report", action="store_true", help="write run.json only")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("report", help="write the self-contained HTML report of a run")
     p.add_argument("run", help="run.json")
-    p.add_argument("-o", "--output", help="report path (default: report.html beside the run file)")
+    p.add_argument("-o", "--output", type=_nonblank, help="report path (default: report.html beside the run file)")
     p.add_argument("--rows", type=_int_from(0), default=REPORT_ROWS,
                    help=f"a pass/fail matrix or latency table of more workloads is summarized, every failure kept "
                         f"(default {REPORT_ROWS}; 0: never)")

@@ -16,7 +16,7 @@ from rich.text import Text
 from mla_bench.results import STATUSES, Result, Run
 from reports.gate import BAD, Finding, GateLimits, compare_pair
 from reports.limits import COMPARE_ROWS
-from reports.pairing import HEADLINE, duplicates, headline, pair, same_gpu
+from reports.pairing import HEADLINE, duplicates, headline, measured_on_one_model, pair, same_gpu
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "unsupported": "yellow", "error": "bold red"}
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but newline and tab: ESC starts terminal sequences
@@ -77,7 +77,8 @@ KIND_STYLE = {"new failure": "bold red", "regression": "red", "still failing": "
 
 def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_ROWS) -> Table:
     """Status in A and B and the headline number (accuracy: kernel rel_l2, latency: median ms) with its change;
-    latency changes only between runs on the same GPU model. Up to ``limit`` results (0: no limit): every one, in run
+    latency changes only between runs on the same GPU model, and, as the gate, between results measured on one model
+    (runs over several models shard a workload onto either). Up to ``limit`` results (0: no limit): every one, in run
     order. More: every failure, error and regression (``_kind``), then the other changes, largest first, up to
     ``limit`` rows; unchanged results are counted. The caption says what the table could not show."""
     other_gpu = not same_gpu(a, b)
@@ -86,9 +87,10 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
         va, vb = headline(ra), headline(rb)
         relative = _relative(va, vb)
         change = _change(va, vb, relative)
-        if suite == "latency" and other_gpu and change:
+        comparable = not other_gpu and (ra is None or rb is None or measured_on_one_model(ra, rb))
+        if suite == "latency" and not comparable and change:
             relative, change, withheld = None, "other GPU", withheld + 1
-        fatal = any(f.fatal for f in compare_pair(ra, rb, GateLimits(), not other_gpu))
+        fatal = any(f.fatal for f in compare_pair(ra, rb, GateLimits(), comparable))
         rows.append((_kind(ra, rb, relative, fatal), abs(relative or 0.0), suite, check, impl, ra, rb, va, vb, change))
     notes = []
     summarized = 0 < limit < len(rows)
@@ -110,9 +112,11 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
         table.add_row(*[Text(kind, style=KIND_STYLE.get(kind, ""))] * summarized,
                       plain(suite if check == suite else f"{suite}: {check}"), plain(impl), plain((rb or ra).label),
                       _status(ra), _status(rb), metric, _number(va), _number(vb), change)
-    if withheld:
+    if withheld and other_gpu:
         notes.append(f"{withheld} latency change(s) not shown: A ran on GPU {a.environment.get('gpu')!r}, B on "
                      f"{b.environment.get('gpu')!r}")
+    elif withheld:
+        notes.append(f"{withheld} latency change(s) not shown: measured on one GPU model in A and another in B")
     notes += [f"{name} has {len(groups)} key(s) shared by several results: only the last of each is shown"
               for name, groups in (("A", duplicates(a)), ("B", duplicates(b))) if groups]
     table.caption = plain("; ".join(notes)) if notes else None

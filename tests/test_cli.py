@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mla_bench.cli import main
-from mla_bench.results import Result, Run, load_run, save_run
+from mla_bench.results import Device, Result, Run, load_run, save_run
 from reports.console import untested_text
 
 TESTS = Path(__file__).parent
@@ -265,3 +266,67 @@ def test_the_reasons_of_an_untested_impl_are_the_three_most_common_on_one_line_e
     assert all(line.strip().split("x ", 1)[1] in (reason, reason[:157] + "...")
                for line, (reason, _) in zip(lines[1:4], top))
     assert all(len(line) <= 170 for line in lines) and lines[4:] == ["  ... and 2 more"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", ""], "argument --mode: expected one or more comma-separated values, got ''"),
+    (["--mode", ","], "argument --mode: expected one or more comma-separated values, got ','"),
+    (["--layout", " "], "argument --layout: expected one or more comma-separated values"),
+    (["--page-size", ""], "argument --page-size: expected comma-separated ints, got ''"),
+    (["--devices", ","], "argument --devices: expected comma-separated ints, got ','"),
+    (["--preset", ""], "argument --preset: expected a value, got ''"),
+    (["--sweep", ""], "argument --sweep: expected a value, got ''"),
+    (["--out", ""], "argument --out: expected a value, got ''"),
+    (["--devices", "0,1,0"], "argument --devices: GPU 0 is given more than once: each GPU runs one worker"),
+    (["--suite", "accuracy,latency,accuracy"], "argument --suite: suite 'accuracy' is given more than once"),
+])
+def test_empty_or_repeated_values_are_argparse_errors(args, message, capsys, monkeypatch, tmp_path):
+    """An empty list was taken as the option left out (``--mode ""`` ran every mode, ``--preset ""`` the default
+    presets, ``--out ""`` wrote to results/); a GPU named twice got two workers timing each other's kernels, and a
+    suite named twice ran twice, writing every result twice: a file the gate refuses as ambiguous."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("mla_bench.runner.run_selection", lambda *a: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as info:
+        main(["run", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["report", "run.json", "-o", ""])
+    assert info.value.code == 2 and "argument -o/--output: expected a value" in capsys.readouterr().err
+
+
+def test_paths_are_printed_as_given_not_read_as_markup(tmp_path, capsys):
+    """Rich read ``[old]`` in a path as a style (the path printed lost it) and ``[/x]`` as a closing tag: the run
+    crashed after writing run.json, before its report."""
+    code, path = _run(tmp_path, "r[/x]", "--impl", "torch_eager", "--mode", "decode")
+    out = capsys.readouterr().out
+    assert code == 0 and f"results: {path}" in out and f"report:  {path.with_name('report.html')}" in out
+    moved = save_run(load_run(path), tmp_path / "a[old]" / "run.json")
+    assert main(["report", str(moved)]) == 0
+    assert f"report: {moved.with_name('report.html')}" in capsys.readouterr().out
+
+
+def test_compare_withholds_a_latency_change_between_results_measured_on_different_gpu_models(tmp_path, capsys):
+    """Runs over an H100 and an H200 (``--devices``) may shard a workload onto either model: as the gate, compare
+    does not put a latency measured on one model against one measured on the other (it called H200 0.05 ms -> H100
+    0.08 ms a +60% regression)."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    devices = [Device("cuda:0", h100, "9.0"), Device("cuda:1", h200, "9.0")]
+
+    def timed(label: str, ms: float, model: str) -> Result:
+        return Result("latency", "latency", "passed", impl="k", workload={"label": label}, label=label,
+                      metrics={"run_ms": ms, "run_ms_iqr": 0.001, "run_ms_spread": 0.001},
+                      details={"device": model}, device=devices[model == h200].id)
+
+    env = {"gpu": f"{h100} + {h200}"}
+    a = save_run(Run(env, [timed("w1", 0.05, h200), timed("w2", 0.05, h100)], devices=devices), tmp_path / "a.json")
+    b = save_run(Run(env, [timed("w1", 0.08, h100), timed("w2", 0.08, h100)], devices=devices), tmp_path / "b.json")
+    assert main(["compare", str(a), str(b), "--rows", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("│")[3].strip(): line for line in lines if "│ latency" in line}
+    assert "other GPU" in rows["w1"] and "%" not in rows["w1"] and "+60.0%" in rows["w2"]
+    assert main(["compare", str(a), str(b), "--rows", "1"]) == 0
+    out = capsys.readouterr().out
+    assert not re.search(r"regression .* w1 ", out) and re.search(r"regression .* w2 ", out)
+    caption = " ".join(out.split())
+    assert "regression 1," in caption
+    assert "1 latency change(s) not shown: measured on one GPU model in A and another in B" in caption
