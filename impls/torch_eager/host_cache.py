@@ -22,7 +22,7 @@ class TorchEagerHostCache(TorchEager):
     capabilities = Capabilities(
         modes=frozenset({Mode.DECODE}),
         layouts=frozenset({"bf16"}),
-        dtypes=frozenset({"bfloat16", "float32"}),
+        dtypes=frozenset({"bfloat16", "float16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
         cache_devices=frozenset({"cpu"}),
         attention_device="cpu",
@@ -31,7 +31,7 @@ class TorchEagerHostCache(TorchEager):
     def plan(self, problem: Problem) -> TorchEagerPlan:
         """The slot lists on the host, from a host copy of the block table (metadata crosses, once per step)."""
         meta = problem.meta
-        check_inputs(problem, meta.block_table)  # before the copy: a list or a wrong dtype named, not .to failing
+        check_inputs(problem)  # before the copy: a list or a wrong dtype named, not .to failing
         block_table = meta.block_table.to(problem.cache.data.device)
         slots = [request_token_slots(block_table, b, n, meta.page_size) for b, n in enumerate(meta.kv_lens)]
         return TorchEagerPlan(problem, slots)

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_bench.layouts import NOPE_DIM
+from mla_bench.dims import check_softmax_scale
+from mla_bench.errors import describe
+from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+from mla_bench.lengths import check_lengths
 from mla_bench.metadata.reference import check_block_table, cumulative, request_token_slots
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -34,12 +37,12 @@ class TorchEager(Impl):
     capabilities = Capabilities(
         modes=frozenset({Mode.DECODE, Mode.PREFILL}),
         layouts=frozenset({"bf16"}),
-        dtypes=frozenset({"bfloat16", "float32"}),
+        dtypes=frozenset({"bfloat16", "float16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
     )
 
     def plan(self, problem: Problem) -> TorchEagerPlan:
-        check_inputs(problem, problem.meta.block_table)
+        check_inputs(problem)
         slots = []
         if problem.workload.mode is Mode.DECODE:
             meta = problem.meta
@@ -62,19 +65,27 @@ class TorchEager(Impl):
         return _attention(p, p.q, keys, values)
 
 
-def check_inputs(p: Problem, block_table: torch.Tensor) -> None:
-    """ValueError unless the queries (and, for prefill, the keys) have the rows the lengths say and a decode's
-    ``block_table`` (the problem's, or a copy of it) points into the cache: indexing with a bad slot would read
-    another request's keys silently (a negative one wraps around) or fail deep inside torch."""
-    meta = p.meta
-    if p.q.shape[0] != sum(meta.q_lens):
-        raise ValueError(f"q has {p.q.shape[0]} rows but sum(q_lens) = {sum(meta.q_lens)}")
-    if p.workload.mode is Mode.DECODE:
-        check_block_table(block_table, list(meta.kv_lens), meta.page_size, p.cache.num_blocks)
-        return
-    for name in ("k_nope", "k_pe", "v"):
-        if getattr(p, name).shape[0] != sum(meta.kv_lens):
-            raise ValueError(f"{name} has {getattr(p, name).shape[0]} rows but sum(kv_lens) = {sum(meta.kv_lens)}")
+def check_inputs(p: Problem) -> None:
+    """ValueError, in plan, for what run would read wrongly or fail on: the scale (a NaN one gave NaN everywhere),
+    the lengths (a negative or missing one was read silently, a query longer than its context gave NaN rows), the
+    queries (and a prefill's keys) of other shapes or dtypes than the problem's (torch failed in run, or out came
+    back in the queries' dtype), and a decode's block table: a bad slot would read another request's keys silently
+    (a negative one wraps around) or fail deep inside torch."""
+    meta, dims, decode = p.meta, p.dims, p.workload.mode is Mode.DECODE
+    check_softmax_scale(p.scale)
+    q_lens, kv_lens = check_lengths(meta.q_lens, meta.kv_lens)
+    heads, keys = dims.num_heads, sum(kv_lens)
+    expected = {"q": (sum(q_lens), heads, LATENT_DIM if decode else dims.qk_head_dim)}
+    if not decode:
+        expected.update(k_nope=(keys, heads, dims.qk_nope_head_dim), k_pe=(keys, dims.qk_rope_head_dim),
+                        v=(keys, heads, p.out_dim))
+    for name, shape in expected.items():
+        tensor = getattr(p, name)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != p.dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be {p.dtype} {list(shape)} (the lengths and the problem's dims and "
+                             f"dtype), got {describe(tensor)}")
+    if decode:
+        check_block_table(meta.block_table, list(kv_lens), meta.page_size, p.cache.num_blocks)
 
 
 def decode(p: Problem, q: torch.Tensor, request_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +109,8 @@ def _attention(p: Problem, q_all: torch.Tensor, keys: list[torch.Tensor],
         if q_len == 0 or kv_len == 0:
             continue
         shared = keys[b].dim() == 2
-        k = keys[b].to(dtype).float()
-        v = values[b].to(dtype).float()
+        k = keys[b].float()  # exact: the cache's bf16, or a prefill's keys in the queries' dtype
+        v = values[b].float()
         step = max(1, _BLOCK_ELEMENTS // (heads * kv_len))
         for r0 in range(0, q_len, step):
             rows = slice(q_starts[b] + r0, q_starts[b] + min(q_len, r0 + step))
