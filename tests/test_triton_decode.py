@@ -1438,3 +1438,19 @@ def test_a_numpy_scale_is_planned_as_a_python_float():
     plan = plan_decode(**_planned_inputs(scale=np.float32(0.1)))
     assert type(plan.qk_scale) is float
 
+
+def test_decode_and_chunked_prefill_plans_check_the_gpu_compiles_e4m3(monkeypatch):
+    """An A100 (sm_80) compiles no tl.float8e4nv: their fp8 and nvfp4 kernels failed at the first launch, in run.
+    The check itself (``common.check_e4m3``) is tested in test_triton_sparse; here, that both plans ask it."""
+    from impls.triton import chunked
+
+    def refuse(device, layout, who):
+        raise UnsupportedConfig(f"{who}: {layout} refused on {device.type}")
+
+    monkeypatch.setattr(common, "check_e4m3", refuse)
+    monkeypatch.setattr(chunked, "check_e4m3", refuse)
+    for impl, more in ((TritonDecode(), {"mode": "decode"}),
+                       (chunked.TritonChunkedPrefill(), {"mode": "chunked_prefill", "chunk_size": 2})):
+        problem = build_problem(Workload(q_lens=(2,), kv_lens=(5,), page_size=4, layout="fp8_e4m3", **more))
+        with pytest.raises(UnsupportedConfig, match=f"{impl.name}: fp8_e4m3 refused on cpu"):
+            impl.plan(problem)

@@ -8,14 +8,18 @@ read as index 0, and a RAGGED buffer dequantized to bf16 (rounding FP8 keys), mu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import impls.triton  # noqa: F401
-from impls.triton import common
+from impls.triton import cache_ops, common, sparse_kernel
+from impls.triton.common import check_e4m3
 from impls.triton.latent_io import LAYOUT_CODES, gather_latent
+from impls.triton.merge import LOG2E
 from impls.triton.sparse import TritonSparse, TritonSparseRagged
-from impls.triton.sparse_kernel import WGMMA_CONFIG, SparseConfig, check_wgmma, default_config, sparse_mqa
+from impls.triton.sparse_kernel import (INTERPRETER_CONFIG, WGMMA_CONFIG, SparseConfig, check_wgmma, default_config,
+                                        sparse_mqa)
 from magnify import magnified
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
@@ -140,8 +144,111 @@ def test_int64_indices_are_refused_by_plan_not_run(impl, transform):
     """torch.topk gives int64: plan took them and run's kernel refused them, an error instead of a named refusal."""
     p = build_problem(sparse(transform), DEVICE)
     p.sparse_indices = p.sparse_indices.long()
-    with pytest.raises(ValueError, match="sparse_indices must be int32 .* got torch.int64"):
+    with pytest.raises(ValueError, match=f"{impl.name}: indices must be int32 .* got torch.int64"):
         impl().plan(p)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_h=24), dict(block_n=48), dict(block_h=0), dict(block_n=8),
+                                   dict(num_warps=3)])
+def test_tiles_triton_cannot_build_are_refused_by_the_config(tiles):
+    """Non-powers of two failed inside Triton at the first launch (block_h 0: ZeroDivisionError); block_n 8 (K of the
+    value product, which a 16-bit tl.dot takes from 16) and 3 warps ran in the interpreter and failed to compile for
+    sm_90."""
+    with pytest.raises(ValueError, match=f"SparseConfig.{next(iter(tiles))} must be a power of two"):
+        SparseConfig(**tiles)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.1])
+def test_a_scale_the_reference_refuses_is_refused_by_plan(scale):
+    """A NaN scale planned and ran into NaN everywhere (an infinite one too; 0 and negative ones into other
+    attention), silently: called directly there is no reference to say so."""
+    p = build_problem(sparse("paged"), DEVICE)
+    p.scale = scale
+    with pytest.raises(ValueError, match="softmax scale must be a finite positive number"):
+        TritonSparse().plan(p)
+
+
+@pytest.mark.parametrize("transform", ["paged", "ragged"])
+def test_a_numpy_scale_is_taken(transform):
+    """The reference takes a numpy float32 scale; run passed it on to the launcher, which failed on it."""
+    p = build_problem(sparse(transform), DEVICE)
+    p.scale = np.float32(p.scale)
+    verdict = judge(IMPLS[transform](), p)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.parametrize("transform", ["paged", "ragged"])
+def test_cpu_problems_without_the_interpreter_are_refused(monkeypatch, transform):
+    """Without TRITON_INTERPRET (a GPU host's CPU problems) run crashed in Triton's launcher ("0 active drivers");
+    the sparse impls refuse it as the decode and prefill do."""
+    monkeypatch.setattr(cache_ops, "INTERPRETED", False)  # the kernels compiled, not interpreted
+    verdict = judge(IMPLS[transform](), build_problem(sparse(transform), "cpu"))
+    assert verdict.status == "unsupported" and "need TRITON_INTERPRET=1" in verdict.message, verdict.message
+
+
+def test_sparse_mqa_refuses_outputs_and_rows_it_would_read_or_write_wrongly():
+    """An out one head short was written past its end; rows of another layout were decoded as that layout's."""
+    p = build_problem(sparse("paged"), DEVICE)
+    tokens, heads = p.q.shape[:2]
+    base = torch.zeros(tokens * heads * 512 + 512, dtype=p.q.dtype, device=DEVICE)
+    short = base[:tokens * (heads - 1) * 512].view(tokens, heads - 1, 512)
+    with pytest.raises(ValueError, match=rf"out must be \[{tokens}, {heads}, 512\]"):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), 0, p.scale, out=short)
+    assert not base.any(), "written before the refusal"
+    strided = torch.empty(tokens, heads, 1024, dtype=p.q.dtype, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match=r"out must be .*, got .* strides \(4096, 1024, 2\)"):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), 0, p.scale, out=strided)
+    with pytest.raises(ValueError, match=rf"lse must be \[{tokens}, {heads}\]"):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), 0, p.scale, lse=torch.empty(tokens, device=DEVICE))
+    with pytest.raises(ValueError, match=r"rows must be a contiguous uint8 \[N, 656\] source of fp8_ds_mla"):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), LAYOUT_CODES["fp8_ds_mla"], p.scale)  # bf16 rows
+
+
+def test_e4m3_layouts_are_refused_on_gpus_before_compute_capability_8_9(monkeypatch):
+    """Triton compiles e4m3 (tl.float8e4nv) for sm_89 and newer: on an A100 (sm_80) the fp8 layouts' kernels failed
+    to compile in run (decode's nvfp4 reads e4m3 scales too). The check reads the device's capability, faked here."""
+    gpu = torch.device("cuda")
+    for capability in ((8, 0), (8, 6)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        for layout in ("fp8_ds_mla", "fp8_e4m3", "fp8_ds_mla_pow2", "nvfp4"):
+            with pytest.raises(UnsupportedConfig, match=f"layout '{layout}' is read as e4m3"):
+                check_e4m3(gpu, layout, "x")
+        for layout in ("bf16", "fp4_mx16", "mxfp4_nsa"):
+            check_e4m3(gpu, layout, "x")
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        check_e4m3(gpu, "fp8_ds_mla", "x")
+    check_e4m3(torch.device("cpu"), "fp8_ds_mla", "x")
+
+
+class GluonStandIn:
+    """``sparse_wgmma``'s kernel where there is no Hopper GPU: records each launch's grid and computes the launch's
+    tokens with the Triton kernel, so that the judge sees which tokens the launches covered."""
+
+    def __init__(self) -> None:
+        self.grids = []
+
+    def __getitem__(self, grid):
+        def launch(q, s_qt, s_qh, idx, s_it, rows, num_rows, topk, out, s_ot, s_oh, lse, s_lt, s_lh, qk_scale, heads,
+                   PER_KEY, num_warps):
+            self.grids.append(grid)
+            layout = LAYOUT_CODES["fp8_ds_mla_pow2" if PER_KEY else "fp8_ds_mla"]
+            sparse_mqa(q, idx, rows, layout, qk_scale / LOG2E, 1.0, out, lse, INTERPRETER_CONFIG)
+        return launch
+
+
+def test_the_gluon_kernel_is_launched_within_cudas_grid_limit(monkeypatch):
+    """Its tokens go on the grid's second dimension, which CUDA caps at 65535: one launch of every token failed on a
+    sparse prefill of more tokens. Launches of at most TOKENS_PER_LAUNCH tokens (lowered here) cover them all."""
+    limit, stand_in = 2, GluonStandIn()
+    monkeypatch.setattr(common, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(sparse_kernel, "_sparse_kernel_wgmma", stand_in)
+    monkeypatch.setattr(sparse_kernel, "TOKENS_PER_LAUNCH", limit, raising=False)
+    problem = build_problem(sparse("paged", "sparse_prefill", "fp8_ds_mla", num_heads=80, seed=5), DEVICE)
+    verdict = judge(TritonSparse(WGMMA_CONFIG), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    assert stand_in.grids and max(grid[1] for grid in stand_in.grids) <= limit, stand_in.grids
+    assert {grid[0] for grid in stand_in.grids} == {2}  # 80 heads: two 64-head blocks
 
 
 # ---- the Gluon kernel (Hopper) ------------------------------------------------------------------------------------

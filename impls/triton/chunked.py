@@ -27,6 +27,7 @@ import torch
 from impls.triton.latent_io import LAYOUT_CODES, gather_latent, layout_code
 from impls.triton.merge import merge_attn_states
 from impls.triton.cache_ops import triton_unavailable
+from impls.triton.common import check_e4m3
 from impls.triton.prefill import check_problem
 from impls.triton.prefill_kernel import NOPE, VDIM, PrefillConfig, default_config, mha_prefill
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
@@ -167,6 +168,7 @@ class TritonChunkedPrefill(Impl):
 
     def plan(self, problem: Problem) -> ChunkedPlan:
         layout_code(problem.cache.layout.name)  # refuses layouts the gather cannot decode
+        check_e4m3(problem.device, problem.cache.layout.name, self.name)
         check_problem(problem, problem.meta.query_start_loc, sum(problem.meta.q_lens))  # keys: the new tokens
         check_context_inputs(problem)
         w = problem.workload

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_bench.errors import UnsupportedConfig
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -25,6 +27,17 @@ def has_wgmma(device: torch.device) -> bool:
     ``decode_wgmma_fp8``, ``sparse_wgmma``) issue (``decode_mma_fp8``, mma.sync, is tested on Hopper only): CUDA
     devices of compute capability 9 (Blackwell's tensor cores take other instructions)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+E4M3_LAYOUTS = frozenset({"fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4"})  # codes or scales read as e4m3
+
+
+def check_e4m3(device: torch.device, layout: str, who: str) -> None:
+    """The kernels read these layouts' e4m3 bytes as ``tl.float8e4nv``, which Triton compiles for compute capability
+    8.9 and newer only (before, the kernel fails at its first launch): UnsupportedConfig in plan instead."""
+    if layout in E4M3_LAYOUTS and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise UnsupportedConfig(f"{who}: layout {layout!r} is read as e4m3, which Triton compiles for compute "
+                                f"capability 8.9 and newer, not {device}'s {torch.cuda.get_device_capability(device)}")
 
 
 @triton.jit

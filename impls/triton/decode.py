@@ -836,6 +836,7 @@ def _check_supported(q: torch.Tensor, cache: PagedCache) -> None:
         raise UnsupportedConfig(f"triton_decode: query dtype {q.dtype} (supported: bfloat16)")
     if q.device.type == "cpu" and not INTERPRETED:
         raise UnsupportedConfig("triton_decode: CPU tensors need TRITON_INTERPRET=1")
+    common.check_e4m3(q.device, cache.layout.name, "triton_decode")
 
 
 def _check_batch(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q_lens: list[int],

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from impls.triton.cache_ops import triton_unavailable
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
-from impls.triton.sparse_kernel import SparseConfig, check_indices, check_wgmma, default_config, sparse_mqa
+from impls.triton.common import check_e4m3
+from impls.triton.sparse_kernel import SparseConfig, check_inputs, check_wgmma, default_config, sparse_mqa
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -39,14 +41,22 @@ class _TritonSparseBase(Impl):
     def __init__(self, config: SparseConfig | None = None) -> None:
         self.config = config
 
-    def _outputs(self, problem: Problem, layout: int, buffer: torch.Tensor | None = None) -> SparsePlan:
-        tokens, heads = problem.q.shape[:2]
-        # what sparse_mqa takes, checked here so that plan refuses it, not run
-        check_indices(problem.sparse_indices, tokens, problem.q.device, f"{self.name}: sparse_indices")
-        out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
-        lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)
-        config = self.config or default_config(problem.device, heads, layout, problem.q.dtype)
-        check_wgmma(config, problem.device, layout, problem.q.dtype)
+    def refusal(self, problem: Problem) -> str | None:
+        """Beyond the capabilities: CPU problems without the Triton interpreter (its launcher failed on them in run)."""
+        return super().refusal(problem) or triton_unavailable(problem.device)
+
+    def _outputs(self, problem: Problem, rows: torch.Tensor, buffer: torch.Tensor | None = None) -> SparsePlan:
+        """The plan's outputs and tiles, once what ``sparse_mqa`` takes is checked (so that plan refuses it, not run);
+        ``rows``: the source run reads."""
+        layout = layout_code(problem.cache.layout.name)
+        q = problem.q
+        check_inputs(q, problem.sparse_indices, rows, layout, problem.scale, name=self.name)
+        tokens, heads = q.shape[:2]
+        out = torch.empty(tokens, heads, problem.out_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+        config = self.config or default_config(q.device, heads, layout, q.dtype)
+        check_e4m3(q.device, problem.cache.layout.name, self.name)
+        check_wgmma(config, q.device, layout, q.dtype)
         return SparsePlan(problem, out, lse, config, layout, buffer)
 
     def poison(self, plan: SparsePlan) -> None:
@@ -61,7 +71,7 @@ class TritonSparse(_TritonSparseBase):
                                 index_transforms=frozenset({"paged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
-        return self._outputs(problem, layout_code(problem.cache.layout.name))
+        return self._outputs(problem, problem.cache.rows())
 
     def run(self, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan.problem
@@ -79,7 +89,7 @@ class TritonSparseRagged(_TritonSparseBase):
         cache = problem.cache
         buffer = torch.empty(problem.meta.token_slots.shape[0], cache.layout.bytes_per_token, dtype=torch.uint8,
                              device=problem.device)
-        return self._outputs(problem, layout_code(cache.layout.name), buffer)
+        return self._outputs(problem, buffer, buffer)
 
     def run(self, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan.problem

@@ -28,15 +28,20 @@ import triton
 import triton.language as tl
 
 from impls.triton import common
-from impls.triton.common import INTERPRETING, cast, mma, prefetch_l2
+from impls.triton.common import INTERPRETING, cast, check_e4m3, mma, prefetch_l2
 from impls.triton.latent_io import LAYOUT_CODES, SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
 from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
+from mla_bench.dims import check_softmax_scale
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.layouts import LATENT_DIM, NOPE_DIM
+from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM
 
 WGMMA_LAYOUTS = (LAYOUT_CODES["fp8_ds_mla"], LAYOUT_CODES["fp8_ds_mla_pow2"])  # what sparse_wgmma decodes
 WGMMA_TILE = (64, 64, 8)  # sparse_wgmma's heads per program, indices per step, warps
+# sparse_wgmma's tokens per launch: its grid's second dimension, which CUDA caps at 65535, rounded down to a multiple
+# of 4 so that every launch's int32 index rows start 16-byte aligned as the first launch's do
+TOKENS_PER_LAUNCH = 65532
+LAYOUT_NAMES = {code: name for name, code in LAYOUT_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,12 @@ class SparseConfig:
     wgmma: bool = False     # the Gluon kernel (sparse_wgmma): Hopper, fp8_ds_mla layouts, bf16 queries
 
     def __post_init__(self) -> None:
+        """Tiles Triton cannot build fail only at the first launch, and some only on a GPU (the interpreter runs a
+        block_n of 8, which a 16-bit ``tl.dot`` refuses as K, and 3 warps): refuse them here."""
+        for name, least in (("block_h", 1), ("block_n", 16), ("num_warps", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+                raise ValueError(f"SparseConfig.{name} must be a power of two >= {least}, got {value!r}")
         if self.wgmma and (self.block_h, self.block_n, self.num_warps) != WGMMA_TILE:
             raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = {WGMMA_TILE}, got "
                              f"{(self.block_h, self.block_n, self.num_warps)}")
@@ -180,23 +191,47 @@ def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, qu
     if not config.wgmma:
         return
     if layout_code not in WGMMA_LAYOUTS:
-        names = {code: name for name, code in LAYOUT_CODES.items()}
-        raise UnsupportedConfig(f"the sparse wgmma kernel reads fp8_ds_mla caches, not {names[layout_code]!r}")
+        raise UnsupportedConfig(f"the sparse wgmma kernel reads fp8_ds_mla caches, not {LAYOUT_NAMES[layout_code]!r}")
     if query_dtype != torch.bfloat16:
         raise UnsupportedConfig(f"the sparse wgmma kernel takes bf16 queries, not {query_dtype}")
     if not common.has_wgmma(device):
         raise UnsupportedConfig(f"the sparse wgmma kernel needs a Hopper GPU (compute capability 9), not {device}")
 
 
-def check_indices(indices: torch.Tensor, tokens: int, device: torch.device | None = None,
-                  name: str = "sparse_mqa: indices") -> None:
-    """ValueError unless ``indices`` is what the kernels read: int32 ``[tokens, topk]`` with contiguous rows (on
-    ``device`` when given: a tensor's own device such as ``cuda:0``, never a bare ``cuda``; torch.topk gives int64)."""
-    if indices.dim() != 2 or indices.shape[0] != tokens or indices.dtype != torch.int32 or indices.stride(1) != 1 \
-            or (device is not None and indices.device != device):
-        where = "" if device is None else f" on {device}"
-        raise ValueError(f"{name} must be int32 [{tokens}, topk] with contiguous rows{where} (torch.topk gives int64: "
-                         f"convert them), got {indices.dtype} {list(indices.shape)} on {indices.device}")
+def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
+                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None, name: str = "sparse_mqa") -> None:
+    """ValueError naming every input ``sparse_mqa`` would read or write wrongly: shapes, dtypes, strides, devices,
+    the layout's row width, the softmax scale. Host-only, so that a plan refuses what its run would."""
+    problems = []
+    if q.dim() != 3 or q.shape[2] != LATENT_DIM or q.stride(-1) != 1 or q.dtype not in (torch.bfloat16,
+                                                                                           torch.float16):
+        problems.append(f"q must be bf16/fp16 [T, H, {LATENT_DIM}] (last dim contiguous), got {q.dtype} "
+                        f"{list(q.shape)}")
+    tokens, heads = q.shape[0] if q.dim() else -1, q.shape[1] if q.dim() == 3 else -1
+    if indices.dim() != 2 or indices.shape[0] != tokens or indices.dtype != torch.int32 or indices.stride(1) != 1:
+        problems.append(f"indices must be int32 [{tokens}, topk] with contiguous rows (torch.topk gives int64: "
+                        f"convert them), got {indices.dtype} {list(indices.shape)}")
+    if layout_code not in LAYOUT_NAMES:
+        problems.append(f"layout_code must be one of {LAYOUT_CODES}, got {layout_code!r}")
+    else:
+        width = LAYOUTS[LAYOUT_NAMES[layout_code]].bytes_per_token
+        if rows.dim() != 2 or rows.dtype != torch.uint8 or not rows.is_contiguous() or rows.shape[1] != width:
+            problems.append(f"rows must be a contiguous uint8 [N, {width}] source of {LAYOUT_NAMES[layout_code]} "
+                            f"tokens, got {rows.dtype} {list(rows.shape)}")
+    if out is not None and (tuple(out.shape) != (tokens, heads, NOPE_DIM) or out.stride(-1) != 1):
+        problems.append(f"out must be [{tokens}, {heads}, {NOPE_DIM}] (last dim contiguous), got {list(out.shape)} "
+                        f"strides {out.stride()}")
+    if lse is not None and tuple(lse.shape) != (tokens, heads):
+        problems.append(f"lse must be [{tokens}, {heads}], got {list(lse.shape)}")
+    devices = {t.device for t in (q, indices, rows, out, lse) if t is not None}  # a tensor's: cuda:0, not cuda
+    if len(devices) > 1:
+        problems.append(f"q, indices, rows, out and lse must be on one device, got {sorted(map(str, devices))}")
+    try:
+        check_softmax_scale(scale)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ValueError(f"{name}: " + "; ".join(problems))
 
 
 def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
@@ -207,28 +242,25 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
 
     Returns ``out`` ``[T, H, 512]`` (q's dtype unless given) and ``lse`` ``[T, H]`` float32, natural log.
     """
-    if q.dim() != 3 or q.shape[2] != LATENT_DIM or q.stride(-1) != 1 or q.dtype not in (torch.bfloat16,
-                                                                                           torch.float16):
-        raise ValueError(f"sparse_mqa: q must be bf16/fp16 [T, H, {LATENT_DIM}] (last dim contiguous), got "
-                         f"{q.dtype} {list(q.shape)}")
-    check_indices(indices, q.shape[0])
-    if rows.dim() != 2 or rows.dtype != torch.uint8 or not rows.is_contiguous():
-        raise ValueError(f"sparse_mqa: rows must be a contiguous uint8 [N, bytes_per_token] source, got "
-                         f"{rows.dtype} {list(rows.shape)}")
+    check_inputs(q, indices, rows, layout_code, scale, out, lse)
     tokens, heads, _ = q.shape
     out = torch.empty(tokens, heads, NOPE_DIM, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
     config = config or default_config(q.device, heads, layout_code, q.dtype)
+    check_e4m3(q.device, LAYOUT_NAMES[layout_code], "sparse_mqa")
     check_wgmma(config, q.device, layout_code, q.dtype)
-    if tokens and config.wgmma:
-        _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), tokens)](
-            q, q.stride(0), q.stride(1), indices, indices.stride(0), rows, rows.shape[0], indices.shape[1],
-            out, out.stride(0), out.stride(1), lse, lse.stride(0), lse.stride(1), scale * LOG2E, heads,
-            PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"], num_warps=config.num_warps)
+    qk_scale = float(scale) * LOG2E  # a numpy float32 passes the check, and no launcher takes it
+    if config.wgmma:
+        for t0 in range(0, tokens, TOKENS_PER_LAUNCH):
+            t = slice(t0, min(tokens, t0 + TOKENS_PER_LAUNCH))
+            _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), t.stop - t0)](
+                q[t], q.stride(0), q.stride(1), indices[t], indices.stride(0), rows, rows.shape[0], indices.shape[1],
+                out[t], out.stride(0), out.stride(1), lse[t], lse.stride(0), lse.stride(1), qk_scale, heads,
+                PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"], num_warps=config.num_warps)
     elif tokens:
         grid = (tokens, triton.cdiv(heads, config.block_h))
         _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
-                             tensor_scale, scale * LOG2E, q.stride(0), q.stride(1), indices.stride(0),
+                             tensor_scale, qk_scale, q.stride(0), q.stride(1), indices.stride(0),
                              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                              LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
                              BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,
