@@ -29,8 +29,17 @@ def pick_device(name: str) -> torch.device:
 
 
 def prepare(name: str) -> torch.device:
-    """The device for ``name``; on CPU, Triton kernels run in the interpreter (set before they are imported)."""
+    """The device for ``name``, made current (``make_current``); on CPU, Triton kernels run in the interpreter (set
+    before they are imported)."""
     device = pick_device(name)
     if device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
+    make_current(device)
     return device
+
+
+def make_current(device: torch.device) -> None:
+    """Make ``cuda:N`` the process's current GPU: Triton launches on the current GPU whatever its tensors' device,
+    so ``--device cuda:1`` would launch kernels on GPU 0 over GPU 1's memory."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

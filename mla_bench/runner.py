@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from mla_bench import environment
-from mla_bench.device import pick_device
+from mla_bench.device import make_current, pick_device
 from mla_bench.lifetime import die_with_parent
 from mla_bench.registry import ImplEntry, discover, resolve
 from mla_bench.results import Device, Result, Run
@@ -169,6 +169,7 @@ def run_selection(selection: Selection, progress: Progress | None = None) -> Run
     if options.isolate or options.devices:
         devices, found = _execute_workers(options, device, entries, [name for name, _ in suites], progress)
     else:
+        make_current(device)
         devices = [environment.describe(device, _device_id(device, None))]
         ctx = _context(options, device, entries, progress)
         progress.start(_total(selection.counts))
@@ -551,6 +552,7 @@ def _worker_main() -> int:
 
     options = RunOptions(**job["options"])
     device = pick_device(job["device"])
+    make_current(device)
     send({"device": asdict(environment.describe(device, job["device_id"]))})
     entries = [resolve(spec) for spec in job["impls"]]
     ctx = _context(options, device, entries, Relay(), job["shard"], job["shards"], job["impl_free"])

@@ -409,3 +409,24 @@ def test_filters_a_suite_does_not_apply_get_one_note_each():
                      "note: --layout is not applied by suite(s) equivalence, metadata",
                      "note: --layout is not applied to the workloads of --mode prefill: they read no cache"]
     assert select_run(RunOptions(impls=["torch_eager"], device="cpu", preset="tiny", modes=["decode"])).notes == []
+
+
+def test_a_gpu_named_by_index_is_made_current_where_kernels_launch(monkeypatch):
+    """Triton launches on the current GPU whatever its tensors' device: --device cuda:1 ran GPU 0's kernels over GPU
+    1's memory. The CLI and pytest (``prepare``), an in-process run and a worker each make it current."""
+    from mla_bench import device as devices
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    assert devices.prepare("cuda:1") == torch.device("cuda:1") and made == [torch.device("cuda:1")]
+    devices.prepare("cuda")  # the current one already
+    devices.make_current(torch.device("cpu"))
+    assert made == [torch.device("cuda:1")]
+    monkeypatch.setattr(environment, "describe", lambda device, id: Device(id))
+    monkeypatch.setattr(runner, "_context", lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        runner.run_selection(runner.Selection(RunOptions(impls=["torch_eager"], device="cuda:1"),
+                                              torch.device("cuda:1"), [], [], [], [], []))
+    assert made == [torch.device("cuda:1")] * 2
