@@ -3,17 +3,22 @@
 - ``--mla-impl NAME`` (repeatable; a registered name or ``module:Class``) picks the impls that the conformance
   suite (``pytest --pyargs suites -m conformance``) and the ``mla_impl`` fixture run; default: every
   discoverable impl.
-- ``--mla-device`` (auto, cpu, cuda, cuda:N): where they run. On CPU, ``TRITON_INTERPRET=1`` is set at
-  configure time, before any test module imports a Triton kernel.
+- ``--mla-device`` (auto, cpu, cuda, cuda:N): where they run. On CPU, ``TRITON_INTERPRET=1`` is set (unless the
+  environment sets it) at configure time where ``--mla-impl`` or ``--mla-device`` is given, before any test module
+  imports a Triton kernel, else when the session first asks for an impl or ``mla_device``: a pytest session that
+  never uses mla-bench keeps its environment (the plugin is installed for every session of the environment).
 - Tests marked ``gpu`` are skipped with a reason where CUDA is absent.
 - An impl named with ``--mla-impl`` whose every conformance test run was skipped (it refused or did not declare
-  them all) fails the session: it was tested on nothing, which pytest alone reports as a success.
+  them all) fails the session: it was tested on nothing, which pytest alone reports as a success. Under
+  pytest-xdist too: each test's reports carry its impl to the controller, which collects nothing itself.
 - Fixtures: ``mla_device``, ``mla_impl`` (parametrized over the chosen impls), ``cuda_timer`` (a CUDA-event
   clock for pytest-benchmark: ``benchmark.pedantic(...)`` after ``@pytest.mark.benchmark(timer=...)``, or
   ``mla_bench.timing.cuda_event_timer`` directly).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -34,36 +39,54 @@ MARKS = {
 MODE_MARKS = {"decode": "decode", "prefill": "prefill", "chunked_prefill": "chunked", "sparse_decode": "sparse",
               "sparse_prefill": "sparse", "dcp": "dcp"}
 NO_GPU = "needs a CUDA GPU (none present)"
+NAMED_IMPL = "mla_bench_impl"  # the attribute naming the impl on each report of a named impl's conformance test
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("mla-bench")
     group.addoption("--mla-impl", action="append", default=[], metavar="NAME",
                     help="impl to test: a registered name or module:Class (repeatable; default: all)")
-    group.addoption("--mla-device", default="auto", help="device for mla-bench impls: auto, cpu, cuda, cuda:N")
+    group.addoption("--mla-device", default=None,
+                    help="device for mla-bench impls: auto (the default), cpu, cuda, cuda:N")
 
 
 def pytest_configure(config) -> None:
     for name, text in MARKS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    from mla_bench.device import prepare
-
-    try:
-        config._mla_device = prepare(config.getoption("mla_device"))  # TRITON_INTERPRET on CPU, before imports
-    except ValueError as exc:
-        raise pytest.UsageError(f"--mla-device: {exc}") from None
+    if config.getoption("mla_impl") or config.getoption("mla_device"):
+        session_device(config)  # an mla-bench session: TRITON_INTERPRET on CPU before test modules import kernels
     if config.getoption("mla_impl"):
         config.pluginmanager.register(ConformanceCoverage(config.getoption("mla_impl")), "mla-bench-coverage")
 
 
+def session_device(config):
+    """The device of ``--mla-device`` (auto: CUDA when present), chosen once per session. On CPU, Triton kernels
+    imported from then on run in the interpreter; a ``TRITON_INTERPRET`` the environment sets is left as it is."""
+    if not hasattr(config, "_mla_device"):
+        from mla_bench.device import make_current, pick_device
+
+        try:
+            config._mla_device = pick_device(config.getoption("mla_device") or "auto")
+        except ValueError as exc:
+            raise pytest.UsageError(f"--mla-device: {exc}") from None
+        if config._mla_device.type == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        make_current(config._mla_device)  # Triton launches on the current GPU
+    return config._mla_device
+
+
 class ConformanceCoverage:
     """Which impls named with ``--mla-impl`` ran a conformance test that was not skipped; the session fails when one
-    had conformance tests and all were skipped (deselected tests do not count: the user chose those)."""
+    had every conformance test that ran skipped (deselected tests do not count: the user chose those). Each report of
+    a named impl's test carries the impl's name (``NAMED_IMPL``; not a user property, which JUnit XML would write as
+    the properties xunit2 forbids): pytest-xdist's controller, which gives the verdict, collects no items itself."""
 
     def __init__(self, named: list[str]) -> None:
         self.named = set(named)
-        self.impl_of: dict[str, str] = {}  # a conformance test's node id -> its impl's name
-        self.tested: set[str] = set()
+        self.impl_of: dict[str, str] = {}  # a collected conformance test's node id -> its named impl
+        self.skipped: set[str] = set()  # impls with a conformance test skipped
+        self.tested: set[str] = set()  # impls with a conformance test that passed or failed
+        self.untested: list[str] = []
 
     def pytest_collection_finish(self, session) -> None:
         for item in session.items:
@@ -71,22 +94,31 @@ class ConformanceCoverage:
             if case and (case[0].name in self.named or case[0].target in self.named):
                 self.impl_of[item.nodeid] = case[0].name
 
-    def pytest_runtest_logreport(self, report) -> None:
-        if report.nodeid in self.impl_of and not report.skipped and (report.when == "call" or report.failed):
-            self.tested.add(self.impl_of[report.nodeid])
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        if item.nodeid in self.impl_of:
+            setattr(outcome.get_result(), NAMED_IMPL, self.impl_of[item.nodeid])
 
-    def untested(self) -> list[str]:
-        return sorted(set(self.impl_of.values()) - self.tested)
+    def pytest_runtest_logreport(self, report) -> None:
+        name = getattr(report, NAMED_IMPL, None)
+        if name is None:
+            return
+        if report.skipped:
+            self.skipped.add(name)
+        elif report.when == "call" or report.failed:
+            self.tested.add(name)
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
-        if session.config.option.collectonly or getattr(session.config.option, "setupplan", False):
-            self.impl_of.clear()  # nothing ran: nothing was untested either
-            return
-        if self.untested() and exitstatus == pytest.ExitCode.OK:
+        ran_all = not session.shouldstop and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+        if not ran_all or hasattr(session.config, "workerinput"):
+            return  # stopped early (-x): some impls never ran; an xdist worker ran a part (its controller judges)
+        self.untested = sorted(self.skipped - self.tested)
+        if self.untested and exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        for name in self.untested():
+        for name in self.untested:
             terminalreporter.write_line(f"mla-bench: {name} was tested on nothing: every conformance test of it was "
                                         "skipped (-rs shows why)", red=True, bold=True)
 
@@ -100,9 +132,11 @@ def pytest_runtest_setup(item) -> None:
 
 
 def impl_specs(config) -> list[str]:
-    """The impls chosen with ``--mla-impl``, or every discoverable one."""
+    """The impls chosen with ``--mla-impl``, or every discoverable one (after the device is chosen: on CPU, an impl's
+    Triton kernels must be imported with the interpreter on)."""
     from mla_bench.registry import discover
 
+    session_device(config)
     return list(config.getoption("mla_impl")) or sorted(discover())
 
 
@@ -116,6 +150,8 @@ def resolve_spec(spec: str):
         raise pytest.UsageError(f"--mla-impl {spec}: {exc}") from None
     except ValueError as exc:
         raise pytest.UsageError(f"--mla-impl: {exc}") from None
+    except SystemExit as exc:  # the impl's module exits on import: an error naming it, not pytest's INTERNALERROR
+        raise pytest.UsageError(f"--mla-impl {spec}: importing it raised SystemExit({exc.code!r})") from None
 
 
 def workload_marks(workload) -> list:
@@ -138,7 +174,7 @@ def pytest_generate_tests(metafunc) -> None:
 @pytest.fixture(scope="session")
 def mla_device(request):
     """The device chosen with ``--mla-device`` (auto: CUDA when present)."""
-    return request.config._mla_device
+    return session_device(request.config)
 
 
 @pytest.fixture

@@ -6,13 +6,16 @@ One test per (impl, workload) of the tiny sweep bent to the impl's declared head
 (``suites.sweeps.conformance``), over every mode and layout. A combination the impl does not declare, or that its
 ``plan`` refuses with ``UnsupportedConfig``, is skipped with that reason; everything else must pass
 ``suites.judge.judge`` (poisoned outputs and unused pages, permuted blocks, the bench's tolerances, inputs left
-as they were, and a second run of the same plan within the tolerances too).
+as they were, and a second run of the same plan within the tolerances too). An impl that is not installed, or whose
+constructor raises, has a test per workload of the unbent sweep all the same, skipped or failing: a filter that
+selects tests by mode, layout or label (``-m decode``, ``-k bf16``) selects those too.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from mla_bench import pytest_plugin
 from mla_bench.pytest_plugin import impl_specs, resolve_spec, workload_marks
 
 _PROBLEMS: dict = {}
@@ -21,22 +24,24 @@ _PROBLEMS: dict = {}
 def pytest_generate_tests(metafunc) -> None:
     if "conformance_case" not in metafunc.fixturenames:
         return
+    if not metafunc.config.pluginmanager.is_registered(pytest_plugin):  # its options and fixtures are missing
+        raise pytest.UsageError("the mla-bench pytest plugin is not loaded: install mla-bench (pip install -e .) or "
+                                "pass -p mla_bench.pytest_plugin")
     from mla_bench.registry import ImplNotInstalled
     from suites import sweeps
 
     cases = []
     for spec in impl_specs(metafunc.config):
         entry = resolve_spec(spec)
+        caps, skip_reason = None, None
         try:
             caps = entry.load().capabilities
         except ImplNotInstalled as exc:
-            cases.append(pytest.param((entry, None, f"not installed: {exc}"), id=f"{entry.name}-not-installed"))
-            continue
-        except Exception:  # noqa: BLE001 - a constructor that raises fails one test of its impl, not the collection
-            cases.append(pytest.param((entry, None, None), id=f"{entry.name}-load"))
-            continue
-        for workload in sweeps.conformance(caps):
-            cases.append(pytest.param((entry, workload, None), marks=workload_marks(workload),
+            skip_reason = f"not installed: {exc}"
+        except (Exception, SystemExit):  # noqa: BLE001 - its tests fail with the traceback; the collection goes on
+            pass
+        for workload in sweeps.tiny() if caps is None else sweeps.conformance(caps):
+            cases.append(pytest.param((entry, workload, skip_reason, caps is not None), marks=workload_marks(workload),
                                       id=f"{entry.name}-{workload.label.replace(' ', '_')}"))
     metafunc.parametrize("conformance_case", cases)
 
@@ -57,11 +62,11 @@ def _problem(workload, device):
 def test_conformance(conformance_case, mla_device) -> None:
     from suites.judge import judge
 
-    entry, workload, skip_reason = conformance_case
+    entry, workload, skip_reason, loaded = conformance_case
     if skip_reason:
         pytest.skip(skip_reason)
     impl = entry.load()  # raises again (the test fails with the traceback) where it raised at collection
-    assert workload is not None, f"{entry.target} raised when constructed at collection, but not now"
+    assert loaded, f"{entry.target} raised when constructed at collection, but not now"
     refusal = impl.capabilities.refusal(workload, mla_device)
     if refusal:
         pytest.skip(f"{impl.name}: unsupported {refusal}")

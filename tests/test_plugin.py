@@ -1,5 +1,6 @@
 """The pytest plugin: ``pytest --pyargs suites -m conformance --mla-impl ...`` checks any impl, a third party's
-included, flags every planted bug, skips what an impl refuses with its reason, and GPU tests skip on CPU."""
+included, flags every planted bug, skips what an impl refuses with its reason, fails an impl tested on nothing (under
+pytest-xdist too), and GPU tests skip on CPU; a session that does not use mla-bench keeps Triton as it was."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from pathlib import Path
 import pytest
 
 import planted_impls
+from suites import sweeps
 
 TESTS = Path(__file__).parent
 
 # A third party's kernel, known only to this test: decode in float32 with torch, written from the docs.
 THIRD_PARTY = textwrap.dedent('''
+    import sys
+
     import torch
-    from mla_bench.registry import Capabilities, Impl
+    from mla_bench.registry import Capabilities, Impl, ImplNotInstalled
     from mla_bench.metadata.reference import request_token_slots
 
     class MyMLA(Impl):
@@ -57,7 +61,53 @@ THIRD_PARTY = textwrap.dedent('''
 
         def __init__(self):
             raise RuntimeError("my_broken found no CUDA context")
+
+    class Exits(MyMLA):
+        name = "my_exits"
+
+        def __init__(self):
+            sys.exit(0)
+
+    class Absent(MyMLA):
+        name = "my_absent"
+
+        def __init__(self):
+            raise ImplNotInstalled("my_absent needs mykernels (pip install mykernels)")
 ''')
+
+# A project's own tests beside the plugin: its kernel must be compiled (e.g. ahead of time for a GPU it lacks), and
+# the interpreter comes on only for a session that asks for mla-bench's device.
+OWN_TRITON_TESTS = textwrap.dedent('''
+    import os
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_one(x_ptr):
+        tl.store(x_ptr, 1.0)
+
+    def test_own_kernel_is_compiled_not_interpreted():
+        assert type(store_one).__name__ == "JITFunction", type(store_one)
+
+    def test_mla_device_switches_the_interpreter_on_for_the_cpu(mla_device):
+        assert os.environ.get("TRITON_INTERPRET") == ("1" if mla_device.type == "cpu" else None)
+''')
+
+
+def _pytest(cwd: Path, *args: str, path: tuple[Path, ...] = (), **env: str) -> subprocess.CompletedProcess:
+    """``python -m pytest -q ARGS`` in its own process from ``cwd`` (no cache), ``path`` first on its PYTHONPATH, and
+    ``env`` over this one's environment less ``TRITON_INTERPRET`` (which this session's conftest sets)."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(env, PYTHONPATH=os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd,
+                          env=environ, capture_output=True, text=True, timeout=600)
+
+
+def _conformance(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The conformance suite on the CPU with ``args``, the third party's ``mypkg`` and the planted impls importable."""
+    (cwd / "mypkg.py").write_text(THIRD_PARTY)
+    return _pytest(cwd, "--pyargs", "suites", "-m", "conformance", "--mla-device=cpu", *args, path=(cwd, TESTS))
 
 
 def _outcomes(junit: Path) -> dict[str, Counter]:
@@ -76,17 +126,13 @@ def _outcomes(junit: Path) -> dict[str, Counter]:
 
 @pytest.fixture(scope="module")
 def conformance(tmp_path_factory) -> dict[str, Counter]:
-    """One pytest session over the third-party impl, one whose constructor raises, the correct twins and every
-    planted bug."""
+    """One pytest session over the third-party impl, one whose constructor raises and one whose constructor exits,
+    the correct twins and every planted bug."""
     work = tmp_path_factory.mktemp("third_party")
-    (work / "mypkg.py").write_text(THIRD_PARTY)
-    impls = ["mypkg:Broken", "mypkg:MyMLA", "planted_impls:PlainDecode", "planted_impls:PlainFP8Decode",
+    impls = ["mypkg:Broken", "mypkg:Exits", "mypkg:MyMLA", "planted_impls:PlainDecode", "planted_impls:PlainFP8Decode",
              "planted_impls:PlainSparse", "torch_eager"]
     impls += [f"planted_impls:{cls.__name__}" for cls in planted_impls.PLANTED_BUGS]
-    args = [sys.executable, "-m", "pytest", "--pyargs", "suites", "-m", "conformance", "-q", "-p", "no:cacheprovider",
-            f"--junitxml={work / 'junit.xml'}"] + [f"--mla-impl={impl}" for impl in impls]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    done = _conformance(work, f"--junitxml={work / 'junit.xml'}", *[f"--mla-impl={impl}" for impl in impls])
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # the planted bugs fail
     return _outcomes(work / "junit.xml")
 
@@ -103,7 +149,10 @@ def test_a_third_party_impl_passes_and_its_refusals_are_skipped_with_reasons(con
 
 
 def test_an_impl_whose_constructor_raises_fails_one_test_and_the_other_impls_still_run(conformance):
-    assert conformance["my_broken"] == Counter(failed=1), conformance["my_broken"]
+    """Each of its tests fails (one per workload of the sweep); so do those of one that calls sys.exit (at collection
+    it ended the session in an INTERNALERROR)."""
+    assert conformance["my_broken"] == Counter(failed=len(sweeps.tiny())), conformance["my_broken"]
+    assert conformance["my_exits"] == Counter(failed=len(sweeps.tiny())), conformance["my_exits"]
     assert conformance["my_mla"]["passed"] == 7
 
 
@@ -115,22 +164,71 @@ def test_every_planted_bug_is_flagged_by_the_conformance_suite(conformance, bug)
 def test_a_named_impl_whose_every_conformance_test_is_skipped_fails_the_session(tmp_path):
     """An impl tested on nothing (here: it declares CUDA only, the session runs on the CPU) is not a success; an
     impl that passed beside it is not named, and a user's deselection (-k) is no skip."""
-    (tmp_path / "mypkg.py").write_text(THIRD_PARTY)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-
-    def session(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "suites", "-m", "conformance", "-q",
-                               "-p", "no:cacheprovider", "--mla-device=cpu", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-
-    done = session("--mla-impl=mypkg:CudaOnly", "--mla-impl=mypkg:MyMLA", "-k", "decode and bf16 and not ps1")
+    done = _conformance(tmp_path, "--mla-impl=mypkg:CudaOnly", "--mla-impl=mypkg:MyMLA", "-k",
+                        "decode and bf16 and not ps1")
     assert done.returncode == 1, done.stdout[-3000:]
     assert "my_cuda_only was tested on nothing" in done.stdout and "my_mla was tested" not in done.stdout
     assert " failed" not in done.stdout.splitlines()[-1], done.stdout[-500:]  # nothing failed: only skipped
-    done = session("--mla-impl=mypkg:MyMLA", "--mla-impl=mypkg:CudaOnly", "-k", "my_mla and decode and bf16")
+    done = _conformance(tmp_path, "--mla-impl=mypkg:MyMLA", "--mla-impl=mypkg:CudaOnly", "-k",
+                        "my_mla and decode and bf16")
     assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
-    done = session("--mla-impl=mypkg:CudaOnly", "--collect-only")  # nothing runs: nothing is untested (it said 1)
+    done = _conformance(tmp_path, "--mla-impl=mypkg:CudaOnly", "--collect-only")  # nothing ran: nothing untested
     assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
+
+
+def test_an_impl_that_cannot_be_loaded_is_not_filtered_away(tmp_path):
+    """Filtered to decode, an impl whose constructor raises fails its decode tests and one that is not installed is
+    tested on nothing: each had one unmarked test, which -m deselected, and the session passed."""
+    done = _conformance(tmp_path, "-m", "conformance and decode", "--mla-impl=mypkg:Broken", "--mla-impl=mypkg:Absent",
+                        "--mla-impl=mypkg:MyMLA")
+    assert done.returncode == 1 and "my_absent was tested on nothing" in done.stdout, done.stdout[-3000:]
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    assert failed and all("[my_broken-decode_" in line for line in failed), done.stdout[-3000:]
+
+
+def test_an_impl_tested_on_nothing_fails_the_session_under_xdist(tmp_path):
+    """pytest-xdist's controller collects nothing itself: the verdict read the controller's own items (none) and
+    passed a session whose named impl was tested on nothing."""
+    pytest.importorskip("xdist")
+    done = _conformance(tmp_path, "-n", "2", "--mla-impl=mypkg:CudaOnly", "--mla-impl=mypkg:MyMLA", "-k",
+                        "decode and bf16 and not ps1")
+    assert done.returncode == 1 and "my_cuda_only was tested on nothing" in done.stdout, done.stdout[-3000:]
+    assert "my_mla was tested" not in done.stdout, done.stdout[-3000:]
+    done = _conformance(tmp_path, "-n", "2", "--mla-impl=mypkg:MyMLA", "-k", "decode and bf16")
+    assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
+
+
+def test_a_named_impl_that_never_ran_is_not_called_tested_on_nothing(tmp_path):
+    """A session stopped at its first failure (-x) never ran the impl named after the failing one, and --setup-only
+    runs no test: neither skipped anything (the second exited 1, the first said every test of my_mla was skipped)."""
+    done = _conformance(tmp_path, "-x", "--mla-impl=planted_impls:ReturnsZeros", "--mla-impl=mypkg:MyMLA")
+    assert done.returncode == 1 and "stopping after 1 failures" in done.stdout, done.stdout[-3000:]
+    assert "tested on nothing" not in done.stdout, done.stdout[-3000:]
+    done = _conformance(tmp_path, "--setup-only", "--mla-impl=mypkg:MyMLA")
+    assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
+
+
+def test_a_broken_setup_is_named_instead_of_failing_inside_pytest(tmp_path):
+    """An impl module that exits on import is a usage error naming it (it was pytest's INTERNALERROR), and the suite
+    without the plugin says to load it (it said "no option named 'mla_impl'")."""
+    (tmp_path / "exits_on_import.py").write_text("import sys\n\nsys.exit(0)\n")
+    done = _conformance(tmp_path, "--collect-only", "--mla-impl=exits_on_import:MyMLA")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "INTERNALERROR" not in output, output[-3000:]
+    assert "--mla-impl exits_on_import:MyMLA: importing it raised SystemExit(0)" in output, output[-3000:]
+    done = _pytest(tmp_path, "-p", "no:mla_bench.pytest_plugin", "--pyargs", "suites", "--collect-only")
+    assert done.returncode != 0 and "the mla-bench pytest plugin is not loaded" in done.stdout, done.stdout[-3000:]
+
+
+def test_a_session_without_mla_bench_keeps_triton_as_it_was(tmp_path):
+    """The plugin is installed for every pytest session of the environment: on a CPU host it switched Triton's
+    interpreter on for all of them, so a project's own kernel (compiled ahead of time for a GPU it lacks, say) came
+    back interpreted, even with TRITON_INTERPRET=0 set. mla-bench's device still switches it on for its own use."""
+    (tmp_path / "test_own.py").write_text(OWN_TRITON_TESTS)
+    done = _pytest(tmp_path, "test_own.py")
+    assert done.returncode == 0, done.stdout[-3000:]
+    done = _pytest(tmp_path, "test_own.py", "--mla-device=cpu", "-k", "own_kernel", TRITON_INTERPRET="0")
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_gpu_marked_tests_skip_on_cpu_with_the_reason(tmp_path):
@@ -138,6 +236,5 @@ def test_gpu_marked_tests_skip_on_cpu_with_the_reason(tmp_path):
         pytest.skip("this machine has CUDA: the skip path is not taken")
     (tmp_path / "test_gpu_only.py").write_text(
         "import pytest\n\n@pytest.mark.gpu\ndef test_needs_gpu(cuda_timer):\n    assert False\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-rs", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = _pytest(tmp_path, "-rs", str(tmp_path))
     assert done.returncode == 0 and "needs a CUDA GPU (none present)" in done.stdout, done.stdout
