@@ -29,6 +29,15 @@ def has_wgmma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def check_power_of_two(config: object, name: str, least: int = 1) -> None:
+    """ValueError unless ``config``'s field ``name`` is an int power of two of at least ``least``: a tile or warp
+    count Triton cannot build fails only at the first launch, inside Triton, and some only on a GPU."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+        floor = f" >= {least}" if least > 1 else ""
+        raise ValueError(f"{type(config).__name__}.{name} must be a power of two{floor}, got {value!r}")
+
+
 E4M3_LAYOUTS = frozenset({"fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2", "nvfp4"})  # codes or scales read as e4m3
 
 

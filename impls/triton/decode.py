@@ -214,11 +214,9 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, got {value}")
-        if self.merge_splits is not None and (self.merge_splits < 1 or self.merge_splits & (self.merge_splits - 1)):
-            raise ValueError(f"DecodeConfig.merge_splits must be a power of two, got {self.merge_splits}")
+            common.check_power_of_two(self, name, 16)
+        if self.merge_splits is not None:
+            common.check_power_of_two(self, "merge_splits")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
         if self.gluon and (self.block_m, self.block_n, self.num_warps) not in GLUON_TILES:

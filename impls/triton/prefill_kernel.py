@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from impls.triton.common import INTERPRETING, cast, mma
+from impls.triton.common import INTERPRETING, cast, check_power_of_two, mma
 from impls.triton.merge import LOG2E
 from mla_bench.dims import check_softmax_scale
 
@@ -38,9 +38,7 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         """Tiles that are not powers of two fail inside Triton at the first launch (``tl.arange``): refuse them here."""
         for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"PrefillConfig.{name} must be a power of two, got {value!r}")
+            check_power_of_two(self, name)
 
 
 # the interpreter pays per op, not per element

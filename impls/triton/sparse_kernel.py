@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from impls.triton import common
-from impls.triton.common import INTERPRETING, cast, check_e4m3, mma, prefetch_l2
+from impls.triton.common import INTERPRETING, cast, check_e4m3, check_power_of_two, mma, prefetch_l2
 from impls.triton.latent_io import LAYOUT_CODES, SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
 from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
@@ -57,9 +57,7 @@ class SparseConfig:
         """Tiles Triton cannot build fail only at the first launch, and some only on a GPU (the interpreter runs a
         block_n of 8, which a 16-bit ``tl.dot`` refuses as K, and 3 warps): refuse them here."""
         for name, least in (("block_h", 1), ("block_n", 16), ("num_warps", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
-                raise ValueError(f"SparseConfig.{name} must be a power of two >= {least}, got {value!r}")
+            check_power_of_two(self, name, least)
         if self.wgmma and (self.block_h, self.block_n, self.num_warps) != WGMMA_TILE:
             raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = {WGMMA_TILE}, got "
                              f"{(self.block_h, self.block_n, self.num_warps)}")
