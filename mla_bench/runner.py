@@ -183,7 +183,7 @@ def run_selection(selection: Selection, progress: Progress | None = None) -> Run
 
 def _device_id(device: torch.device, slot: int | None) -> str:
     """The ``Device.id`` of a worker given GPU ``slot`` (``--devices``), or, with no slot, of ``device``: ``cpu``, or
-    ``cuda:N`` for the host's GPU N (``cuda`` is GPU 0: no process of the bench changes its current device)."""
+    ``cuda:N`` for the host's GPU N (a bare ``cuda`` is GPU 0: the bench makes only a ``cuda:N`` current)."""
     if device.type != "cuda":
         return "cpu"
     return f"cuda:{slot if slot is not None else device.index or 0}"

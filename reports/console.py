@@ -87,7 +87,7 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
         va, vb = headline(ra), headline(rb)
         relative = _relative(va, vb)
         change = _change(va, vb, relative)
-        comparable = not other_gpu and (ra is None or rb is None or measured_on_one_model(ra, rb))
+        comparable = not other_gpu and measured_on_one_model(ra, rb)
         if suite == "latency" and not comparable and change:
             relative, change, withheld = None, "other GPU", withheld + 1
         fatal = any(f.fatal for f in compare_pair(ra, rb, GateLimits(), comparable))

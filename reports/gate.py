@@ -82,7 +82,7 @@ def gate(baseline: Run, run: Run, limits: GateLimits = GateLimits()) -> GateOutc
     same_models = same_gpu(baseline, run)
 
     def latency_comparable(base: Result | None, new: Result | None) -> bool:
-        return same_models and (base is None or new is None or measured_on_one_model(base, new))
+        return same_models and measured_on_one_model(base, new)
 
     compared = sum(base is not None and new is not None and not base.status == new.status == "unsupported"
                    and (latency_comparable(base, new) or new.suite != "latency" or base.status != new.status)

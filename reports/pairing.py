@@ -65,7 +65,8 @@ def measured_on(r: Result) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def measured_on_one_model(a: Result, b: Result) -> bool:
-    """Two latency results measured on one GPU model, where both say which (in a run over several models, two
-    runs of the same mix may shard a workload onto different ones)."""
-    return measured_on(a) is None or measured_on(b) is None or measured_on(a) == measured_on(b)
+def measured_on_one_model(a: Result | None, b: Result | None) -> bool:
+    """Two latency results measured on one GPU model, where both exist and say which (in a run over several models,
+    two runs of the same mix may shard a workload onto different ones)."""
+    models = [measured_on(r) for r in (a, b) if r is not None]
+    return None in models or len(set(models)) < 2
