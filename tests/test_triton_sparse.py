@@ -1,8 +1,9 @@
 """Sparse top-k (DeepSeek V3.2) Triton impls against the float64 reference, PAGED and RAGGED.
 
 Invalid indices (FlashMLA's list: -2^31, -123456, -1, the source's row count, 2^31-1) are skipped; a row
-with none valid gives out 0 / lse -inf; the wrong index transform is refused at plan time. Planted bugs: -1
-read as index 0, and a RAGGED buffer dequantized to bf16 (rounding FP8 keys), must fail the judge. On a Hopper GPU
+with none valid gives out 0 / lse -inf, as does every row of a top-k of 0 (with no kernel launched); float16 queries
+run through both impls; the wrong index transform is refused at plan time. Planted bugs: -1 read as index 0, and a
+RAGGED buffer dequantized to bf16 (rounding FP8 keys), must fail the judge. On a Hopper GPU
 (``pytest -m gpu``) the Gluon kernel of the fp8_ds_mla layouts is judged the same way, with a planted bug of its own.
 """
 
@@ -47,6 +48,28 @@ def test_sparse_impls_pass_the_judge(transform, mode, layout):
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
+FLOAT16_CASES = [(transform, mode, layout) for transform in ("paged", "ragged")
+                 for mode in ("sparse_decode", "sparse_prefill") for layout in ("bf16", "fp8_ds_mla")]
+FLOAT16_CASES += [("paged", "sparse_prefill", "fp8_ds_mla_pow2"), ("ragged", "sparse_decode", "fp8_e4m3")]
+
+
+@pytest.mark.parametrize("transform, mode, layout", FLOAT16_CASES)
+def test_float16_queries_are_declared_and_pass_the_judge(transform, mode, layout):
+    """The kernel takes float16 queries and writes float16 outputs (keys in the queries' dtype, float32 scores), yet
+    the impls declared only bfloat16: every float16 problem was refused before plan."""
+    problem = build_problem(sparse(transform, mode, layout, dtype="float16", seed=11), DEVICE)
+    verdict = judge(IMPLS[transform](), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+def test_float16_queries_are_refused_by_name_by_the_gluon_kernel():
+    """The Gluon kernel stages bf16 queries only (its default is bf16 only, so float16 runs the Triton kernel):
+    asked for explicitly, a float16 problem is refused at plan time, naming the queries' dtype."""
+    problem = build_problem(sparse("paged", layout="fp8_ds_mla", dtype="float16", num_heads=64), DEVICE)
+    with pytest.raises(UnsupportedConfig, match="sparse wgmma kernel takes bf16 queries, not torch.float16"):
+        TritonSparse(WGMMA_CONFIG).plan(problem)
+
+
 @pytest.mark.parametrize("transform, layout", [("paged", "fp8_ds_mla_pow2"), ("ragged", "fp8_e4m3")])
 def test_sparse_reads_the_other_fp8_layouts(transform, layout):
     verdict = judge(IMPLS[transform](), build_problem(sparse(transform, layout=layout, seed=3), DEVICE))
@@ -88,6 +111,39 @@ def test_invalid_indices_are_skipped_and_an_all_invalid_row_is_empty(transform):
     assert verdict.status == "passed", verdict.violations or verdict.message
     out, lse = impl.run(impl.plan(problem))
     assert bool((out[-1] == 0).all()) and bool(torch.isneginf(lse[-1]).all())
+
+
+@pytest.mark.parametrize("transform", ["paged", "ragged"])
+def test_top_k_0_gives_the_references_empty_rows(transform):
+    """Index lists of width 0 (a workload's top-k is positive; a caller's lists need not be): every row sees no key,
+    out 0 and lse -inf, as in the reference."""
+    problem = build_problem(sparse(transform, "sparse_prefill", seed=12), DEVICE)
+    problem.sparse_indices = problem.sparse_indices[:, :0]
+    problem.topk_indices = problem.topk_indices[:, :0]
+    impl = IMPLS[transform]()
+    verdict = judge(impl, problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    out, lse = impl.run(impl.plan(problem))
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+@pytest.mark.parametrize("config", [INTERPRETER_CONFIG, WGMMA_CONFIG], ids=["triton", "gluon"])
+def test_top_k_0_launches_no_kernel(monkeypatch, config):
+    """The Gluon kernel (stood in for here: it needs a Hopper GPU) indexes a token's list up to ``topk - 1``, -1 at
+    top-k 0, and was launched on empty lists: ``sparse_mqa`` writes their empty rows itself, on either kernel's path,
+    and launches neither."""
+    stand_in = GluonStandIn()
+    monkeypatch.setattr(common, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(sparse_kernel, "_sparse_kernel_wgmma", stand_in)
+    monkeypatch.setattr(sparse_kernel, "_sparse_kernel", None)  # launching it fails
+    p = build_problem(sparse("paged", layout="fp8_ds_mla", num_heads=64, seed=13), DEVICE)
+    tokens, heads = p.q.shape[:2]
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=p.q.dtype, device=DEVICE)
+    lse = torch.full((tokens, heads), float("nan"), device=DEVICE)
+    sparse_mqa(p.q, p.sparse_indices[:, :0], p.cache.rows(), LAYOUT_CODES["fp8_ds_mla"], p.scale, 1.0, out, lse,
+               config)
+    assert not stand_in.grids, "the Gluon kernel was launched on empty index lists"
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
 
 
 @pytest.mark.parametrize("impl, other", [(TritonSparse, "ragged"), (TritonSparseRagged, "paged")])

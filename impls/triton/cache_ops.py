@@ -29,6 +29,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from impls.triton import cache_ops_kernels as kernels
+from impls.triton import common
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache
 from mla_bench.layouts.ops import check_distinct_slots, check_slots
@@ -78,7 +79,7 @@ def write_cache_triton(cache: PagedCache, values: torch.Tensor, slot_mapping: to
         _validate_write(cache, values, slot_mapping, propagate_nonfinite)
     # bf16 inputs travel as their int16 bits (see the kernels' _load_values); the stride is in elements either way
     in_bf16 = values.dtype == torch.bfloat16
-    with _quiet_interpreter():
+    with _quiet_interpreter(), common.on_device(cache.data.device):
         writer(cache, values.view(torch.int16) if in_bf16 else values, slot_mapping, in_bf16)
 
 
@@ -98,7 +99,7 @@ def gather_cache_triton(cache: PagedCache, token_slots: torch.Tensor, out_dtype:
         lo, hi = (int(v) for v in torch.stack([token_slots.min(), token_slots.max()]).tolist())
         if lo < 0 or hi >= cache.num_slots:
             raise ValueError(f"gather_cache_triton: token slots must lie in [0, {cache.num_slots}), got [{lo}, {hi}]")
-    with _quiet_interpreter():
+    with _quiet_interpreter(), common.on_device(cache.data.device):
         gatherer(cache, token_slots, out.view(torch.int16) if out_dtype == torch.bfloat16 else out)
     return out
 

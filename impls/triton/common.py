@@ -11,6 +11,7 @@ On a GPU (the flag ``INTERP`` / ``UPCAST`` False) both are plain ``tl.dot`` and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -27,6 +28,17 @@ def has_wgmma(device: torch.device) -> bool:
     ``decode_wgmma_fp8``, ``sparse_wgmma``) issue (``decode_mma_fp8``, mma.sync, is tested on Hopper only): CUDA
     devices of compute capability 9 (Blackwell's tensor cores take other instructions)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device for the block: Triton compiles for and launches on the current device
+    whatever its tensors' device, so tensors on cuda:1 while cuda:0 is current ran cuda:0's kernels over cuda:1's
+    memory. A no-op for the CPU and for ``cuda`` without an index (the current device). Host-side only (no
+    synchronization, no allocation): it may be entered while a CUDA graph is captured. The public functions that
+    launch kernels enter it, called as ``common.on_device`` (the tests watch it there)."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def check_power_of_two(config: object, name: str, least: int = 1) -> None:

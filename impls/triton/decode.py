@@ -497,14 +497,15 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                                                sms * narrow.programs_per_sm, narrow.min_split)))
     # decode_rs_fp8, the kernel of its layouts that merges in clusters, copies by TMA
     clusters_here = cache.layout.name not in RS_LAYOUTS or _tma_pages(cache)
-    for option, balanced in options if clusters_here else ():
-        for cut in _cluster_cuts(balanced, q_lens, kv_lens, num_heads, option, cache.layout.name, sms):
-            plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, option, sms)
-            _prepare_clusters(plan)
-            if plan.cluster > 1:
-                return plan
-    plan = _allocate_plan(schedule, q, cache, block_table, visible, q_lens, scale, config, sms)
-    _prepare_clusters(plan)
+    with common.on_device(device):  # _prepare_clusters compiles the split kernel and asks the driver about it
+        for option, balanced in options if clusters_here else ():
+            for cut in _cluster_cuts(balanced, q_lens, kv_lens, num_heads, option, cache.layout.name, sms):
+                plan = _allocate_plan(cut, q, cache, block_table, visible, q_lens, scale, option, sms)
+                _prepare_clusters(plan)
+                if plan.cluster > 1:
+                    return plan
+        plan = _allocate_plan(schedule, q, cache, block_table, visible, q_lens, scale, config, sms)
+        _prepare_clusters(plan)
     return plan
 
 
@@ -554,10 +555,11 @@ def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block
 def run_decode(plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and the merge where a group has several splits, unless they merge in clusters);
     returns ``(out, lse)``."""
-    if plan.work.shape[0]:
-        _launch_split(plan)
-    if plan.groups.shape[0] and plan.cluster == 1:
-        _launch_merge(plan)
+    with common.on_device(plan.q.device):
+        if plan.work.shape[0]:
+            _launch_split(plan)
+        if plan.groups.shape[0] and plan.cluster == 1:
+            _launch_merge(plan)
     return plan.out, plan.lse
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from impls.triton import common
+
 
 @triton.jit
 def _kv_indices_kernel(kv_indptr_ptr, block_table_ptr, table_stride, width, out_ptr, num_pages,
@@ -38,6 +40,7 @@ def kv_indices_triton(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pa
                          f"[B, width], got {list(kv_indptr.shape)} and {list(block_table.shape)}")
     out = torch.empty(num_pages, dtype=torch.int32, device=block_table.device)
     if block_table.shape[0]:
-        _kv_indices_kernel[(block_table.shape[0],)](kv_indptr, block_table, block_table.stride(0),
-                                                     block_table.shape[1], out, num_pages, BLOCK=128)
+        with common.on_device(block_table.device):
+            _kv_indices_kernel[(block_table.shape[0],)](kv_indptr, block_table, block_table.stride(0),
+                                                         block_table.shape[1], out, num_pages, BLOCK=128)
     return out

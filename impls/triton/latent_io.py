@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impls.triton import common
 from impls.triton.common import INTERPRETING, cast
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
@@ -132,8 +133,9 @@ def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> 
         raise ValueError(f"gather_latent: out must be [>= {n}, {LATENT_DIM}] contiguous rows, got {list(out.shape)}")
     if n:
         block_t = 64 if INTERPRETING else 16  # the interpreter pays per program and op, not per element
-        _gather_kernel[(triton.cdiv(n, block_t),)](
-            cache.rows(), slots, out, n, cache.num_slots, cache.layout.bytes_per_token, cache_tensor_scale(cache),
-            out.stride(0),
-            LAYOUT=code, BLOCK_T=block_t, INTERP=INTERPRETING)
+        with common.on_device(out.device):
+            _gather_kernel[(triton.cdiv(n, block_t),)](
+                cache.rows(), slots, out, n, cache.num_slots, cache.layout.bytes_per_token, cache_tensor_scale(cache),
+                out.stride(0),
+                LAYOUT=code, BLOCK_T=block_t, INTERP=INTERPRETING)
     return out[:n]

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impls.triton import common
 from impls.triton.common import INTERPRETING, cast
 
 LOG2E = 1.4426950408889634
@@ -96,12 +97,13 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     tokens, heads, dim = out_a.shape
     if tokens and heads:
         block_r, block_d = _tiles(dim)
-        _merge_kernel[(triton.cdiv(tokens * heads, block_r),)](
-            out, lse_out, out_a, lse_a, out_b, lse_b, tokens * heads, heads, dim,
-            out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
-            out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1),
-            out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
-            BLOCK_R=block_r, BLOCK_D=block_d, INTERP=INTERPRETING)
+        with common.on_device(out.device):
+            _merge_kernel[(triton.cdiv(tokens * heads, block_r),)](
+                out, lse_out, out_a, lse_a, out_b, lse_b, tokens * heads, heads, dim,
+                out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
+                out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1),
+                out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
+                BLOCK_R=block_r, BLOCK_D=block_d, INTERP=INTERPRETING)
     return out, lse_out
 
 
@@ -160,9 +162,10 @@ def rescale_partial(part: torch.Tensor, all_lse: torch.Tensor, rank: int,
     tokens, heads, dim = part.shape
     if tokens and heads:
         block_r, block_d = _tiles(dim)
-        _rescale_kernel[(triton.cdiv(tokens * heads, block_r),)](
-            out, lse_total, part, all_lse, int(rank), world, tokens * heads, heads, dim,
-            out.stride(0), out.stride(1), part.stride(0), part.stride(1),
-            all_lse.stride(0), all_lse.stride(1), all_lse.stride(2), lse_total.stride(0), lse_total.stride(1),
-            BLOCK_W=max(2, triton.next_power_of_2(world)), BLOCK_R=block_r, BLOCK_D=block_d)
+        with common.on_device(part.device):
+            _rescale_kernel[(triton.cdiv(tokens * heads, block_r),)](
+                out, lse_total, part, all_lse, int(rank), world, tokens * heads, heads, dim,
+                out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+                all_lse.stride(0), all_lse.stride(1), all_lse.stride(2), lse_total.stride(0), lse_total.stride(1),
+                BLOCK_W=max(2, triton.next_power_of_2(world)), BLOCK_R=block_r, BLOCK_D=block_d)
     return out, lse_total

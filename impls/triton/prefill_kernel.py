@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impls.triton import common
 from impls.triton.common import INTERPRETING, cast, check_power_of_two, mma
 from impls.triton.merge import LOG2E
 from mla_bench.dims import check_softmax_scale
@@ -201,12 +202,13 @@ def mha_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     if tokens == 0 or batch == 0 or max_q_len <= 0:
         return out, lse
     num_m_blocks = triton.cdiv(max_q_len, config.block_m)
-    _prefill_kernel[(num_m_blocks, heads, batch)](
-        q, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(scale) * LOG2E,
-        q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_m_blocks,
-        CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, D_NOPE=NOPE, D_ROPE=ROPE, D_V=VDIM,
-        UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
+    with common.on_device(q.device):
+        _prefill_kernel[(num_m_blocks, heads, batch)](
+            q, k_nope, k_pe, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(scale) * LOG2E,
+            q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_m_blocks,
+            CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, D_NOPE=NOPE, D_ROPE=ROPE, D_V=VDIM,
+            UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
 
 

@@ -25,6 +25,9 @@ from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
 
 SPARSE_MODES = frozenset({Mode.SPARSE_DECODE, Mode.SPARSE_PREFILL})
+# the Triton kernel takes either; the Gluon kernel (SparseConfig.wgmma) bf16 only: the default config runs it on bf16
+# queries only, and plan refuses float16 asked of it (check_wgmma)
+SPARSE_DTYPES = frozenset({"bfloat16", "float16"})
 
 
 @dataclass
@@ -67,7 +70,7 @@ class _TritonSparseBase(Impl):
 class TritonSparse(_TritonSparseBase):
     name = "triton_sparse"
     description = "sparse top-k MQA reading (and dequantizing) the paged cache by PAGED slot indices"
-    capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES),
+    capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES), dtypes=SPARSE_DTYPES,
                                 index_transforms=frozenset({"paged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
@@ -82,7 +85,7 @@ class TritonSparse(_TritonSparseBase):
 class TritonSparseRagged(_TritonSparseBase):
     name = "triton_sparse_ragged"
     description = "sparse top-k MQA over the requests' tokens gathered in order, by RAGGED row indices"
-    capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES),
+    capabilities = Capabilities(modes=SPARSE_MODES, layouts=frozenset(LAYOUT_CODES), dtypes=SPARSE_DTYPES,
                                 index_transforms=frozenset({"ragged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:

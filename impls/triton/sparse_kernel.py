@@ -4,7 +4,8 @@ Query token ``t`` attends the rows ``indices[t, :]`` of a row source: the paged 
 an index is a physical slot ``block * page_size + offset``) or a gathered, dequantized ``[N, 576]`` buffer
 (RAGGED transform: an index is a row of the request-after-request concatenation). An index is valid iff
 ``0 <= idx < num_rows`` (FlashMLA's rule: -1 padding, any negative and anything past the source are skipped);
-a row with no valid index gives out 0 and lse -inf. Keys are the 576 latent values, values their first 512.
+a row with no valid index gives out 0 and lse -inf, as in the reference (every row of a top-k of 0 too: ``sparse_mqa``
+writes those itself and launches no kernel). Keys are the 576 latent values, values their first 512.
 
 Per program: ``BLOCK_H`` heads of one token (they share the token's index list, so each gathered key tile
 serves them all), ``BLOCK_N`` indices at a time, online softmax in base 2. Decode and prefill are the same
@@ -248,21 +249,27 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
     check_e4m3(q.device, LAYOUT_NAMES[layout_code], "sparse_mqa")
     check_wgmma(config, q.device, layout_code, q.dtype)
     qk_scale = float(scale) * LOG2E  # a numpy float32 passes the check, and no launcher takes it
-    if config.wgmma:
-        for t0 in range(0, tokens, TOKENS_PER_LAUNCH):
-            t = slice(t0, min(tokens, t0 + TOKENS_PER_LAUNCH))
-            _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), t.stop - t0)](
-                q[t], q.stride(0), q.stride(1), indices[t], indices.stride(0), rows, rows.shape[0], indices.shape[1],
-                out[t], out.stride(0), out.stride(1), lse[t], lse.stride(0), lse.stride(1), qk_scale, heads,
-                PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"], num_warps=config.num_warps)
+    if not indices.shape[1]:  # top-k 0: every row is empty; the Gluon kernel indexes lists up to topk - 1
+        out.zero_()
+        lse.fill_(float("-inf"))
+    elif config.wgmma:
+        with common.on_device(q.device):
+            for t0 in range(0, tokens, TOKENS_PER_LAUNCH):
+                t = slice(t0, min(tokens, t0 + TOKENS_PER_LAUNCH))
+                _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), t.stop - t0)](
+                    q[t], q.stride(0), q.stride(1), indices[t], indices.stride(0), rows, rows.shape[0],
+                    indices.shape[1], out[t], out.stride(0), out.stride(1), lse[t], lse.stride(0), lse.stride(1),
+                    qk_scale, heads, PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"],
+                    num_warps=config.num_warps)
     elif tokens:
         grid = (tokens, triton.cdiv(heads, config.block_h))
-        _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
-                             tensor_scale, qk_scale, q.stride(0), q.stride(1), indices.stride(0),
-                             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-                             LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
-                             BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,
-                             UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
+        with common.on_device(q.device):
+            _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
+                                 tensor_scale, qk_scale, q.stride(0), q.stride(1), indices.stride(0),
+                                 out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                                 LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
+                                 BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,
+                                 UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse
 
 

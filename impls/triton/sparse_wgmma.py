@@ -372,7 +372,8 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
                          PER_KEY: gl.constexpr):
     """Program (token, 64-head block): ``out``/``lse`` of those heads over the token's ``topk`` indices into
     ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the softmax scale times log2(e); ``PER_KEY``: the
-    scales are powers of two (``fp8_ds_mla_pow2``), one per key."""
+    scales are powers of two (``fp8_ds_mla_pow2``), one per key. ``topk`` >= 1: ``sparse_mqa`` writes a top-k of 0
+    itself."""
     q_nope, q_rope, codes, scales, key_scales, rope, keys, probs = _step_buffers(HEADS, PER_KEY)
 
     token = gl.program_id(1).to(gl.int64)  # a token's head blocks run side by side: the second reads its rows from L2
