@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, TypeVar
 
+import torch
+
 from mla_bench.dims import PRESETS, get_preset
 from mla_bench.layouts import LAYOUTS
 from mla_bench.registry import Capabilities
-from mla_bench.workload import Mode, Workload
+from mla_bench.workload import DTYPES, Mode, Workload
 
 T = TypeVar("T")
 
@@ -171,9 +173,16 @@ def shard(items: list[T], ctx) -> list[T]:
     return items[ctx.shard::ctx.shards]
 
 
-def conformance(caps: Capabilities, preset: str = "tiny") -> list[Workload]:
-    """The tiny sweep bent to what ``caps`` declares: head count and page size moved to a declared value
-    (an impl for 64/128 heads or page 64 only is still checked), everything else left for the impl to refuse."""
+def conformance(caps: Capabilities, device: torch.device | str = "cpu", preset: str = "tiny") -> list[Workload]:
+    """The tiny sweep bent to what ``caps`` declares on ``device``, then widened to the declared values it misses.
+
+    Bent: a head count or page size the impl does not declare moves to the smallest declared one, and off the CPU
+    the cache of an impl that keeps it only in host memory moves there (so an impl for 64/128 heads, page 64 or a
+    host cache is still checked); everything else is left for the impl to refuse. Widened: per mode, each value of
+    ``_declared_values`` that no workload the impl accepts has gets one workload, the mode's smallest accepted one
+    with that value changed (one more test each, on the cheapest shape)."""
+    device_type = torch.device(device).type
+    host_cache = device_type != "cpu" and "cpu" in (caps.cache_devices or ())
     out: dict[str, Workload] = {}
     for w in tiny(preset):
         changes = {}
@@ -181,6 +190,33 @@ def conformance(caps: Capabilities, preset: str = "tiny") -> list[Workload]:
             changes["num_heads"] = min(caps.head_counts)
         if w.mode.uses_cache and caps.page_sizes is not None and w.page_size not in caps.page_sizes:
             changes["page_size"] = min(caps.page_sizes)
+        if w.mode.uses_cache and host_cache and device_type not in caps.cache_devices:
+            changes["cache_device"] = "cpu"
         w = w.replace(**changes) if changes else w
         out.setdefault(w.key, w)
+    for mode in [m for m in Mode if m in caps.modes]:  # in a fixed order: pytest-xdist's workers must agree
+        accepted = [w for w in out.values() if w.mode is mode and caps.refusal(w, device) is None]
+        if not accepted:
+            continue
+        smallest = min(accepted, key=lambda w: w.total_q + w.total_kv)
+        for name, value in _declared_values(caps, mode, host_cache):
+            if all((w.dims.num_heads if name == "num_heads" else getattr(w, name)) != value for w in accepted):
+                extra = smallest.replace(**{name: value})
+                out.setdefault(extra.key, extra)
     return list(out.values())
+
+
+def _declared_values(caps: Capabilities, mode: Mode, host_cache: bool) -> list[tuple[str, object]]:
+    """The (workload field, value) pairs that conformance gives each declared mode at least once: every declared
+    dtype (the tiny sweep has no float16), the smallest and largest declared head count and page size and the
+    smallest non-power-of-two page size (kernels tile heads and split pages: their edges break, not the values in
+    between), and the cache in host memory where ``host_cache``."""
+    wanted: list[tuple[str, object]] = [("dtype", dtype) for dtype in DTYPES if dtype in caps.dtypes]
+    if caps.head_counts:
+        wanted += [("num_heads", n) for n in sorted({min(caps.head_counts), max(caps.head_counts)})]
+    if mode.uses_cache and caps.page_sizes:
+        odd = sorted(p for p in caps.page_sizes if p & (p - 1))
+        wanted += [("page_size", p) for p in sorted({min(caps.page_sizes), max(caps.page_sizes), *odd[:1]})]
+    if mode.uses_cache and host_cache:
+        wanted.append(("cache_device", "cpu"))
+    return wanted

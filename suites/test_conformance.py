@@ -2,13 +2,15 @@
 
     pytest --pyargs suites -m conformance --mla-impl mypkg:MyMLA
 
-One test per (impl, workload) of the tiny sweep bent to the impl's declared head counts and page sizes
-(``suites.sweeps.conformance``), over every mode and layout. A combination the impl does not declare, or that its
-``plan`` refuses with ``UnsupportedConfig``, is skipped with that reason; everything else must pass
-``suites.judge.judge`` (poisoned outputs and unused pages, permuted blocks, the bench's tolerances, inputs left
-as they were, and a second run of the same plan within the tolerances too). An impl that is not installed, or whose
-constructor raises, has a test per workload of the unbent sweep all the same, skipped or failing: a filter that
-selects tests by mode, layout or label (``-m decode``, ``-k bf16``) selects those too.
+One test per (impl, workload) of ``suites.sweeps.conformance``: the tiny sweep bent to what the impl declares on the
+session's device (head count, page size, a host cache on a GPU), over every mode and layout, widened by a test on
+each mode's smallest workload per declared value it misses (a dtype such as float16, the largest head count and page
+size, a non-power-of-two page size). A combination the impl does not declare, or that its ``plan`` refuses with
+``UnsupportedConfig``, is skipped with that reason; everything else must pass ``suites.judge.judge`` (poisoned
+outputs and unused pages, permuted blocks, the bench's tolerances, inputs left as they were, and a second run of the
+same plan within the tolerances too). An impl that is not installed, or whose constructor raises, has a test per
+workload of the unbent sweep all the same, skipped or failing: a filter that selects tests by mode, layout or label
+(``-m decode``, ``-k bf16``) selects those too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from mla_bench import pytest_plugin
-from mla_bench.pytest_plugin import impl_specs, resolve_spec, workload_marks
+from mla_bench.pytest_plugin import impl_specs, resolve_spec, session_device, workload_marks
 
 _PROBLEMS: dict = {}
 
@@ -30,7 +32,7 @@ def pytest_generate_tests(metafunc) -> None:
     from mla_bench.registry import ImplNotInstalled
     from suites import sweeps
 
-    cases = []
+    cases, device = [], session_device(metafunc.config)
     for spec in impl_specs(metafunc.config):
         entry = resolve_spec(spec)
         caps, skip_reason = None, None
@@ -40,7 +42,7 @@ def pytest_generate_tests(metafunc) -> None:
             skip_reason = f"not installed: {exc}"
         except (Exception, SystemExit):  # noqa: BLE001 - its tests fail with the traceback; the collection goes on
             pass
-        for workload in sweeps.tiny() if caps is None else sweeps.conformance(caps):
+        for workload in sweeps.tiny() if caps is None else sweeps.conformance(caps, device):
             cases.append(pytest.param((entry, workload, skip_reason, caps is not None), marks=workload_marks(workload),
                                       id=f"{entry.name}-{workload.label.replace(' ', '_')}"))
     metafunc.parametrize("conformance_case", cases)

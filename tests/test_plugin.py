@@ -18,6 +18,7 @@ import planted_impls
 from suites import sweeps
 
 TESTS = Path(__file__).parent
+PLUGIN = "mla_bench.pytest_plugin"  # the name its pytest11 entry point registers it under
 
 # A third party's kernel, known only to this test: decode in float32 with torch, written from the docs.
 THIRD_PARTY = textwrap.dedent('''
@@ -51,6 +52,11 @@ THIRD_PARTY = textwrap.dedent('''
                         out[t] = (torch.softmax(scores, -1) @ k[: kv_len - q_len + i + 1, :512]).to(p.q.dtype)
                     t += 1
             return out, lse
+
+    class Wide(MyMLA):
+        name = "my_wide"
+        capabilities = Capabilities(modes={"decode"}, dtypes={"bfloat16", "float16"},
+                                    head_counts=frozenset({2, 16}), page_sizes=frozenset({16, 24, 128}))
 
     class CudaOnly(MyMLA):
         name = "my_cuda_only"
@@ -94,20 +100,39 @@ OWN_TRITON_TESTS = textwrap.dedent('''
         assert os.environ.get("TRITON_INTERPRET") == ("1" if mla_device.type == "cpu" else None)
 ''')
 
+# A GPU host faked on a CPU: the session's device reads as CUDA (what the capabilities and the conformance sweep see,
+# whatever --mla-device says), while each problem is built, and each impl runs, on the CPU.
+FAKE_GPU = textwrap.dedent('''
+    import torch
+
+    import mla_bench.device
+    import mla_bench.problem
+
+    mla_bench.device.pick_device = lambda name: torch.device("cuda")
+    build_on_cpu = mla_bench.problem.build_problem
+    mla_bench.problem.build_problem = lambda workload, device: build_on_cpu(workload, "cpu")
+''')
+
 
 def _pytest(cwd: Path, *args: str, path: tuple[Path, ...] = (), **env: str) -> subprocess.CompletedProcess:
     """``python -m pytest -q ARGS`` in its own process from ``cwd`` (no cache), ``path`` first on its PYTHONPATH, and
-    ``env`` over this one's environment less ``TRITON_INTERPRET`` (which this session's conftest sets)."""
+    ``env`` over this one's environment less ``TRITON_INTERPRET`` (which this session's conftest sets).
+
+    The plugin is loaded by name as its entry point would load it (a no-op where the package is installed), so that
+    a source tree on PYTHONPATH, as on the GPU machine, runs these tests as an installed one does; ``-p
+    no:mla_bench.pytest_plugin`` in ``args`` still leaves it out."""
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ.update(env, PYTHONPATH=os.pathsep.join([*map(str, path), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd,
+    plugin = [] if f"no:{PLUGIN}" in args else ["-p", PLUGIN]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *args], cwd=cwd,
                           env=environ, capture_output=True, text=True, timeout=600)
 
 
-def _conformance(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """The conformance suite on the CPU with ``args``, the third party's ``mypkg`` and the planted impls importable."""
+def _conformance(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The conformance suite on the CPU with ``args`` and ``env``, the third party's ``mypkg`` and the planted impls
+    importable."""
     (cwd / "mypkg.py").write_text(THIRD_PARTY)
-    return _pytest(cwd, "--pyargs", "suites", "-m", "conformance", "--mla-device=cpu", *args, path=(cwd, TESTS))
+    return _pytest(cwd, "--pyargs", "suites", "-m", "conformance", "--mla-device=cpu", *args, path=(cwd, TESTS), **env)
 
 
 def _outcomes(junit: Path) -> dict[str, Counter]:
@@ -146,6 +171,30 @@ def test_a_third_party_impl_passes_and_its_refusals_are_skipped_with_reasons(con
     for twin in ("plain_decode", "plain_sparse", "torch_eager"):
         assert conformance[twin]["passed"] >= 2 and conformance[twin]["failed"] == 0, twin
     assert conformance["plain_fp8_decode"]["passed"] >= 1 and conformance["plain_fp8_decode"]["failed"] == 0
+
+
+def test_the_largest_head_count_and_page_size_an_impl_declares_and_float16_are_checked(tmp_path):
+    """Only the smallest declared head count and page size were checked (every other one moved there), and no
+    workload was float16: a kernel wrong at 16 heads, page 24 or 128, or in float16 passed."""
+    done = _conformance(tmp_path, "-rA", "--mla-impl=mypkg:Wide")
+    assert done.returncode == 0, done.stdout[-3000:]
+    passed = [line for line in done.stdout.splitlines() if line.startswith("PASSED") and "[my_wide-decode" in line]
+    for value in ("_h16_", "_ps24_", "_ps128_", "_float16_"):
+        assert sum(value in line for line in passed) == 1, (value, done.stdout[-3000:])
+
+
+def test_a_host_cache_impl_is_tested_on_a_gpu_host(tmp_path):
+    """On a GPU the impl whose cache lives in host memory was refused every workload (the cache was put on the GPU
+    with the queries): tested on nothing. Its caches now go to the host, and torch_eager's stay with the queries.
+    The GPU is faked (``FAKE_GPU``): the problems and the runs are on the CPU."""
+    (tmp_path / "fake_gpu.py").write_text(FAKE_GPU)
+    done = _conformance(tmp_path, "-p", "fake_gpu", "-rA", "-m", "conformance and decode",
+                        "--mla-impl=torch_eager_host_cache", "--mla-impl=torch_eager", TRITON_INTERPRET="1")
+    assert done.returncode == 0 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
+    passed = [line for line in done.stdout.splitlines() if line.startswith("PASSED")]
+    host = [line for line in passed if "[torch_eager_host_cache-" in line]
+    assert len(host) >= 8 and all("_cache-cpu_" in line for line in host), done.stdout[-3000:]
+    assert not any("_cache-cpu_" in line for line in passed if "[torch_eager-" in line), done.stdout[-3000:]
 
 
 def test_an_impl_whose_constructor_raises_fails_one_test_and_the_other_impls_still_run(conformance):
@@ -216,7 +265,7 @@ def test_a_broken_setup_is_named_instead_of_failing_inside_pytest(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "INTERNALERROR" not in output, output[-3000:]
     assert "--mla-impl exits_on_import:MyMLA: importing it raised SystemExit(0)" in output, output[-3000:]
-    done = _pytest(tmp_path, "-p", "no:mla_bench.pytest_plugin", "--pyargs", "suites", "--collect-only")
+    done = _pytest(tmp_path, "-p", f"no:{PLUGIN}", "--pyargs", "suites", "--collect-only")
     assert done.returncode != 0 and "the mla-bench pytest plugin is not loaded" in done.stdout, done.stdout[-3000:]
 
 

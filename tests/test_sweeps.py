@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from mla_bench.registry import Capabilities
+from mla_bench.registry import Capabilities, ImplNotInstalled, discover
 from mla_bench.workload import Mode
 from suites import sweeps
 from suites.base import RunContext
@@ -107,9 +109,60 @@ def test_shards_split_without_overlap():
     assert sorted(sum(parts, [])) == items and all(parts)
 
 
-def test_conformance_bends_heads_and_page_sizes_to_the_declared_ones():
+TINIEST_DECODE = ((1, 1), (9, 20))  # the tiny sweep's smallest decode (q_lens, kv_lens)
+
+
+def test_conformance_bends_heads_and_page_sizes_to_the_smallest_declared_ones():
     caps = Capabilities(modes={"decode"}, head_counts=frozenset({64, 128}), page_sizes=frozenset({64}))
     bent = sweeps.conformance(caps)
-    assert {w.dims.num_heads for w in bent} == {64}
+    assert {w.dims.num_heads for w in bent if w.mode is not Mode.DECODE} == {64}
     assert {w.page_size for w in bent if w.mode.uses_cache} == {64}
     assert len({w.key for w in bent}) == len(bent)
+
+
+def test_conformance_checks_the_largest_head_count_and_page_size_once_on_the_smallest_decode():
+    """Only the smallest declared head count and page size were checked: a kernel that breaks at its largest head
+    count (another head tile) or page size, or at a page size that is not a power of two, passed. Each is one more
+    test, on the smallest shape; the values in between add none."""
+    caps = Capabilities(modes={"decode"}, head_counts=frozenset({64, 96, 128}),
+                        page_sizes=frozenset({16, 24, 48, 64, 128}))
+    bent = sweeps.conformance(caps)
+    extra = [w for w in bent if w.dims.num_heads == 128 or w.page_size in (24, 128)]
+    assert sorted((w.dims.num_heads, w.page_size) for w in extra) == [(64, 24), (64, 128), (128, 16)]
+    assert {(w.mode, w.q_lens, w.kv_lens) for w in extra} == {(Mode.DECODE, *TINIEST_DECODE)}
+    assert len(bent) == len(sweeps.tiny()) + len(extra)
+    assert not any(w.dims.num_heads == 96 or w.page_size == 48 for w in bent)
+
+
+def test_conformance_checks_every_declared_dtype_in_every_declared_mode():
+    """No workload of the tiny sweep is float16: an impl that declares it was never checked in it."""
+    caps = Capabilities(modes={"decode", "chunked_prefill"}, dtypes={"bfloat16", "float16"})
+    half = [w for w in sweeps.conformance(caps) if w.dtype == "float16"]
+    assert sorted(w.mode.value for w in half) == ["chunked_prefill", "decode"]
+    assert all(caps.refusal(w, "cpu") is None for w in half)
+    assert not any(w.dtype == "float16" for w in sweeps.conformance(replace(caps, dtypes={"bfloat16"})))
+
+
+def test_conformance_puts_the_cache_where_an_impl_keeps_it_off_the_cpu():
+    """On a GPU an impl with its cache in host memory only was refused every workload (the cache was put with the
+    queries) and tested on nothing. On a CPU host nothing changes; an impl taking either placement gets the host
+    cache once, on the smallest decode."""
+    host_only = Capabilities(modes={"decode"}, cache_devices={"cpu"})
+    on_gpu = sweeps.conformance(host_only, "cuda")
+    assert {w.cache_device for w in on_gpu if w.mode.uses_cache} == {"cpu"}
+    assert {w.cache_device for w in on_gpu if not w.mode.uses_cache} == {None}
+    assert all(w.cache_device is None for w in sweeps.conformance(host_only, "cpu"))
+    either = sweeps.conformance(replace(host_only, cache_devices={"cpu", "cuda"}), "cuda")
+    assert [(w.mode, w.q_lens, w.kv_lens) for w in either if w.cache_device] == [(Mode.DECODE, *TINIEST_DECODE)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # capabilities read the device type only: no GPU needed
+def test_conformance_gives_every_builtin_impl_each_mode_and_dtype_it_declares(device):
+    for name, entry in sorted(discover().items()):
+        try:
+            caps = entry.load().capabilities
+        except ImplNotInstalled:
+            continue
+        if device in caps.devices:
+            accepted = {(w.mode, w.dtype) for w in sweeps.conformance(caps, device) if caps.refusal(w, device) is None}
+            assert accepted == {(mode, dtype) for mode in caps.modes for dtype in caps.dtypes}, name
