@@ -161,3 +161,22 @@ def test_a_gluon_launch_whose_wgmmas_ptxas_serializes_fails_the_check_by_name(tm
     usage = [line for line in done.stdout.splitlines() if "_decode_split_kernel_rs_fp8" in line]
     assert len(usage) == rs_variants and all("registers" in line and "serialized" not in line for line in usage), (
         done.stdout)
+
+
+def test_every_query_dtype_the_impls_declare_is_compiled():
+    """A dtype an impl declares takes its own kernel variant (float16 pointers, other tiles): the check compiles the
+    launches of each declared one, as the conformance tests run each (the sparse impls declared float16 before the
+    check drove any float16 launch)."""
+    from impls.triton.chunked import TritonChunkedPrefill
+    from impls.triton.prefill import TritonPrefill
+    from impls.triton.sparse import TritonSparse, TritonSparseRagged
+
+    with recorded_launches() as launches:
+        compile_check._drive_impls()
+    pointer = {"bfloat16": "*bf16", "float16": "*fp16"}
+    for impl, kernel in ((TritonSparse, "_sparse_kernel"), (TritonSparseRagged, "_sparse_kernel"),
+                         (TritonPrefill, "_prefill_kernel"), (TritonChunkedPrefill, "_prefill_kernel"),
+                         (TritonDecode, "_decode_split_kernel")):
+        compiled = {launch.signature["Q" if "Q" in launch.signature else "q"] for launch in launches
+                    if launch.kernel == kernel}
+        assert {pointer[dtype] for dtype in impl.capabilities.dtypes} <= compiled, (impl.name, compiled)

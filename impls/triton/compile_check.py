@@ -162,20 +162,23 @@ def _drive_impls() -> None:
         decode.run_decode(decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens,
                                              long.meta.kv_lens, long.scale, config=config))
 
-    for layout, code in LAYOUT_CODES.items():
+    # every query dtype the sparse, chunked and prefill impls declare (float16 takes other kernels or tiles)
+    for (layout, code), dtype in itertools.product(LAYOUT_CODES.items(), ("bfloat16", "float16")):
         for mode in ("sparse_decode", "sparse_prefill"):
             for impl, transform in ((TritonSparse, "paged"), (TritonSparseRagged, "ragged")):
                 problem = build_problem(Workload(mode=mode, q_lens=(2, 1), kv_lens=(70, 33), page_size=16,
-                                                 layout=layout, topk=32, index_transform=transform), cpu)
+                                                 layout=layout, dtype=dtype, topk=32, index_transform=transform), cpu)
                 for heads, hopper in itertools.product((16, 64, 128), (False, True)):
-                    runner = impl(sparse_kernel.default_config(gpu, heads, code, hopper=hopper))
+                    runner = impl(sparse_kernel.default_config(gpu, heads, code, problem.q.dtype, hopper=hopper))
                     runner.run(runner.plan(problem))
         chunked = TritonChunkedPrefill(prefill_kernel.default_config(gpu))
         problem = build_problem(Workload(mode="chunked_prefill", q_lens=(3, 2), kv_lens=(40, 9), page_size=16,
-                                         layout=layout, chunk_size=16), cpu)
+                                         layout=layout, dtype=dtype, chunk_size=16), cpu)
         chunked.run(chunked.plan(problem))
-    prefill = TritonPrefill(prefill_kernel.default_config(gpu))
-    prefill.run(prefill.plan(build_problem(Workload(mode="prefill", q_lens=(5, 3), kv_lens=(5, 3)), cpu)))
+    for dtype in ("bfloat16", "float16"):
+        prefill = TritonPrefill(prefill_kernel.default_config(gpu))
+        prefill.run(prefill.plan(build_problem(Workload(mode="prefill", q_lens=(5, 3), kv_lens=(5, 3), dtype=dtype),
+                                               cpu)))
     parts = [(torch.randn(3, 4, 512), torch.randn(3, 4)) for _ in range(2)]
     merge_attn_states(*parts[0], *parts[1])
     rescale_partial(parts[0][0], torch.stack([lse for _, lse in parts]), rank=1)
