@@ -16,9 +16,10 @@ Checks (one Result each):
   1e-44) or NaN/Inf-holding values is one the layout takes, NaN/Inf ignored;
 - ``triton write`` per layout: the Triton write kernel's bytes equal the reference codec's, for fp32 / bf16 /
   fp16 and strided (rows 600 apart) inputs spread over several pages, with slot -1 padding skipped and the rest of
-  the poisoned cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); NaN
-  input refused without a write, or written as the codec writes it when propagated; NaN/Inf in padding rows neither
-  refused nor written; an empty write a no-op; a differing byte is named by its field (codes, scales, rope) and slot;
+  the poisoned cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); a NaN
+  in kv_c and an Inf in k_pe, each alone in a written row, refused without a write, or written as the codec writes
+  them when propagated; NaN/Inf in padding rows neither refused nor written; an empty write a no-op; a differing
+  byte is named by its field (codes, scales, rope) and slot;
 - ``triton gather`` per layout: the Triton gather returns what was written, bit for bit (the reference
   dequantization rounded to fp32, and that to bf16), also over caches of random bytes (every code pattern), and
   nothing for no slots;
@@ -423,19 +424,21 @@ def check_write(layout: CacheLayout, write: Callable, gather: Callable, device: 
         if not torch.equal(got.data, before):
             problems.append("an empty write (0 tokens) changed the cache")
 
+    # a NaN in kv_c and an Inf in k_pe, each alone in a written row (rows 1 and n - 2 are padding): refused
     bad = values.clone()
-    bad[3, 9] = float("nan")
-    bad[4, NOPE_DIM + 1] = float("-inf")
     expect, got = _cache_pair(layout, num_blocks, values, device)
     before = got.data.clone()
-    try:
-        write(got, bad.to(device), slots.to(device))
-        problems.append("NaN/Inf input written without propagate_nonfinite")
-    except ValueError as exc:
-        if "NaN/Inf" not in str(exc):
-            problems.append(f"NaN/Inf input refused with an unclear message: {exc}")
-    if not torch.equal(got.data, before):
-        problems.append("a refused write changed the cache")
+    for token, column, value in ((3, 9, float("nan")), (2, NOPE_DIM + 1, float("-inf"))):
+        alone = values.clone()
+        alone[token, column] = bad[token, column] = value
+        try:
+            write(got, alone.to(device), slots.to(device))
+            problems.append(f"NaN/Inf input written without propagate_nonfinite (at {_at(token, column)})")
+        except ValueError as exc:
+            if "NaN/Inf" not in str(exc):
+                problems.append(f"NaN/Inf input refused with an unclear message: {exc}")
+        if not torch.equal(got.data, before):
+            problems.append(f"a refused write changed the cache (NaN/Inf at {_at(token, column)})")
     expect.rows()[slots[slots >= 0]] = layout.quantize(bad[slots >= 0], expect.tensor_scale,
                                                        propagate_nonfinite=True).to(device)
     write(got, bad.to(device), slots.to(device), propagate_nonfinite=True)
@@ -453,10 +456,11 @@ def check_gather(layout: CacheLayout, write: Callable, gather: Callable, device:
     _, cache = _cache_pair(layout, num_blocks, values, device)
     write(cache, values.to(device), slots.to(device))
     written = slots[slots >= 0].flip(0)
+    gen = torch.Generator().manual_seed(seed)
     random_bytes = PagedCache(layout, torch.randint(0, 256, cache.data.shape, dtype=torch.uint8,
-                                                    generator=torch.Generator().manual_seed(seed)).to(device),
-                              cache.tensor_scale)
-    some_slots = torch.randperm(random_bytes.num_slots)[:8]  # 8 x 576 random codes: every byte value, many times
+                                                    generator=gen).to(device), cache.tensor_scale)
+    # 8 x 576 random codes: every byte value, many times; drawn from the seed, so that a failure reproduces
+    some_slots = torch.randperm(random_bytes.num_slots, generator=gen)[:8]
     for name, source, token_slots in (("written tokens", cache, written), ("random bytes", random_bytes, some_slots)):
         decoded = gather_cache(source, token_slots)
         for dtype in (torch.float32, torch.bfloat16):

@@ -6,6 +6,7 @@ import math
 import random
 import re
 
+import numpy
 import pytest
 import torch
 
@@ -302,3 +303,58 @@ def _cache() -> PagedCache:
 def test_caches_and_cache_ops_refuse_bad_input_naming_it(call, says):
     with pytest.raises(ValueError, match=re.escape(says)):
         call()
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_eight_bit_float_values_are_refused_by_name(name, dtype):
+    """float8 values (a cache format, e.g. a cache view passed as values) were encoded from e5m2 and crashed with a
+    NotImplementedError from e4m3fn; refused as other non-float dtypes are, before anything is written."""
+    layout = get_layout(name)
+    x = random_latent(3, seed=random.randrange(2 ** 32)).float()
+    scale = layout.fit_tensor_scale(x)
+    says = f"layout {name}: expected floating-point values of 16 bits or more, got {dtype}"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        layout.quantize(x.to(dtype), scale)
+    cache = PagedCache.empty(layout, 1, 4, tensor_scale=scale)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        write_cache(cache, x.to(dtype), torch.tensor([2, -1, 0]))
+    assert bool((cache.data == 0xFF).all())
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "nvfp4"])
+def test_numpy_float_tensor_scales_are_taken_as_their_value(name):
+    """A per-layer scale computed with numpy (np.float32) was refused as 'not a finite positive number, got 0.5'."""
+    layout = get_layout(name)
+    x = random_latent(3, seed=random.randrange(2 ** 32)).float()
+    scale = layout.fit_tensor_scale(x)
+    for as_numpy in (numpy.float32(scale), numpy.float64(scale)):
+        cache = PagedCache.empty(layout, 1, 4, tensor_scale=as_numpy)
+        write_cache(cache, x, torch.tensor([3, 0, 1]))
+        assert torch.equal(cache.rows()[[3, 0, 1]], layout.quantize(x, float(numpy.float32(scale))))
+        assert torch.equal(gather_cache(cache, torch.tensor([0])), layout.dequantize(cache.rows()[[0]], scale))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_write_cache_names_a_bad_value_by_its_token_not_its_rank_among_written_rows(name):
+    """Padding rows were dropped before the codec checked the values, so a NaN at token 3 behind two padding rows was
+    reported 'at token 1' (the Triton write names token 3); likewise a float64 value past float32."""
+    layout = get_layout(name)
+    gen = torch.Generator().manual_seed(random.randrange(2 ** 32))
+    x = random_latent(5, seed=random.randrange(2 ** 32)).double()
+    scale = layout.fit_tensor_scale(x)
+    column = int(torch.randint(0, LATENT_DIM, (1,), generator=gen))
+    slots = torch.tensor([-1, 4, -1, 6, 2])
+    for bad, says in ((float("nan"), f"1 NaN/Inf input values (first at token 3, column {column})"),
+                      (1e39, f"1 finite float64 input values overflow float32, which the codecs compute in (first at "
+                             f"token 3, column {column}")):
+        values = x.clone()
+        values[3, column] = bad
+        values[0, :] = float("inf")  # a padding row: never checked, never written
+        cache = PagedCache.empty(layout, 2, 4, tensor_scale=scale)
+        with pytest.raises(ValueError, match=re.escape(says)):
+            write_cache(cache, values, slots)
+        assert bool((cache.data == 0xFF).all())
+    values[3, column] = x[3, column]
+    write_cache(cache, values, slots)
+    assert torch.equal(cache.rows()[[4, 6, 2]], layout.quantize(x[[1, 3, 4]], scale))

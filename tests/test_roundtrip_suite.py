@@ -18,9 +18,10 @@ from mla_bench.layouts.fp8 import FP8DSMLALayout, FP8PerTensorLayout
 from mla_bench.registry import Capabilities, ImplEntry, discover
 from mla_bench.workload import Mode
 from impls.torch_eager import TorchEager
+from impls.triton.cache_ops import gather_cache_triton, write_cache_triton
 from suites.base import RunContext
 from suites.capability import capability_table, print_capability_matrix, run_matrix
-from suites.roundtrip import RoundtripSuite
+from suites.roundtrip import RoundtripSuite, check_gather
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CHECKS = {"codec bounds", "edge inputs", "triton write", "triton gather", "conversions", "paged vs ragged",
@@ -266,16 +267,20 @@ SCALES = slice(NOPE_DIM, NOPE_DIM + 16)  # fp8_ds_mla's four fp32 tile scales
 
 
 def _planted_write(rows=lambda cache, slots: slots, scale_bytes=None, skip_padding=True, check_every_row=False,
-                   ignore_row_stride=False):
+                   ignore_row_stride=False, check_rope=True):
     """A torch cache write with the reference codec's bytes at the right slots, but for the bug its arguments plant:
     ``rows`` maps slots to cache rows, ``scale_bytes`` rewrites fp8_ds_mla's tile scales, ``skip_padding=False``
     writes slot -1 rows (to the last row), ``check_every_row`` refuses NaN in padding rows too,
-    ``ignore_row_stride`` reads the values as if their rows were contiguous."""
+    ``ignore_row_stride`` reads the values as if their rows were contiguous, ``check_rope=False`` refuses NaN/Inf in
+    kv_c only (k_pe, stored as bf16, is written as it comes)."""
     def write(cache, values, slots, propagate_nonfinite=False):
         if ignore_row_stride:
             values = torch.as_strided(values, values.shape, (values.shape[1], 1))
         kept = slots >= 0 if skip_padding else torch.ones_like(slots, dtype=torch.bool)
-        cache.layout.check_input(values if check_every_row else values[kept], propagate_nonfinite)
+        checked = values if check_every_row else values[kept]
+        if not check_rope:
+            checked = torch.cat([checked[:, :NOPE_DIM], torch.zeros_like(checked[:, NOPE_DIM:])], dim=1)
+        cache.layout.check_input(checked, propagate_nonfinite)
         raw = cache.layout.quantize(values[kept], cache.tensor_scale, propagate_nonfinite=True)
         if scale_bytes:
             raw[:, SCALES] = scale_bytes(raw[:, SCALES].contiguous().view(torch.float32))
@@ -308,6 +313,9 @@ def _gather_rounding_scales_to_bf16(cache, slots, dtype):
      "NaN/Inf in padding rows (slot -1, never written) refused"),
     ({"write": _write_validating_the_top_slot}, "given write", "an empty write (0 tokens) raised RuntimeError"),
     ({"write": _planted_write(ignore_row_stride=True)}, "given write", "strided fp16 inputs: "),
+    # the Inf in k_pe sat in a padding row on the CPU (rows 1 and 4 of 6), so only the kv_c NaN was ever refused
+    ({"write": _planted_write(check_rope=False)}, "given write",
+     "NaN/Inf input written without propagate_nonfinite (at token 2, column 513 (k_pe))"),
     ({"gather": _gather_rounding_scales_to_bf16}, "given gather",
      "values differ from the reference dequantization, first at token"),
 ])
@@ -318,6 +326,19 @@ def test_planted_cache_op_bugs_are_flagged(ops, check, says):
     flagged = [r for r in results if r.status != "passed"]
     assert [r.check for r in flagged] == [check], f"seed {seed}: {[(r.check, r.message[:200]) for r in flagged]}"
     assert flagged[0].status == "failed" and says in flagged[0].message, f"seed {seed}: {flagged[0].message[:400]}"
+
+
+def test_the_gather_check_reads_the_slots_its_seed_picks():
+    """The random-bytes slots came from the global generator: a run with the same --seed gathered other slots."""
+    seed, picked = random.randrange(2 ** 32), []
+
+    def gather(cache, slots, dtype):
+        picked.append(slots.tolist())
+        return gather_cache_triton(cache, slots, dtype)
+    for state in (1, 2):
+        torch.manual_seed(state)
+        assert check_gather(get_layout("bf16"), write_cache_triton, gather, DEVICE, seed)[0] == []
+    assert len(picked) == 10 and picked[:5] == picked[5:], f"seed {seed}"
 
 
 def test_a_bad_page_size_is_an_error_result_that_names_it_first():

@@ -44,7 +44,7 @@ class CacheLayout(ABC):
 
     def quantize(self, x: torch.Tensor, tensor_scale: float | None = None,
                  propagate_nonfinite: bool = False) -> torch.Tensor:
-        """Encode ``x`` ``[N, 576]`` (any float dtype) into ``[N, bytes_per_token]`` uint8.
+        """Encode ``x`` ``[N, 576]`` (float16, bfloat16, float32 or float64) into ``[N, bytes_per_token]`` uint8.
 
         NaN or Inf values are refused unless ``propagate_nonfinite``; then they decode as NaN/Inf (the whole
         scale block for block-scaled parts), never as a plausible finite number.
@@ -80,12 +80,13 @@ class CacheLayout(ABC):
         """``dequantize`` after validation."""
 
     def check_input(self, x: torch.Tensor, propagate_nonfinite: bool = False) -> None:
-        """Refuse what no layout can encode: wrong shape, non-float dtype, NaN/Inf unless asked to propagate, and
-        finite values beyond float32's range even then (the codecs compute in float32, where they become Inf)."""
+        """Refuse what no layout can encode: wrong shape, a dtype other than float16 to float64, NaN/Inf unless asked to
+        propagate, and finite values beyond float32's range even then (the codecs compute in float32, where they become
+        Inf)."""
         if x.dim() != 2 or x.shape[1] != LATENT_DIM:
             raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
-        if not x.dtype.is_floating_point:
-            raise ValueError(f"layout {self.name}: expected floating-point values, got {x.dtype}")
+        if not x.dtype.is_floating_point or x.dtype.itemsize < 2:  # float8 / float4: cache formats, not inputs
+            raise ValueError(f"layout {self.name}: expected floating-point values of 16 bits or more, got {x.dtype}")
         if not propagate_nonfinite:
             bad = ~torch.isfinite(x)
             if bool(bad.any()):
@@ -114,7 +115,7 @@ def check_tensor_scale(layout: str, tensor_scale: float | None) -> None:
     """A per-layer scale must be a number (not a bool, which Python counts as an int) whose float32 rounding, the
     value codecs and kernels use, is finite and at least the smallest normal float32 (the floor of every fitted
     scale): below it ``1 / scale`` overflows float32 and a kernel that flushes subnormals to zero reads 0."""
-    number = isinstance(tensor_scale, (int, float)) and not isinstance(tensor_scale, bool)
+    number = isinstance(tensor_scale, numbers.Real) and not isinstance(tensor_scale, bool)  # numpy scalars too
     as_float32 = _float32(tensor_scale) if number else math.nan
     if not (math.isfinite(as_float32) and as_float32 >= FLT_MIN):
         rounded = "" if as_float32 == tensor_scale or math.isnan(as_float32) else f" ({as_float32!r} in float32)"

@@ -25,8 +25,11 @@ def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Ten
     if bool((kept >= cache.num_slots).any()):
         raise ValueError(f"slot_mapping points past the cache ({cache.num_slots} slots)")
     check_distinct_slots(kept)
-    encoded = cache.layout.quantize(values[keep.to(values.device)], cache.tensor_scale).to(cache.data.device)
-    cache.rows()[kept] = encoded
+    # padding rows may hold anything (never checked, never written): zeroed rather than dropped, so that a refusal
+    # names a bad value by its token, as ``write_cache_triton`` does
+    written = keep.to(values.device)
+    encoded = cache.layout.quantize(torch.where(written[:, None], values, 0), cache.tensor_scale)[written]
+    cache.rows()[kept] = encoded.to(cache.data.device)
 
 
 def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
