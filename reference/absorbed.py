@@ -18,19 +18,19 @@ from reference.core import ragged_attention_prechecked
 def latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float,
                causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of ``q`` ``[T, H, 576]`` over ragged latent tokens ``kv`` ``[N, 576]``."""
-    q_lens, kv_lens = check_latent_inputs(q, kv, q_lens, kv_lens, scale)
+    q_lens, kv_lens = check_latent_inputs(q, kv, q_lens, kv_lens, scale, causal)
     kv = kv.double()
     return ragged_attention_prechecked(q, kv[:, None, :], kv[:, None, :NOPE_DIM], q_lens, kv_lens, scale, causal)
 
 
-def check_latent_inputs(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens,
-                        scale: float) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def check_latent_inputs(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float,
+                        causal: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """All checks of an absorbed call (``latent_mqa``, the DCP path): ``q`` ``[sum(q_lens), H, 576]``, ``kv``
     ``[sum(kv_lens), 576]`` on one device, then the values. Returns the lengths as tuples."""
     check_tensor("q", q, 3, last=LATENT_DIM)
     check_tensor("kv", kv, 2, last=LATENT_DIM)
     check_same_device(q=q, kv=kv)
-    lengths = check_ragged_rows(q_lens, kv_lens, q, "kv", kv)
+    lengths = check_ragged_rows(q_lens, kv_lens, q, "kv", kv, causal)
     check_values(scale, q=q, kv=kv)
     return lengths
 

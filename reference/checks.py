@@ -44,11 +44,12 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"inputs are on different devices: {', '.join(f'{n}={d}' for n, d in devices.items())}")
 
 
-def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str,
-                      keys: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: torch.Tensor,
+                      causal: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Valid lengths, ``sum(q_lens)`` rows of ``q`` and ``sum(kv_lens)`` rows of the keys. Returns the lengths as
-    tuples, which the caller loops over (an iterator it was given is spent by the check)."""
-    q_lens, kv_lens = check_lengths(q_lens, kv_lens)
+    tuples, which the caller loops over (an iterator it was given is spent by the check). Without a causal mask a
+    request may have more queries than keys (new tokens over one chunk of context)."""
+    q_lens, kv_lens = check_lengths(q_lens, kv_lens, queries_may_exceed_keys=not causal)
     check_rows("q", q, sum(q_lens), "sum(q_lens)")
     check_rows(keys_name, keys, sum(kv_lens), "sum(kv_lens)")
     return q_lens, kv_lens

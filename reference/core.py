@@ -91,7 +91,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_lens: 
     """Attention over a ragged batch: request ``b`` owns ``q_lens[b]`` rows of ``q`` and ``kv_lens[b]`` rows of
     ``k`` / ``v``, each request after the previous one. Causal masking aligns queries to the end of the keys."""
     check_attend_inputs(q, k, v, None)
-    q_lens, kv_lens = check_ragged_rows(q_lens, kv_lens, q, "k", k)
+    q_lens, kv_lens = check_ragged_rows(q_lens, kv_lens, q, "k", k, causal)
     check_values(scale, q=q, k=k, v=v)
     return ragged_attention_prechecked(q, k, v, q_lens, kv_lens, scale, causal)
 

@@ -35,6 +35,6 @@ def mha_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: 
         raise ValueError(f"k_nope {list(k_nope.shape)}, k_pe {list(k_pe.shape)} and v {list(v.shape)} must share "
                          f"N tokens and the {q.shape[1]} query heads")
     check_same_device(q=q, k_nope=k_nope, k_pe=k_pe, v=v)
-    q_lens, kv_lens = check_ragged_rows(q_lens, kv_lens, q, "k_nope", k_nope)
+    q_lens, kv_lens = check_ragged_rows(q_lens, kv_lens, q, "k_nope", k_nope, causal)
     check_values(scale, q=q, k_nope=k_nope, k_pe=k_pe, v=v)
     return ragged_attention_prechecked(q, mha_keys(k_nope, k_pe), v, q_lens, kv_lens, scale, causal)

@@ -61,10 +61,12 @@ def _indexed_attention(q: torch.Tensor, rows_name: str, rows: torch.Tensor, idx:
     selected = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
     selected[idx[valid]] = True
     check_values(scale, q=q, **{f"{rows_name} (the rows the indices select)": rows[selected]})
-    kv = rows.double()
-    safe = torch.where(valid, idx, 0)
     out = torch.zeros(q.shape[0], q.shape[1], NOPE_DIM, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
+    if rows.shape[0] == 0:  # no row to name, every index is invalid (and row 0, the stand-in below, is absent)
+        return out, lse
+    kv = rows.double()
+    safe = torch.where(valid, idx, 0)
     step = max(1, _BLOCK_ELEMENTS // max(1, idx.shape[1] * kv.shape[1]))
     for t0 in range(0, q.shape[0], step):
         t1 = min(q.shape[0], t0 + step)

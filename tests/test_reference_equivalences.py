@@ -11,11 +11,12 @@ import torch
 from mla_bench.dims import PRESETS
 from reference.absorbed import latent_mqa
 from reference.chunked import chunked_prefill, context_lens, prefill_with_context
-from reference.core import attend, causal_visible
+from reference.core import attend, causal_visible, ragged_attention
 from reference.dcp import dcp_latent_mqa
 from reference.layer import MLAWeights, mla_layer_absorbed, mla_layer_mha, rope
 from reference.merge import merge_attn_states, merge_many
-from reference.sparse import sparse_latent_mqa
+from reference.mha import mha_attention, mha_keys
+from reference.sparse import indexed_latent_mqa, sparse_latent_mqa
 
 MIXES = {
     "decode": ((1, 1, 1), (37, 64, 5)),
@@ -212,6 +213,40 @@ def test_sparse_row_without_valid_index_is_empty():
     out, lse = sparse_latent_mqa(q, kv, indices, (2,), (10,), 0.135)
     assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
     assert torch.isfinite(lse[1]).all()
+
+
+def test_sparse_without_any_key_is_empty():
+    """A batch of padding requests (kv_len 0) has no key row at all: every query row is out 0, lse -inf, by both
+    sparse entry points (they indexed the absent row 0 and raised IndexError)."""
+    q = torch.randn(3, 2, 576, generator=gen(11), dtype=torch.float64)
+    kv = torch.randn(0, 576, dtype=torch.float64)
+    indices = torch.randint(-3, 8, (3, 5), generator=gen(12), dtype=torch.int32)
+    for out, lse in (sparse_latent_mqa(q, kv, indices, (2, 1), (0, 0), 0.135),
+                     indexed_latent_mqa(q, kv, indices, 0.135)):
+        assert out.shape == (3, 2, 512) and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+def test_non_causal_calls_take_more_queries_than_keys():
+    """New tokens over one chunk of context (vLLM's context pass): without a causal mask a request may have more
+    queries than keys, and each sees all of them; with the mask such a request is still refused."""
+    q_lens, kv_lens = (6, 2, 3), (4, 5, 0)
+    q, kv = random_latent_step(q_lens, kv_lens, seed=13)
+    g = gen(14)
+    k_nope = torch.randn(9, 4, 128, generator=g, dtype=torch.float64)
+    v = torch.randn(9, 4, 128, generator=g, dtype=torch.float64)
+    latent = latent_mqa(q, kv, q_lens, kv_lens, 0.135, causal=False)
+    ragged = ragged_attention(q, kv[:, None], kv[:, None, :512], q_lens, kv_lens, 0.135, causal=False)
+    mha = mha_attention(q[..., :192], k_nope, kv[:, 512:], v, q_lens, kv_lens, 0.135, causal=False)
+    for request, rows, keys in ((0, slice(0, 6), slice(0, 4)), (1, slice(6, 8), slice(4, 9))):
+        expect = attend(q[rows], kv[keys, None], kv[keys, None, :512], None, 0.135)
+        expect_mha = attend(q[rows, :, :192], mha_keys(k_nope[keys], kv[keys, 512:]), v[keys], None, 0.135)
+        for (out, lse), (want_out, want_lse) in ((latent, expect), (ragged, expect), (mha, expect_mha)):
+            assert rel(out[rows], want_out) < 1e-12, request
+            assert float((lse[rows] - want_lse).abs().max()) < 1e-12, request
+    for out, lse in (latent, ragged, mha):  # the padding request's rows see nothing
+        assert bool((out[8:] == 0).all()) and bool(torch.isneginf(lse[8:]).all())
+    with pytest.raises(ValueError, match="query longer than context"):
+        latent_mqa(q, kv, q_lens, kv_lens, 0.135)
 
 
 def split_attention(parts: int, seed: int):
