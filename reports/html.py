@@ -11,6 +11,7 @@ code or fetch anything.
 from __future__ import annotations
 
 import base64
+import glob
 import html
 import math
 from collections import Counter, defaultdict
@@ -22,7 +23,7 @@ from reports.gate import BAD
 from reports.hidden_costs import hidden_cost_html
 from reports.limits import REPORT_ROWS
 from reports.pairing import measured_on
-from reports.plots import Plot, all_plots, layout_name
+from reports.plots import PLOT_NAME, Plot, all_plots, layout_name
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 SHORT = {"passed": "pass", "failed": "FAIL", "unsupported": "n/a", "error": "ERROR"}
@@ -47,11 +48,16 @@ def esc(value: object) -> str:
 
 
 def write_report(run: Run, path: str | Path, rows: int = REPORT_ROWS) -> Path:
-    """Render the report to ``path``; each plot is also written as ``<stem>-<plot>.png`` beside it. ``rows``: see
-    ``render``."""
+    """Render the report to ``path``; each plot is also written as ``<stem>-<plot>.png`` beside it, and the PNGs of
+    an earlier report at ``path`` that this one does not draw are removed (a second run into one ``--out`` folder
+    left the first run's heatmaps and latency figures beside the second's report). ``rows``: see ``render``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plots = all_plots(run)
+    written = {f"{path.stem}-{plot.name}.png" for plot in plots}
+    for old in path.parent.glob(f"{glob.escape(path.stem)}-*.png"):
+        if old.name not in written and PLOT_NAME.fullmatch(old.name[len(path.stem) + 1:-len(".png")]):
+            old.unlink()
     for plot in plots:
         path.with_name(f"{path.stem}-{plot.name}.png").write_bytes(plot.png)
     # utf-8 as the page declares; a traceback's undecodable path bytes (lone surrogates) written escaped

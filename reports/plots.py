@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
@@ -29,11 +30,12 @@ from reports.pairing import measured_on
 
 MAX_IMPLS_PER_FIGURE = 12  # impls a roofline panel draws
 LOG_RANGE = (1e-200, 1e200)  # matplotlib's log-axis ticks overflow near the ends of the float range
+PLOT_NAME = re.compile(r"errors-\d+|latency|roofline")  # every Plot.name this module makes
 
 
 @dataclass
 class Plot:
-    name: str   # file-name part, made by this module (never from the results file)
+    name: str   # file-name part, made by this module (never from the results file): one PLOT_NAME matches
     title: str
     png: bytes
 

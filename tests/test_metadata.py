@@ -11,7 +11,7 @@ import torch
 
 from impls.triton.cache_ops import triton_unavailable
 from impls.triton.kv_indices import _kv_indices_kernel
-from mla_bench.metadata import fast, reference
+from mla_bench.metadata import PagedMetadata, fast, reference
 from suites.base import RunContext
 from suites.metadata import BUILDERS, Builder, MetadataSuite, check, make_case, random_case
 
@@ -332,3 +332,18 @@ def test_an_empty_batch_has_max_length_zero_and_a_table_of_no_rows_in_both_build
     assert reference.max_qo_len([]) == reference.max_kv_len([]) == 0
     assert reference.assign_blocks([], 16, torch.randperm(4)).shape == (0, 1)  # was [0]: no longer a 2-D table
     assert int(fast.max_len(torch.empty(0, dtype=torch.int32))) == 0
+
+
+def test_paged_metadata_refuses_lengths_the_reference_refuses():
+    """PagedMetadata.build (what a Problem carries) took any lengths: a query longer than its context, a negative
+    query length or one q_len too many became offsets no request has, in silence."""
+    rng = random.Random()
+    kv = rng.randint(1, 300)
+    gen = torch.Generator().manual_seed(rng.randrange(2 ** 32))
+    for q_lens, kv_lens, says in (((kv + rng.randint(1, 9),), (kv,), "query longer than context"),
+                                  ((-rng.randint(1, 9), 1), (kv, kv), "lengths must be >= 0"),
+                                  ((1, 1), (kv,), "q_lens has 2 requests but kv_lens has 1")):
+        with pytest.raises(ValueError, match=says):
+            PagedMetadata.build(q_lens, kv_lens, rng.choice([1, 16, 48]), gen)
+    meta = PagedMetadata.build((1, kv), (kv, kv), 16, gen)
+    assert meta.query_start_loc.tolist() == [0, 1, kv + 1] and meta.kv_lens == (kv, kv)

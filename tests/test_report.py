@@ -7,6 +7,7 @@ import html.parser
 import io
 import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -144,6 +145,22 @@ def test_report_sections_and_png_files(tmp_path):
     assert page.count("&middot; warm L2") == 2  # the ctx4096 cells, whose rotation stayed within the L2
     assert page.count(", spread 0.0") == 4  # not the ctx16384 cells: their results predate the spread
     assert page.count("host behind in 32 of 1000 samples") == 2  # the ctx8192 cells
+
+
+def test_a_report_written_over_another_leaves_none_of_its_figures_beside_it(tmp_path):
+    """Two runs into one folder: the first run's heatmap of an impl the second did not test, and its latency and
+    roofline figures, stayed beside the second run's report as if they were its own. Others' PNGs stay."""
+    first = rich_run()
+    write_report(first, tmp_path / "report.html")
+    kept = [tmp_path / "report-mine.png", tmp_path / "other-latency.png", tmp_path / "report-x-latency.png"]
+    for path in kept:
+        path.write_bytes(b"not ours")
+    impl = random.choice(sorted({r.impl for r in first.results if r.suite == "accuracy"}))
+    second = Run(environment=first.environment, ceilings=first.ceilings,
+                 results=[r for r in first.results if r.suite == "accuracy" and r.impl == impl])
+    write_report(second, tmp_path / "report.html")
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(["report-errors-0.png"] + [p.name for p in kept])
+    assert all(p.read_bytes() == b"not ours" for p in kept)
 
 
 def test_the_capability_matrix_puts_each_combination_on_one_row_across_impls(tmp_path):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from mla_bench.lengths import check_lengths
 from mla_bench.metadata import reference
 
 
@@ -34,10 +35,12 @@ class PagedMetadata:
     @classmethod
     def build(cls, q_lens: tuple[int, ...], kv_lens: tuple[int, ...], page_size: int,
               generator: torch.Generator) -> "PagedMetadata":
-        """Reference-built metadata with randomly permuted blocks, on the CPU."""
+        """Reference-built metadata with randomly permuted blocks, on the CPU; ValueError for lengths that break
+        ``check_lengths`` (a query longer than its context, a negative length, counts of requests that differ)."""
+        q_lens, kv_lens = check_lengths(q_lens, kv_lens)
         block_table, num_blocks = reference.allocate_block_table(list(kv_lens), page_size, generator)
         return cls(
-            q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), page_size=page_size, num_blocks=num_blocks,
+            q_lens=q_lens, kv_lens=kv_lens, page_size=page_size, num_blocks=num_blocks,
             query_start_loc=torch.tensor(reference.cumulative(list(q_lens)), dtype=torch.int32),
             kv_start_loc=torch.tensor(reference.cumulative(list(kv_lens)), dtype=torch.int32),
             seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
