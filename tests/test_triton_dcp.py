@@ -8,6 +8,7 @@ interleave that does not divide the page size (vLLM's rule) and a layout the cho
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import time
@@ -33,6 +34,7 @@ from mla_bench.workload import Workload
 from reference import dcp_reorg
 from reference.expected import expected
 from suites.accuracy import judge_workload
+from suites.capability import names_combination
 from suites.judge import judge
 
 KV_LENS = (37, 1, 0, 20)  # a request shorter than one interleave block (empty shards), a padding request
@@ -224,6 +226,18 @@ def test_run_dcp_and_the_impl_refuse_an_interleave_that_does_not_divide_the_page
     verdict = judge(TritonDcp(attention="torch"), build_problem(w))
     assert (verdict.status, verdict.message) == ("unsupported", f"triton_dcp: {from_metadata.value}")
 
+
+
+def test_a_cuda_problem_with_too_few_gpus_is_refused_naming_dcp(monkeypatch):
+    """On one GPU the refusal must name the op it refuses: the capability matrix fails a refusal that names no op,
+    layout or transform (it failed every dcp cell of a one-GPU run: "W=2 ranks need 2 GPUs, 1 visible")."""
+    import impls.triton.dcp.impl as dcp_impl
+
+    monkeypatch.setattr(dcp_impl, "default_backend", lambda world: "gloo")  # what one visible GPU gives
+    problem = dataclasses.replace(build_problem(dcp_workload(2, 1)), device=torch.device("cuda"))
+    with pytest.raises(UnsupportedConfig) as refused:
+        TritonDcp().plan(problem)
+    assert names_combination(str(refused.value), problem.workload, "triton_dcp"), refused.value
 
 FP4_LAYOUTS = {"fp4_mx16", "mxfp4_nsa", "nvfp4"}
 BF16_AND_FP8 = {"bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2"}

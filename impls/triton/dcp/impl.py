@@ -35,7 +35,7 @@ class TritonDcp(Impl):
         except ValueError as exc:
             raise UnsupportedConfig(f"{self.name}: {exc}") from None
         if problem.device.type == "cuda" and default_backend(w.dcp_world) != "nccl":
-            raise UnsupportedConfig(f"{self.name}: W={w.dcp_world} ranks need {w.dcp_world} GPUs, "
+            raise UnsupportedConfig(f"{self.name}: dcp over W={w.dcp_world} ranks needs {w.dcp_world} GPUs, "
                                     f"{torch.cuda.device_count()} visible")
         return problem
 
