@@ -8,7 +8,8 @@ host kept ahead of the GPU (``host_behind`` in the details counts samples where 
 IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s
 (``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the
 same run (yielded once per device as the ``ceilings`` result).
-On CPU there is no latency: each impl gets one ``unsupported`` result saying so.
+On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
+(``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
 from mla_bench.registry import Impl
 from mla_bench.results import Result
-from mla_bench.workload import Workload, derive_seed
+from mla_bench.workload import Mode, Workload, derive_seed
 from suites import sweeps
 from suites.base import RunContext, load_impls, refusal
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
+DCP_REASON = ("latency is not measured for dcp: each run starts its ranks as processes of their own, so events on "
+              "this process's GPU would time their start-up (`python -m suites.bench_paths --parts dcp` times each "
+              "rank's step as a graph replay)")
 MEMORY_FRACTION = 0.3  # the rotating input sets may use at most this share of the free device memory
 # Each (impl, workload) is timed over about this long of launches, so that its slices sample any slower spell (see
 # timing.TimingStats.spread), however short a launch: up to 18,000 launches of a 22 us decode.
@@ -73,6 +77,8 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
     reason = impl.capabilities.refusal(workload, device)
     if reason:
         return result("unsupported", message=f"{impl.name}: unsupported {reason}")
+    if workload.mode is Mode.DCP:
+        return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
     work = cost(workload)
     free, _ = torch.cuda.mem_get_info(device)
     sets = timing.sets_for_cold_l2(work.bytes, ceilings.l2_bytes,

@@ -4,6 +4,7 @@ the timer itself (graphs, fallback, cold-L2 rotation, ceilings, pytest-benchmark
 from __future__ import annotations
 
 import random
+import struct
 import time
 
 import pytest
@@ -148,11 +149,49 @@ def test_the_latency_suite_times_a_tiny_workload_on_max_sets_and_says_its_l2_is_
     assert result.details["rotation_bytes"] == timing.MAX_SETS * cost(workload).bytes
 
 
+def test_the_latency_suite_does_not_time_a_multi_process_dcp_run():
+    """Each run of triton_dcp starts its ranks as processes: events around it timed seconds of start-up per launch,
+    over up to MAX_SETS input sets and hundreds of launches (hours for one workload)."""
+    from impls.triton.dcp.impl import TritonDcp
+    from suites.latency import time_impl
+    workload = Workload(Mode.DCP, (1, 1), (33, 40), page_size=16, dcp_world=2)
+    ceilings = timing.Ceilings("a GPU", copy_gbps=3000.0, matmul_tflops=700.0, l2_bytes=50 << 20)
+    result = time_impl(TritonDcp(), workload, torch.device("cuda"), ceilings)
+    assert result.status == "unsupported" and "not measured for dcp" in result.message and not result.metrics
+
+
 @pytest.mark.gpu
 def test_ceilings_are_plausible():
     ceilings = timing.measure_ceilings(torch.device("cuda"))
     assert 100 < ceilings.copy_gbps < 20_000 and 10 < ceilings.matmul_tflops < 5_000
     assert ceilings.l2_bytes >= 1 << 20
+
+
+def test_the_cuda_event_clock_keeps_microseconds_long_after_its_first_reading(monkeypatch):
+    """CUDA gives an event interval as a float32 of milliseconds: read from a fixed first event, an interval of 50 us
+    1000 s later came out as 0 or 62.5 us (the float32 step at 1e6 ms)."""
+    gpu_ms = [0.0]  # the fake GPU's clock
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.at = 0.0
+
+        def record(self) -> None:
+            self.at = gpu_ms[0]
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: "Event") -> float:
+            return struct.unpack("f", struct.pack("f", end.at - self.at))[0]  # cudaEventElapsedTime's float
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = timing.CudaEventTimer()
+    assert clock() == 0.0
+    gpu_ms[0] += 1e6 + 0.0123
+    start = clock()
+    gpu_ms[0] += 0.05
+    assert clock() - start == pytest.approx(50e-6, abs=1e-8)
 
 
 @pytest.mark.gpu
