@@ -52,6 +52,7 @@ class Mode(str, Enum):
 INDEX_TRANSFORMS = ("paged", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICE_TYPES = ("cpu", "cuda")
+DEFAULT_PAGE_SIZE = 64
 SEED_LIMIT = 2 ** 32  # torch's CPU generator keeps a seed's low 32 bits: s and s + 2**32 give the same inputs
 
 
@@ -87,7 +88,7 @@ class Workload:
     preset: str = "tiny"
     num_heads: int | None = None
     layout: str = "bf16"
-    page_size: int = 64
+    page_size: int = DEFAULT_PAGE_SIZE
     dtype: str = "bfloat16"
     topk: int | None = None
     index_transform: str | None = None
@@ -192,6 +193,8 @@ class Workload:
                  f"q{_span(self.q_lens)}", f"ctx{_span(self.kv_lens)}"]
         if self.mode.uses_cache:
             parts += [f"ps{self.page_size}", self.layout]
+        elif self.page_size != DEFAULT_PAGE_SIZE:  # prefill reads no cache, but its page size shapes its inputs
+            parts.append(f"ps{self.page_size}")
         if self.dtype != "bfloat16":
             parts.append(self.dtype)
         if self.mode.sparse:

@@ -150,7 +150,7 @@ class EquivalenceSuite:
         return [c for c in every if c.impl in wanted] if wanted else [c for c in every if c.dense is None]
 
     def run(self, ctx: RunContext) -> Iterator[Result]:
-        memo: dict[str, Pair] = {}
+        memo: dict[tuple, Pair] = {}
         for comparison in self.workloads(ctx):
             ctx.progress(f"{SUITE}: {comparison.check} {comparison.workload.label}")
             yield _compare(comparison, ctx.device, memo)
@@ -195,7 +195,7 @@ class EquivalenceSuite:
                 for impl, transform in (("triton_sparse", "paged"), ("triton_sparse_ragged", "ragged"))]
 
 
-def _compare(c: Comparison, device: torch.device, memo: dict[str, Pair]) -> Result:
+def _compare(c: Comparison, device: torch.device, memo: dict[tuple, Pair]) -> Result:
     """The Result of one comparison (a DCP check over more ranks than GPUs is ``unsupported``)."""
     world = c.workload.dcp_world
     if c.check == "dcp == single rank" and device.type == "cuda" and torch.cuda.device_count() < world:
@@ -255,18 +255,19 @@ def _dcp_runner() -> Callable[[Problem], Pair]:
 
 
 def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], tuple[Side, Side]],
-            memo: dict[str, Pair]) -> Result:
+            memo: dict[tuple, Pair]) -> Result:
     """Run both sides and their references and judge the difference; a refusal is ``unsupported``, a crash
-    ``error``. ``memo`` keeps results of a side shared by several checks (keyed by side and workload)."""
-    def cached(key: str, compute: Callable[[], Pair]) -> Pair:
+    ``error``. ``memo`` keeps results of a side shared by several checks, keyed by side, workload and ``post``
+    (the dense decode is up-projected in one check and compared as it is in another)."""
+    def cached(key: tuple, compute: Callable[[], Pair]) -> Pair:
         if key not in memo:
             memo[key] = compute()
         return memo[key]
 
     try:
         a, b = make_sides()
-        results = [cached(f"{s.name}|{s.problem.workload.key}", s.result) for s in (a, b)]
-        refs = [cached(f"ref|{s.name}|{s.problem.workload.key}", s.reference) for s in (a, b)]
+        results = [cached((s.name, s.post, s.problem.workload.key), s.result) for s in (a, b)]
+        refs = [cached(("ref", s.name, s.post, s.problem.workload.key), s.reference) for s in (a, b)]
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
         return Result(SUITE, check, status, impl, workload.to_dict(), workload.label, message=message)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import impls.triton  # noqa: F401
+import suites.equivalence
 from impls.triton import chunked
 from impls.triton.chunked import TritonChunkedPrefill
 from impls.triton.dcp.attention import TorchShardAttention
@@ -80,6 +81,18 @@ def test_each_comparison_runs_in_one_impls_selection_only():
     assert len(keys) == len(set(keys))
     assert len(suite.workloads(RunContext(impls=[], device=DEVICE))) == \
         len([key for key in keys if key[1] not in ("triton_decode", "torch_eager")])
+
+
+def test_a_dense_decode_shared_by_two_checks_is_up_projected_only_where_its_check_asks(monkeypatch):
+    """The memo kept a side's result by name and workload only: where the sparse check's mix was one of the absorbed
+    check's, the sparse check got the dense decode's output up-projected to [T, H, 128] and failed on its shape."""
+    name = "CPU_SHAPES" if DEVICE.type == "cpu" else "GPU_SHAPES"
+    shapes = getattr(suites.equivalence, name)
+    monkeypatch.setattr(suites.equivalence, name,
+                        dataclasses.replace(shapes, absorbed=shapes.absorbed[:1], sparse=shapes.absorbed[0]))
+    results = run_suite(impls=("triton_prefill", "triton_sparse"), dcp_worlds=())
+    assert sorted(r.check for r in results) == ["absorbed == mha", "sparse(all) == dense"]
+    assert all(r.status == "passed" for r in results), [(r.check, r.message) for r in results]
 
 
 # ---- planted bugs the suite must flag, each naming the problem ----------------------------------------------------

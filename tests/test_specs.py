@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 
 import pytest
@@ -47,6 +48,16 @@ def test_workload_label_is_one_line_and_json_roundtrips():
         assert again == workload and hash(again) == hash(workload) and again.key == workload.key
     assert Workload(mode="decode", q_lens=(3, 1), kv_lens=(40, 10)).label != \
         Workload(mode="decode", q_lens=(3, 1), kv_lens=(40, 9)).label
+
+
+def test_prefill_workloads_of_two_page_sizes_have_two_labels():
+    """Prefill reads no cache, so its label left the page size out; but the page size sizes the block table drawn
+    before the inputs, so two page sizes were two problems under one label (the report keeps one row a label)."""
+    kv = random.randint(33, 300)
+    default = Workload.uniform("prefill", random.randint(1, 3), random.randint(1, kv), kv, seed=random.randrange(99))
+    other = default.replace(page_size=random.choice([1, 8, 16, 32]))
+    assert not torch.equal(build_problem(default).q, build_problem(other).q)
+    assert default.label != other.label and " ps" not in default.label  # the default keeps the labels of baselines
 
 
 def test_query_length_kinds():
