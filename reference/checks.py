@@ -6,6 +6,8 @@ values once with ``check_values`` (a pass over each input); what it calls intern
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from mla_bench.dims import check_softmax_scale
@@ -56,7 +58,8 @@ def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: to
 
 
 def check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """ValueError unless ``value`` is a positive int, Python or numpy as lengths are (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

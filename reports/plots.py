@@ -197,18 +197,21 @@ def latency_plots(run: Run) -> list[Plot]:
         top, bottom = axes[2 * (i // cols)][i % cols], axes[2 * (i // cols) + 1][i % cols]
         bottom.sharex(top)  # the contexts of the panel, even where no bandwidth is finite
         lines = _longest(panels[panel])
+        drawn = {top: [], bottom: []}  # the legend's handles, passed explicitly (see _legend)
         for line, items in lines:
             items = sorted(items, key=_context)
             xs = [_context(r) for r in items]
-            top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_text(line))
+            drawn[top] += top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_text(line))
             gbps = [r.metrics.get("gbps") for r in items]  # a gap where absent, NaN, inf, <= 0 or absurd
-            bottom.plot(xs, [g if _loggable(g) else math.nan for g in gbps], marker="o", label=_text(line))
+            drawn[bottom] += bottom.plot(xs, [g if _loggable(g) else math.nan for g in gbps], marker="o",
+                                         label=_text(line))
         for i, model in enumerate(_models(measured_on(r) for items in panels[panel].values() for r in items)):
             copy = _ceiling(run, model, "copy_gbps")
             if copy:
                 name = f" of {model}" if len(models) > 1 else ""
-                bottom.axhline(copy, color="black", linestyle=CEILING_STYLES[i % len(CEILING_STYLES)],
-                               label=_text(f"copy ceiling{name} {copy:.0f} GB/s"))
+                drawn[bottom].append(bottom.axhline(copy, color="black",
+                                                    linestyle=CEILING_STYLES[i % len(CEILING_STYLES)],
+                                                    label=_text(f"copy ceiling{name} {copy:.0f} GB/s")))
         left_out = len(panels[panel]) > len(lines)
         top.set_title(_text(f"{panel}: latency (median)")
                       + (f", {len(lines)} of {len(panels[panel])} lines (most points)" if left_out else ""))
@@ -220,7 +223,7 @@ def latency_plots(run: Run) -> list[Plot]:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            _legend(ax, drawn[ax])
     _note_left_out(fig, len(_passed_latency(run)) - len(results), "no positive finite median or context")
     return [Plot("latency", "Latency and bandwidth against context length", _png(fig))]
 
@@ -272,15 +275,16 @@ def _roofline_panel(ax, panel: RooflinePanel) -> None:
     """Draw one model's roofline (where both its ceilings are drawable) and the points of its first impls."""
     copy, matmul = panel.copy_gbps, panel.matmul_tflops
     intensities = [x for items in panel.points.values() for x, _ in items]
+    drawn = []  # the legend's handles, passed explicitly (see _legend)
     if copy and matmul:
         lo = max(min(intensities) / 2, LOG_RANGE[0])
         hi = min(max(max(intensities) * 2, matmul * 1e3 / copy * 4), LOG_RANGE[1])
         line = [(x, min(copy * x / 1e3, matmul)) for x in (lo * (hi / lo) ** (i / 100) for i in range(101))]
         line = [(x, y) for x, y in line if _loggable(y)]
-        ax.plot([x for x, _ in line], [y for _, y in line], color="black",
-                label=f"roofline: copy {copy:.0f} GB/s, bf16 matmul {matmul:.0f} TFLOP/s")
+        drawn += ax.plot([x for x, _ in line], [y for _, y in line], color="black",
+                         label=f"roofline: copy {copy:.0f} GB/s, bf16 matmul {matmul:.0f} TFLOP/s")
     for impl, items in sorted(panel.points.items())[:MAX_IMPLS_PER_FIGURE]:
-        ax.scatter([x for x, _ in items], [y for _, y in items], label=_text(impl))
+        drawn.append(ax.scatter([x for x, _ in items], [y for _, y in items], label=_text(impl)))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
@@ -290,7 +294,13 @@ def _roofline_panel(ax, panel: RooflinePanel) -> None:
     where = _text(panel.model, 40) if panel.model is not None else "a device the results do not name"
     ax.set_title(f"Roofline of {where} (ceilings measured in this run{shown})")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax, drawn)
+
+
+def _legend(ax, handles: list) -> None:
+    """A legend of ``handles`` under their labels. Passed explicitly, so that a label starting with "_" (an impl may
+    be named so) is shown: matplotlib's automatic legend takes such a label for "leave me out"."""
+    ax.legend(handles=handles, fontsize=7)
 
 
 def _roofline_point(r: Result) -> tuple[float, float] | None:

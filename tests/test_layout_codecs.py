@@ -322,6 +322,17 @@ def test_eight_bit_float_values_are_refused_by_name(name, dtype):
     assert bool((cache.data == 0xFF).all())
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_eight_bit_float_values_are_refused_by_name_when_fitting_a_scale(name, dtype):
+    """fit_tensor_scale crashed with a NotImplementedError on e4m3fn values (fp8_e4m3) or fitted a scale to float8
+    values (e5m2, and nvfp4 from either) that quantize then refuses; it refuses them as quantize does."""
+    x = random_latent(3, seed=random.randrange(2 ** 32)).to(dtype)
+    says = f"layout {name}: expected floating-point values of 16 bits or more, got {dtype}"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        get_layout(name).fit_tensor_scale(x)
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "nvfp4"])
 def test_numpy_float_tensor_scales_are_taken_as_their_value(name):
     """A per-layer scale computed with numpy (np.float32) was refused as 'not a finite positive number, got 0.5'."""

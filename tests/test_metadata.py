@@ -334,6 +334,12 @@ def test_an_empty_batch_has_max_length_zero_and_a_table_of_no_rows_in_both_build
     assert int(fast.max_len(torch.empty(0, dtype=torch.int32))) == 0
 
 
+def test_paged_metadata_of_an_empty_batch_has_max_lengths_zero():
+    """max_kv_len raised 'max() arg is an empty sequence' where max_qo_len, and both reference builders, give 0."""
+    meta = PagedMetadata.build((), (), 16, torch.Generator().manual_seed(random.randrange(2 ** 32)))
+    assert (meta.batch, meta.max_qo_len, meta.max_kv_len) == (0, 0, 0)
+
+
 def test_paged_metadata_refuses_lengths_the_reference_refuses():
     """PagedMetadata.build (what a Problem carries) took any lengths: a query longer than its context, a negative
     query length or one q_len too many became offsets no request has, in silence."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from reference.absorbed import latent_mqa, paged_latent_mqa
 from reference.chunked import chunked_prefill, prefill_with_context
 from reference.core import attend, ragged_attention
 from reference.dcp import dcp_latent_mqa
-from reference.dcp_reorg import reorg
+from reference.dcp_reorg import local_index, part_positions, reorg
 from reference.merge import merge_attn_states, merge_many
 from reference.mha import mha_attention
 from reference.sparse import indexed_latent_mqa, sparse_latent_mqa
@@ -206,6 +207,41 @@ def test_dcp_reorg_names_parts_of_the_wrong_length(rows, uses):
     parts = [f64(n, 576) for n in rows]
     with pytest.raises(ValueError, match=re.escape(f"reorg: parts hold {list(rows)} rows, the chunk uses {uses}")):
         reorg(parts, [(0, 0, 5)], 2, 1)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: reorg([], [(0, 0, 5)], 0, 1), "world must be a positive int, got 0"),
+    (lambda: reorg([f64(5, 576)], [(0, 0, 5)], 1, 0), "interleave must be a positive int, got 0"),
+    (lambda: reorg([f64(2, 576), f64(1, 576)], [(0, 0, 1), (1, -2, 0)], 2, 1),
+     "piece 1 (request 1) must have 0 <= start <= end, got start=-2, end=0"),
+    (lambda: reorg([f64(0, 576), f64(0, 576)], [(0, 3, 1)], 2, 1),
+     "piece 0 (request 0) must have 0 <= start <= end, got start=3, end=1"),
+    (lambda: part_positions([(0, 0, 5)], 0, 2, 0), "interleave must be a positive int, got 0"),
+    (lambda: part_positions([(0, -1, 5)], 0, 2, 1), "piece 0 (request 0) must have 0 <= start <= end"),
+    (lambda: local_index(3, 0, 0, 1), "world must be a positive int, got 0"),
+    (lambda: local_index(-2, 0, 2, 1), "position must be >= 0, got -2"),
+])
+def test_dcp_reorg_refuses_a_world_or_interleave_of_zero_and_negative_positions(call, says):
+    """World or interleave 0 was a ZeroDivisionError; a negative position was given a rank as if it were a token
+    (reorg took parts for positions -2 and -1), and local_index of one was 0."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call()
+
+
+def test_world_interleave_and_chunk_size_take_numpy_ints_as_lengths_do():
+    """check_positive refused numpy ints ('world must be a positive int, got 2') that q_lens / kv_lens take."""
+    dcp = dcp_latent_mqa(Q, KV, (3,), (10,), 0.1, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(dcp_latent_mqa(Q, KV, (3,), (10,), 0.1, numpy.int64(2),
+                                                                 numpy.int32(2)), dcp))
+    inputs = prefill_step()
+    expect = chunked(inputs, 0.1)
+    got = chunked_prefill(**inputs, q_lens=PREFILL_LENS[0], kv_lens=PREFILL_LENS[1], scale=0.1,
+                          chunk_size=numpy.int64(3))
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+    parts = [f64(3, 576), f64(2, 576)]
+    assert torch.equal(reorg(parts, [(0, 0, 5)], numpy.int64(2), numpy.int16(1)), reorg(parts, [(0, 0, 5)], 2, 1))
+    with pytest.raises(ValueError, match=re.escape("world must be a positive int, got True")):
+        dcp_latent_mqa(Q, KV, (3,), (10,), 0.1, True, 1)
 
 
 def test_a_nan_in_the_paged_cache_or_the_queries_is_named():

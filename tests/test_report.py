@@ -336,6 +336,20 @@ def test_latency_lines_and_copy_ceilings_are_split_by_gpu_model(monkeypatch):
     assert sorted(ceilings.values()) == [3000.0, 4400.0]
 
 
+def test_an_impl_named_with_a_leading_underscore_is_in_every_legend(monkeypatch):
+    """matplotlib's automatic legend leaves out labels starting with "_": the lines and points of an impl named
+    "_mine" were drawn, and named in no legend."""
+    figures = _figures(monkeypatch)
+    run = Run(environment={}, ceilings={H100: {"copy_gbps": 3000.0, "matmul_tflops": 700.0}},
+              results=[_latency(impl, kv, 0.01 * kv / 4096) for impl in ("_mine", "beta") for kv in (4096, 8192)])
+    latency_plots(run)
+    roofline(run)
+    legends = [[t.get_text() for t in ax.get_legend().get_texts()] for fig in figures for ax in fig.axes]
+    assert legends == [["_mine b2 bf16 ps64", "beta b2 bf16 ps64"],
+                       ["_mine b2 bf16 ps64", "beta b2 bf16 ps64", "copy ceiling 3000 GB/s"],
+                       ["roofline: copy 3000 GB/s, bf16 matmul 700 TFLOP/s", "_mine", "beta"]]
+
+
 def test_the_report_lists_the_devices_and_names_the_gpu_of_each_latency_result_of_a_mixed_run():
     run = two_gpu_run()
     run.devices = [Device("cuda:0", H100, "9.0"), Device("cuda:1", H200, "9.0")]

@@ -39,7 +39,13 @@ class CacheLayout(ABC):
     fields: tuple[tuple[str, int, int], ...] = ()
 
     def fit_tensor_scale(self, x: torch.Tensor) -> float | None:
-        """The per-layer scale for values ``x`` (None for layouts without one)."""
+        """The per-layer scale for values ``x`` (None for layouts without one); refuses the dtypes ``quantize``
+        refuses."""
+        self.check_dtype(x)
+        return self._fit_tensor_scale(x)
+
+    def _fit_tensor_scale(self, x: torch.Tensor) -> float | None:
+        """``fit_tensor_scale`` after validation."""
         return None
 
     def quantize(self, x: torch.Tensor, tensor_scale: float | None = None,
@@ -85,8 +91,7 @@ class CacheLayout(ABC):
         Inf)."""
         if x.dim() != 2 or x.shape[1] != LATENT_DIM:
             raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
-        if not x.dtype.is_floating_point or x.dtype.itemsize < 2:  # float8 / float4: cache formats, not inputs
-            raise ValueError(f"layout {self.name}: expected floating-point values of 16 bits or more, got {x.dtype}")
+        self.check_dtype(x)
         if not propagate_nonfinite:
             bad = ~torch.isfinite(x)
             if bool(bad.any()):
@@ -101,6 +106,11 @@ class CacheLayout(ABC):
                                  f"float32, which the codecs compute in (first at token {token}, column {column}: "
                                  f"{float(x[token, column]):.6g}; float32's largest is "
                                  f"{torch.finfo(torch.float32).max:.6g})")
+
+    def check_dtype(self, x: torch.Tensor) -> None:
+        """Refuse values other than float16 to float64: float8 / float4 are cache formats, not inputs."""
+        if not x.dtype.is_floating_point or x.dtype.itemsize < 2:
+            raise ValueError(f"layout {self.name}: expected floating-point values of 16 bits or more, got {x.dtype}")
 
     def check_raw(self, raw: torch.Tensor) -> None:
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != self.bytes_per_token:

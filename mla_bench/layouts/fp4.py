@@ -117,7 +117,7 @@ class NVFP4Layout(CacheLayout):
                  + (2.0 ** -4 * magnitude + E2M1_MAX * 2.0 ** -10 * g) * SLACK + (magnitude - limit).clamp(min=0))
         return torch.cat([bound.reshape(-1, NOPE_DIM), bf16_error_bound(x[:, NOPE_DIM:])], dim=1)
 
-    def fit_tensor_scale(self, x: torch.Tensor) -> float:
+    def _fit_tensor_scale(self, x: torch.Tensor) -> float:
         """``amax / (6 * 448)`` over the nope values, so the largest block scale is e4m3's largest value; floored at
         FLT_MIN like ``fp8_e4m3``'s: below amax ~3.2e-35 it is subnormal in float32 (0 below ~1.9e-42), a scale the
         layout refuses."""

@@ -25,7 +25,7 @@ class FP8PerTensorLayout(CacheLayout):
     needs_tensor_scale = True
     fields = (("kv_c e4m3", 0, NOPE_DIM), ("k_pe e4m3", NOPE_DIM, LATENT_DIM))
 
-    def fit_tensor_scale(self, x: torch.Tensor) -> float:
+    def _fit_tensor_scale(self, x: torch.Tensor) -> float:
         finite = x.float().abs()[torch.isfinite(x)]
         amax = float(finite.max()) if finite.numel() else 0.0
         return max(float(torch.tensor(amax, dtype=torch.float32) / E4M3_MAX), FLT_MIN)

@@ -58,7 +58,7 @@ class PagedMetadata:
 
     @property
     def max_kv_len(self) -> int:
-        return max(self.kv_lens)
+        return reference.max_kv_len(list(self.kv_lens))
 
     def to(self, device: torch.device | str) -> "PagedMetadata":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
