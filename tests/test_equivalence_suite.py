@@ -49,8 +49,12 @@ def test_every_equivalence_holds_on_cpu():
     results = run_suite(dcp_worlds=(2,), dcp_interleaves=(2,))
     checks = {r.check for r in results}
     assert checks == {"absorbed == mha", "chunked == unchunked", "dcp == single rank", "sparse(all) == dense"}
-    # on the CPU the DCP ranks are gloo processes: every check must pass (on a GPU machine W needs W GPUs)
-    bad = [(r.check, r.label, r.message) for r in results if r.status != "passed"]
+    # on the CPU the DCP ranks are gloo processes: every check must pass; on a GPU host W needs W GPUs, and with
+    # fewer the DCP check is unsupported, saying so
+    too_few_gpus = DEVICE.type == "cuda" and torch.cuda.device_count() < 2
+    bad = [(r.check, r.label, r.message) for r in results if r.status != "passed"
+           and not (too_few_gpus and r.check == "dcp == single rank" and r.status == "unsupported"
+                    and "W=2 needs 2 GPUs" in r.message)]
     assert not bad, bad
     for r in results:
         assert r.suite == "equivalence" and r.metrics.get("pair.nonfinite_mismatch", 0) == 0
