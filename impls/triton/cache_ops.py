@@ -32,7 +32,7 @@ from impls.triton import cache_ops_kernels as kernels
 from impls.triton import common
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache
-from mla_bench.layouts.ops import check_distinct_slots, check_slots
+from mla_bench.layouts.ops import check_distinct_slots, check_slots, check_slots_in_cache
 
 WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GATHER_DTYPES = (torch.float32, torch.bfloat16)
@@ -96,9 +96,7 @@ def gather_cache_triton(cache: PagedCache, token_slots: torch.Tensor, out_dtype:
     if token_slots.numel() == 0:
         return out
     if validate:
-        lo, hi = (int(v) for v in torch.stack([token_slots.min(), token_slots.max()]).tolist())
-        if lo < 0 or hi >= cache.num_slots:
-            raise ValueError(f"gather_cache_triton: token slots must lie in [0, {cache.num_slots}), got [{lo}, {hi}]")
+        check_slots_in_cache("gather_cache_triton: token slots", token_slots, cache.num_slots)
     with _quiet_interpreter(), common.on_device(cache.data.device):
         gatherer(cache, token_slots, out.view(torch.int16) if out_dtype == torch.bfloat16 else out)
     return out

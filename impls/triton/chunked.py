@@ -31,7 +31,7 @@ from impls.triton.common import check_e4m3
 from impls.triton.prefill import check_problem
 from impls.triton.prefill_kernel import NOPE, VDIM, PrefillConfig, default_config, mha_prefill
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
-from mla_bench.layouts.ops import check_slots
+from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -116,12 +116,9 @@ def check_context_inputs(problem: Problem) -> None:
     ``meta.token_slots`` (the gather reads a slot outside the cache as a row of zeros, a wrong key that no error
     shows; the slots' range is read on the host) and ``[H, 512, 128]`` up-projections (one head's would be
     broadcast to every head)."""
-    meta, num_slots = problem.meta, problem.cache.num_slots
+    meta = problem.meta
     check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
-    if meta.token_slots.numel():
-        lo, hi = torch.stack([meta.token_slots.min(), meta.token_slots.max()]).tolist()
-        if lo < 0 or hi >= num_slots:
-            raise ValueError(f"token_slots must lie in the cache's [0, {num_slots}), got [{lo}, {hi}]")
+    check_slots_in_cache("token_slots", meta.token_slots, problem.cache.num_slots)
     heads = problem.q.shape[1]
     for name, width in (("w_uk", NOPE), ("w_uv", VDIM)):
         shape = getattr(problem, name).shape

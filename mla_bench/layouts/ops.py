@@ -36,8 +36,7 @@ def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
     """Decode the tokens at ``token_slots`` ``[M]`` into float64 ``[M, 576]``."""
     check_slots("token_slots", token_slots)
     slots = token_slots.to(device=cache.data.device, dtype=torch.int64)
-    if slots.numel() and (bool((slots < 0).any()) or bool((slots >= cache.num_slots).any())):
-        raise ValueError(f"token slots must lie in [0, {cache.num_slots})")
+    check_slots_in_cache("token slots", slots, cache.num_slots)
     return cache.layout.dequantize(cache.rows()[slots], cache.tensor_scale)
 
 
@@ -50,6 +49,15 @@ def check_slots(name: str, slots: torch.Tensor, count: int | None = None) -> Non
         strides = f" with strides {list(slots.stride())}" if isinstance(slots, torch.Tensor) else ""
         raise ValueError(f"{name} must be a contiguous int32 or int64 tensor [{'N' if count is None else count}], "
                          f"got {describe(slots)}{strides}")
+
+
+def check_slots_in_cache(name: str, slots: torch.Tensor, num_slots: int) -> None:
+    """ValueError unless every one of ``slots`` lies in the cache's ``[0, num_slots)``: a kernel reads a slot outside
+    it as another token's row, or past the cache. Reads the slots' range on the host."""
+    if slots.numel():
+        lo, hi = (int(v) for v in torch.stack([slots.min(), slots.max()]).tolist())
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"{name} must lie in the cache's [0, {num_slots}), got [{lo}, {hi}]")
 
 
 def check_distinct_slots(slots: torch.Tensor) -> None:
