@@ -252,8 +252,9 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
     if not indices.shape[1]:  # top-k 0: every row is empty; the Gluon kernel indexes lists up to topk - 1
         out.zero_()
         lse.fill_(float("-inf"))
-    elif config.wgmma:
-        with common.on_device(q.device):
+        return out, lse
+    with common.on_device(q.device):
+        if config.wgmma:
             for t0 in range(0, tokens, TOKENS_PER_LAUNCH):
                 t = slice(t0, min(tokens, t0 + TOKENS_PER_LAUNCH))
                 _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), t.stop - t0)](
@@ -261,9 +262,8 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
                     indices.shape[1], out[t], out.stride(0), out.stride(1), lse[t], lse.stride(0), lse.stride(1),
                     qk_scale, heads, PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"],
                     num_warps=config.num_warps)
-    elif tokens:
-        grid = (tokens, triton.cdiv(heads, config.block_h))
-        with common.on_device(q.device):
+        elif tokens:
+            grid = (tokens, triton.cdiv(heads, config.block_h))
             _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
                                  tensor_scale, qk_scale, q.stride(0), q.stride(1), indices.stride(0),
                                  out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
