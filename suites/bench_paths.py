@@ -15,7 +15,8 @@ Self-contained (the latency suite will supersede the timing part):
 4. chunked prefill's peak extra memory (``torch.cuda.max_memory_allocated`` over plan + run) against its
    workspace, for two context lengths with the same MCC;
 5. DCP (``--parts dcp``): NCCL runs against the reference, then decode time at context 128k with W=1 and W=2,
-   each rank's step (and its attention alone) replayed as a CUDA graph (``impls/triton/dcp/launch.py``).
+   each rank's step (and its attention alone) replayed as a CUDA graph (``impls/triton/dcp/launch.py``); a W-rank
+   row's bytes and FLOPs (all ranks') are fractions of W GPUs' ceilings (``ceilings_of``; ``ceiling_gpus`` W).
 
 Writes ``paths_bench.json`` under ``--out`` (default ``$OUT`` or ``results``) and prints a table last.
 """
@@ -105,6 +106,12 @@ def ceilings(device: torch.device) -> dict[str, float]:
     log(f"[ceilings] copy {result['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {result['bf16_TFLOPs']:.0f} "
         f"TFLOP/s")
     return result
+
+
+def ceilings_of(ceil: dict[str, float], gpus: int) -> dict[str, float]:
+    """The ceilings of ``gpus`` GPUs: ranks on W GPUs move and compute at once, so the traffic of all W ranks over a
+    step's time is a fraction of W times one GPU's copy bandwidth and matmul rate (one GPU's overstated it W-fold)."""
+    return {key: gpus * value for key, value in ceil.items()}
 
 
 def row(part: str, label: str, variant: str, timing: dict | None, flops: float = 0, nbytes: float = 0,
@@ -336,7 +343,8 @@ def bench_dcp(device: torch.device, timer: Timer, ceil: dict, quick: bool) -> No
                 outcome = run_dcp(w, world=world, time_iters=10, synthetic=True)
                 step, attention = max(outcome.step_ms), max(outcome.attention_ms)
                 row("dcp", f"dcp h{heads} b{batch} ctx131072 bf16", f"W={world} triton_decode",
-                    {"ms": step}, flops, nbytes, ceil, attention_ms=attention, comm_ms=step - attention)
+                    {"ms": step}, flops, nbytes, ceilings_of(ceil, world), ceiling_gpus=world,
+                    attention_ms=attention, comm_ms=step - attention)
             except Exception:  # noqa: BLE001
                 row("dcp", f"dcp h{heads} b{batch} ctx131072", f"W={world}", None, error=traceback.format_exc()[-600:])
 

@@ -2,7 +2,8 @@
 
 Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several
 times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its
-details), are built and planned (plan time measured on the host, per set), then ``run`` is timed over the rotating
+details) and at most as many as fit in ``MEMORY_FRACTION`` of the free device memory (``sets_that_fit``), are built
+and planned (plan time measured on the host, per set), then ``run`` is timed over the rotating
 sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS`` of launches, the
 host kept ahead of the GPU (``host_behind`` in the details counts samples where it could not be). Metrics: median,
 IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s
@@ -68,6 +69,14 @@ def input_set(workload: Workload, i: int) -> Workload:
     return workload.replace(seed=derive_seed(workload.seed, i))
 
 
+def sets_that_fit(work_bytes: int, set_bytes: int, free: int, l2_bytes: int) -> int:
+    """Input sets to rotate: enough for a cold L2 by the ``work_bytes`` a launch reads (``timing.sets_for_cold_l2``),
+    but no more than fit in ``MEMORY_FRACTION`` of ``free`` device bytes at ``set_bytes`` each: what one set holds, the
+    inputs its plan keeps (the whole paged cache, unread pages too, queries, weights) and the plan's own buffers. At
+    128 heads the weights alone are 32 MiB, about 95 times what a one-request decode of 64 keys reads."""
+    return timing.sets_for_cold_l2(work_bytes, l2_bytes, limit=max(1, int(MEMORY_FRACTION * free // max(1, set_bytes))))
+
+
 def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: timing.Ceilings) -> Result:
     """One latency Result of ``impl`` on ``workload``."""
     def result(status: str, **fields) -> Result:
@@ -81,13 +90,21 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
     work = cost(workload)
     free, _ = torch.cuda.mem_get_info(device)
-    sets = timing.sets_for_cold_l2(work.bytes, ceilings.l2_bytes,
-                                   limit=max(1, int(MEMORY_FRACTION * free // max(1, 2 * work.bytes))))
+    plans, plan_ms = [], []
+
+    def add_set(i: int) -> None:
+        problem = build_problem(input_set(workload, i), device)
+        plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
+
     try:
-        plans, plan_ms = [], []
-        for i in range(sets):
-            problem = build_problem(input_set(workload, i), device)
-            plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
+        before = torch.cuda.memory_allocated(device)
+        add_set(0)
+        # measured, not derived from shapes: what a set keeps depends on the impl (which inputs its plan references,
+        # which buffers it allocates); set 0's problem is dropped by now, so this is what each set keeps
+        set_bytes = torch.cuda.memory_allocated(device) - before
+        sets = sets_that_fit(work.bytes, set_bytes, free, ceilings.l2_bytes)
+        for i in range(1, sets):
+            add_set(i)
         stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device,
                                      target_ms=WINDOW_MS, max_iters=MAX_ITERS)
     except UnsupportedConfig as exc:
@@ -104,5 +121,5 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
     return result("passed", metrics=metrics,
                   details={"timer": stats.method, "fallback": stats.fallback, "host_behind": stats.host_behind,
                            "device": ceilings.device_name,
-                           "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes,
+                           "set_bytes": set_bytes, "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes,
                            "cold_l2": timing.rotation_is_cold(sets, work.bytes, ceilings.l2_bytes)})
