@@ -3,7 +3,8 @@
 Two sweeps: ``tiny`` (the ``tiny`` preset, for CPU and the Triton interpreter: every mode and query-length
 kind, an empty request, lengths on page boundaries, page sizes 1/16/64 and a non-power-of-two) and ``gpu``
 (DeepSeek V3 under TP8 (16 heads) and unsharded (128 heads) at serving shapes: batch 1/32/128, context
-4096/8192/16384, page 64, plus prefill). ``gpu-quick`` is the gpu sweep cut to batch 1/32, context 4096/8192.
+4096/8192/16384, page 64, plus prefill; and small sparse mixes with requests shorter than top-k, whose index lists
+carry -1 padding). ``gpu-quick`` is the gpu sweep cut to batch 1/32, context 4096/8192.
 
 ``select(ctx)`` applies the run's filters: ``--preset`` picks the sweep (``tiny`` -> tiny, others -> gpu
 shapes with that preset; the gpu sweeps cannot build ``tiny``), ``--mode`` keeps only those modes, ``--layout`` /
@@ -19,6 +20,7 @@ from typing import Callable, Iterable, TypeVar
 import torch
 
 from mla_bench.dims import PRESETS, get_preset
+from mla_bench.errors import about_flag
 from mla_bench.layouts import LAYOUTS
 from mla_bench.registry import Capabilities
 from mla_bench.workload import DTYPES, Mode, Workload
@@ -66,7 +68,8 @@ def tiny(preset: str = "tiny") -> list[Workload]:
 
 def gpu(presets: Iterable[str] = GPU_PRESETS, batches=(1, 32, 128), contexts=(4096, 8192, 16384)) -> list[Workload]:
     """Serving shapes: decode over batch x context, each other layout at one shape, prefill, chunked prefill
-    over a long context, and DeepSeek V3.2's sparse decode and prefill (top-k 2048) on bf16 and fp8_ds_mla."""
+    over a long context, and DeepSeek V3.2's sparse decode and prefill (top-k 2048) on bf16 and fp8_ds_mla; then
+    ``short_sparse``'s mixes on both layouts (the same in every gpu sweep)."""
     sweep = []
     big_batch, long_ctx = batches[-1], contexts[-1]
     for preset in presets:
@@ -84,7 +87,24 @@ def gpu(presets: Iterable[str] = GPU_PRESETS, batches=(1, 32, 128), contexts=(40
                 Workload.uniform(Mode.SPARSE_DECODE, big_batch, 1, long_ctx, topk=2048, layout=layout, **common),
                 Workload.uniform(Mode.SPARSE_PREFILL, 1, 512, long_ctx, topk=2048, layout=layout, **common),
             ]
+    # Last, so that the workloads above keep their places in the shards' round robin.
+    sweep += [w for preset in presets for layout in ("bf16", "fp8_ds_mla") for w in short_sparse(preset, layout)]
     return sweep
+
+
+def short_sparse(preset: str, layout: str) -> list[Workload]:
+    """Sparse decode and prefill (top-k 2048, page 64) with requests shorter than top-k, so that index lists carry
+    -1 padding (the serving shapes' requests all see top-k keys or more); small, for correctness.
+
+    Decode: an empty (padding) request, one seeing a single key, one a third of top-k, top-k - 1, exactly top-k and
+    twice it. Prefill: a one-token prompt, a prompt of top-k / 8 tokens without context (its tokens see 1 to 256
+    keys) and one whose tokens go from fewer than top-k visible keys to more."""
+    topk, prompt = 2048, 256
+    common = dict(preset=preset, layout=layout, page_size=GPU_PAGE, topk=topk)
+    return [
+        Workload(Mode.SPARSE_DECODE, (1,) * 6, (0, 1, topk // 3, topk - 1, topk, 2 * topk), **common),
+        Workload(Mode.SPARSE_PREFILL, (1, prompt, prompt), (1, prompt, topk + prompt // 2), **common),
+    ]
 
 
 SWEEPS: dict[str, Callable[..., list[Workload]]] = {
@@ -118,19 +138,25 @@ def sweep_of(ctx) -> str:
 
 
 def check_filters(ctx) -> None:
-    """Refuse, before a run starts, a filter of ``ctx`` that no workload can take (ValueError naming it): an
-    unknown preset, sweep, mode or layout, a sweep that cannot build the preset, a page size or seed ``Workload``
-    refuses, a DCP interleave without ``--dcp``."""
-    probe = Workload(Mode.DECODE, (1,), (1,), preset=ctx.preset or "tiny", seed=ctx.seed)  # Workload checks values
-    sweep_of(ctx)
+    """Refuse, before a run starts, a filter of ``ctx`` that no workload can take (ValueError naming it and its
+    command-line flag): an unknown preset, sweep, mode or layout, a sweep that cannot build the preset, a page size
+    or seed ``Workload`` refuses, a DCP interleave without ``--dcp``."""
+    with about_flag("--preset"):
+        probe = Workload(Mode.DECODE, (1,), (1,), preset=ctx.preset or "tiny")  # Workload checks values
+    with about_flag("--seed"):
+        probe.replace(seed=ctx.seed)
+    with about_flag("--sweep"):
+        sweep_of(ctx)
     modes = [mode.value for mode in Mode]
     for mode in ctx.modes:
         if mode not in modes:
-            raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(modes)}")
-    for layout in ctx.layouts:
-        probe.replace(layout=layout)
-    for page_size in ctx.page_sizes:
-        probe.replace(page_size=page_size)
+            raise ValueError(f"--mode: unknown mode {mode!r}; modes: {', '.join(modes)}")
+    with about_flag("--layout"):
+        for layout in ctx.layouts:
+            probe.replace(layout=layout)
+    with about_flag("--page-size"):
+        for page_size in ctx.page_sizes:
+            probe.replace(page_size=page_size)
     if ctx.dcp_interleave != 1 and not ctx.dcp_world:
         raise ValueError("--dcp-interleave applies to decode context parallel runs only: give --dcp W too")
 

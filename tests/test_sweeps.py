@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 
 import pytest
 import torch
 
+from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplNotInstalled, discover
-from mla_bench.workload import Mode
+from mla_bench.workload import Mode, Workload
 from suites import sweeps
 from suites.base import RunContext
 
@@ -45,6 +47,30 @@ def test_gpu_sweep_is_serving_shapes():
     assert {w.dims.num_heads for w in decode} == {16, 128}
     assert {w.batch for w in decode} == {1, 32, 128} and {max(w.kv_lens) for w in decode} == {4096, 8192, 16384}
     assert {w.page_size for w in decode} == {64} and any(w.mode is Mode.PREFILL for w in gpu)
+
+
+@cache
+def _topk_indices(workload: Workload) -> torch.Tensor:
+    return build_problem(workload).topk_indices  # cached: gpu and gpu-quick share their padded workloads
+
+
+@pytest.mark.parametrize("name", ["gpu", "gpu-quick"])
+def test_gpu_sweeps_pad_sparse_index_lists(name):
+    """Every request of the serving shapes saw top-k keys or more, so no index list held -1 on a GPU: engines'
+    handling of it, and of requests shorter than top-k, went untested there. Now each sparse (preset, mode, layout,
+    transform) of the sweep has a workload with short requests (built here on the CPU: their rows carry -1): an
+    empty decode request (a row of -1 only) and prompts whose first tokens see fewer than top-k keys."""
+    sparse = [w for w in sweeps.SWEEPS[name]() if w.mode.sparse]
+    short = [w for w in sparse if min(w.kv_lens) < w.topk]  # only these can carry -1 (and are small to build)
+    kinds = {(w.preset, w.mode, w.layout, w.index_transform) for w in sparse}
+    assert {(w.preset, w.mode, w.layout, w.index_transform) for w in short} == kinds
+    for w in short:
+        requests = torch.split(_topk_indices(w), list(w.q_lens))  # each request's rows
+        assert any(bool((rows == -1).any()) for rows in requests), w.label
+        if w.mode is Mode.SPARSE_DECODE:
+            assert any(kv == 0 and bool((rows == -1).all()) for kv, rows in zip(w.kv_lens, requests)), w.label
+        else:
+            assert any(len(rows) > 1 and bool((rows[0] == -1).any()) for rows in requests), w.label
 
 
 def test_select_picks_the_sweep_from_preset_and_device():
