@@ -28,12 +28,15 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def prepare(name: str) -> torch.device:
+def prepare(name: str, *, keep_interpret: bool = False) -> torch.device:
     """The device for ``name``, made current (``make_current``); on CPU, Triton kernels run in the interpreter (set
-    before they are imported)."""
+    before they are imported). ``keep_interpret``: a ``TRITON_INTERPRET`` the environment sets is left as it is."""
     device = pick_device(name)
     if device.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+        if keep_interpret:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        else:
+            os.environ["TRITON_INTERPRET"] = "1"
     make_current(device)
     return device
 

@@ -91,11 +91,20 @@ PRESETS: dict[str, MLADims] = {
 }
 
 
-def check_softmax_scale(scale: Any) -> None:
-    """ValueError unless ``scale`` is a finite positive real number (not a bool, not a tensor): the reference and
-    the decode kernel's plan refuse any other scale by name instead of computing with it."""
+def softmax_scale_problem(scale: Any) -> str | None:
+    """What is wrong with ``scale`` unless it is a finite positive real number (not a bool, not a tensor), else None:
+    for checks that name every problem of their inputs at once."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax scale must be a finite positive number, got {scale!r}")
+        return f"softmax scale must be a finite positive number, got {scale!r}"
+    return None
+
+
+def check_softmax_scale(scale: Any) -> None:
+    """ValueError naming ``softmax_scale_problem``'s problem: the reference and the decode kernel's plan refuse any
+    other scale by name instead of computing with it."""
+    problem = softmax_scale_problem(scale)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def get_preset(name: str) -> MLADims:

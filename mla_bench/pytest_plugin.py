@@ -18,8 +18,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 MARKS = {
@@ -63,15 +61,12 @@ def session_device(config):
     """The device of ``--mla-device`` (auto: CUDA when present), chosen once per session. On CPU, Triton kernels
     imported from then on run in the interpreter; a ``TRITON_INTERPRET`` the environment sets is left as it is."""
     if not hasattr(config, "_mla_device"):
-        from mla_bench.device import make_current, pick_device
+        from mla_bench.device import prepare
 
         try:
-            config._mla_device = pick_device(config.getoption("mla_device") or "auto")
+            config._mla_device = prepare(config.getoption("mla_device") or "auto", keep_interpret=True)
         except ValueError as exc:
             raise pytest.UsageError(f"--mla-device: {exc}") from None
-        if config._mla_device.type == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        make_current(config._mla_device)  # Triton launches on the current GPU
     return config._mla_device
 
 

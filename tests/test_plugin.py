@@ -287,3 +287,58 @@ def test_gpu_marked_tests_skip_on_cpu_with_the_reason(tmp_path):
         "import pytest\n\n@pytest.mark.gpu\ndef test_needs_gpu(cuda_timer):\n    assert False\n")
     done = _pytest(tmp_path, "-rs", str(tmp_path))
     assert done.returncode == 0 and "needs a CUDA GPU (none present)" in done.stdout, done.stdout
+
+
+class _Config:
+    """What ``session_device`` reads of a pytest config: ``--mla-device``."""
+
+    def __init__(self, device: str | None) -> None:
+        self.device = device
+
+    def getoption(self, name: str) -> str | None:
+        assert name == "mla_device", name
+        return self.device
+
+
+@pytest.mark.parametrize("env", [None, "0", ""])
+def test_the_cli_sets_the_interpreter_and_the_plugin_keeps_the_environments(monkeypatch, env):
+    """Both go through ``prepare``: on the CPU the CLI switches the interpreter on over whatever the environment set,
+    the plugin only where the environment set nothing (a user's TRITON_INTERPRET=0 stays)."""
+    import torch
+
+    from mla_bench import device as devices
+    from mla_bench.pytest_plugin import session_device
+
+    for keep, config in ((False, None), (True, _Config("cpu")), (True, _Config(None)), (True, _Config(""))):
+        if env is None:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", env)
+        monkeypatch.setattr(devices, "pick_device", lambda name: torch.device("cpu"))  # auto too, on a GPU host
+        device = devices.prepare("cpu") if config is None else session_device(config)
+        assert device.type == "cpu"
+        assert os.environ["TRITON_INTERPRET"] == ("1" if env is None or not keep else env), (keep, env)
+
+
+def test_the_plugin_chooses_its_device_once_and_names_a_bad_one(monkeypatch):
+    """``--mla-device`` empty or absent is auto; the device is chosen and made current once per session; a device
+    pick_device refuses is a usage error naming the option; one make_current fails on fails every call (not the
+    first only, leaving later ones on another GPU)."""
+    import torch
+
+    from mla_bench import device as devices
+    from mla_bench.pytest_plugin import session_device
+
+    with pytest.raises(pytest.UsageError, match=r"^--mla-device: device must be cpu, cuda or cuda:N, got 'mps'$"):
+        session_device(_Config("mps"))
+    picked, made = [], []
+    monkeypatch.setattr(devices, "pick_device", lambda name: picked.append(name) or torch.device("cuda", 1))
+    monkeypatch.setattr(devices, "make_current", made.append)
+    config = _Config("")
+    assert session_device(config) == session_device(config) == torch.device("cuda", 1)
+    assert picked == ["auto"] and made == [torch.device("cuda", 1)]
+    monkeypatch.setattr(devices, "make_current", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU 1")))
+    config = _Config("cuda:1")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="no GPU 1"):
+            session_device(config)

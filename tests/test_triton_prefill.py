@@ -78,6 +78,14 @@ def test_prefill_refuses_bad_inputs_by_name():
         mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc.long(), *args[1:])
 
 
+def test_a_bad_scale_is_named_with_the_other_problems():
+    """The scale's problem joins the shapes' in one message, instead of raising on its own first."""
+    p = build_problem(Workload(mode="prefill", q_lens=(4,), kv_lens=(6,)), DEVICE)
+    with pytest.raises(ValueError, match=r"^mha_prefill: k_pe must .*; softmax scale must be a finite positive "
+                                         r"number, got nan$"):
+        mha_prefill(p.q, p.k_nope, p.k_pe[:, :32], p.v, p.meta.query_start_loc, p.meta.kv_start_loc, 4, float("nan"))
+
+
 def test_float32_prefill_is_refused_at_plan_time():
     w = Workload(mode="prefill", q_lens=(2,), kv_lens=(2,), dtype="float32")
     verdict = judge(TritonPrefill(), build_problem(w, DEVICE))

@@ -195,6 +195,14 @@ def test_sparse_kernel_refuses_bad_inputs_by_name():
         gather_latent(p.cache, strided, torch.empty(len(strided), 576, device=DEVICE))
 
 
+def test_a_bad_scale_is_named_with_the_other_problems():
+    """The scale's problem joins the inputs' in one message, instead of raising on its own first."""
+    p = build_problem(sparse("paged"), DEVICE)
+    with pytest.raises(ValueError, match=r"^sparse_mqa: indices must be int32 .*; softmax scale must be a finite "
+                                         r"positive number, got -1.0$"):
+        sparse_mqa(p.q, p.sparse_indices.long(), p.cache.rows(), 0, -1.0)
+
+
 @pytest.mark.parametrize("impl, transform", [(TritonSparse, "paged"), (TritonSparseRagged, "ragged")])
 def test_int64_indices_are_refused_by_plan_not_run(impl, transform):
     """torch.topk gives int64: plan took them and run's kernel refused them, an error instead of a named refusal."""

@@ -22,7 +22,7 @@ import triton.language as tl
 from impls.triton import common
 from impls.triton.common import INTERPRETING, cast, check_power_of_two, mma
 from impls.triton.merge import LOG2E
-from mla_bench.dims import check_softmax_scale
+from mla_bench.dims import softmax_scale_problem
 
 NOPE, ROPE, VDIM = 128, 64, 128
 
@@ -171,10 +171,8 @@ def check_mha_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, 
         problems.append(f"cu_seqlens_q / cu_seqlens_k must be contiguous int32 [B+1] of one shape, got "
                         f"{cu_q.dtype} {list(cu_q.shape)} strides {cu_q.stride()} and "
                         f"{cu_k.dtype} {list(cu_k.shape)} strides {cu_k.stride()}")
-    try:
-        check_softmax_scale(scale)
-    except ValueError as exc:
-        problems.append(str(exc))
+    if (scale_problem := softmax_scale_problem(scale)) is not None:
+        problems.append(scale_problem)
     if problems:
         raise ValueError("mha_prefill: " + "; ".join(problems))
 

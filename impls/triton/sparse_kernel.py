@@ -33,7 +33,7 @@ from impls.triton.common import INTERPRETING, cast, check_e4m3, check_power_of_t
 from impls.triton.latent_io import LAYOUT_CODES, SCALED_CODES, load_nope_tile, load_rope_tile
 from impls.triton.merge import LOG2E
 from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
-from mla_bench.dims import check_softmax_scale
+from mla_bench.dims import softmax_scale_problem
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM
 
@@ -225,10 +225,8 @@ def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, lay
     devices = {t.device for t in (q, indices, rows, out, lse) if t is not None}  # a tensor's: cuda:0, not cuda
     if len(devices) > 1:
         problems.append(f"q, indices, rows, out and lse must be on one device, got {sorted(map(str, devices))}")
-    try:
-        check_softmax_scale(scale)
-    except ValueError as exc:
-        problems.append(str(exc))
+    if (scale_problem := softmax_scale_problem(scale)) is not None:
+        problems.append(scale_problem)
     if problems:
         raise ValueError(f"{name}: " + "; ".join(problems))
 
