@@ -93,8 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         device = prepare(args.device)  # sets TRITON_INTERPRET on CPU before any impl is imported
-    except ValueError as exc:
-        return _usage_error(str(exc))
+    except ValueError as exc:  # before the runner is imported, which names the flag of every other option's error
+        return _usage_error(f"--device: {exc}")
     from mla_bench.registry import ImplNotInstalled
     from mla_bench.runner import run_selection, select_run, untested_impls
     from mla_bench.results import save_run
@@ -136,10 +136,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run_options(args: argparse.Namespace, device):
     """The runner's options from the command line. Without ``--preset``, a CPU run takes the tiny preset (the
     suites' own defaults are serving sizes) unless the sweep asked for cannot build it (the gpu sweeps)."""
+    from mla_bench.errors import about_flag
     from mla_bench.runner import RunOptions
     from suites.sweeps import sweep_presets
 
-    tiny = device.type == "cpu" and "tiny" in sweep_presets(args.sweep or "tiny")
+    with about_flag("--sweep"):
+        tiny = device.type == "cpu" and "tiny" in sweep_presets(args.sweep or "tiny")
     return RunOptions(impls=_split(args.impl), suites=args.suite, device=str(device),
                       preset=args.preset or ("tiny" if tiny else None), modes=args.mode or [],
                       layouts=args.layout or [], page_sizes=args.page_size or [], seed=args.seed, sweep=args.sweep,

@@ -1,5 +1,8 @@
 """Errors the bench raises on purpose, so callers can tell a refusal from a failure, and how messages name values."""
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 
@@ -13,3 +16,15 @@ class UnsupportedConfig(Exception):
 def describe(value: object) -> str:
     """A tensor's dtype and shape, or the type of anything else, for error messages."""
     return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+@contextmanager
+def about_flag(flag: str) -> Iterator[None]:
+    """Prefix the message of an error raised inside with ``flag``, the command-line option whose value it refuses
+    (registries and checks name the value, not the flag), unless the message names the flag already."""
+    try:
+        yield
+    except Exception as exc:
+        if len(exc.args) == 1 and isinstance(exc.args[0], str) and flag not in exc.args[0]:
+            exc.args = (f"{flag}: {exc.args[0]}",)
+        raise

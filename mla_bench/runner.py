@@ -38,6 +38,7 @@ import torch
 
 from mla_bench import environment
 from mla_bench.device import make_current, pick_device
+from mla_bench.errors import about_flag
 from mla_bench.lifetime import die_with_parent
 from mla_bench.registry import ImplEntry, discover, resolve
 from mla_bench.results import Device, Result, Run
@@ -117,15 +118,19 @@ def resolve_impls(specs: list[str]) -> list[ImplEntry]:
 
 def select_run(options: RunOptions) -> Selection:
     """Resolve and check everything ``options`` asks for before anything runs; a ValueError names the problem
-    (unknown impl, suite, preset, sweep, mode or layout, a bad value, filters that leave nothing to run). An impl
-    given as ``module:Class`` whose module cannot be imported raises ``ImplNotInstalled``."""
+    (unknown impl, suite, preset, sweep, mode or layout, a bad value, filters that leave nothing to run) and the
+    command line's flag it is about. An impl given as ``module:Class`` whose module cannot be imported raises
+    ``ImplNotInstalled``."""
     from suites.sweeps import check_filters
 
     _check_stall_timeout(options)
-    device = pick_device(options.device)
-    entries = resolve_impls(options.impls)
+    with about_flag("--device"):
+        device = pick_device(options.device)
+    with about_flag("--impl"):
+        entries = resolve_impls(options.impls)
     notes: list[str] = []
-    suites, results = _select_suites(options.suites, notes)
+    with about_flag("--suite"):
+        suites, results = _select_suites(options.suites, notes)
     ctx = _context(options, device, entries, Progress())
     check_filters(ctx)
     counts = _counts(suites, ctx)

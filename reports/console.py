@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mla_bench.results import STATUSES, Result, Run
-from reports.gate import BAD, Finding, GateLimits, compare_pair
+from reports.gate import BAD, Finding, GateLimits, compare_pair, measured
 from reports.limits import COMPARE_ROWS
 from reports.pairing import HEADLINE, duplicates, headline, measured_on_one_model, pair, same_gpu
 
@@ -70,9 +70,11 @@ def untested_text(impl: str, reasons: Counter, limit: int = 3, width: int = 160)
 
 NOTABLE = GateLimits().latency_slack  # a headline that moved by more than this fraction (10%) changed
 # What happened to a result from A to B (``_kind``), in the order a long comparison shows them.
-KINDS = ("new failure", "regression", "still failing", "failure not rerun", "fixed", "changed", "unchanged")
-ALWAYS_SHOWN = KINDS[:5]  # never left out, however many
-KIND_STYLE = {"new failure": "bold red", "regression": "red", "still failing": "red", "fixed": "green"}
+KINDS = ("new failure", "regression", "still failing", "failure not rerun", "fixed", "not comparable", "changed",
+         "unchanged")
+ALWAYS_SHOWN = KINDS[:6]  # never left out, however many
+KIND_STYLE = {"new failure": "bold red", "regression": "red", "still failing": "red", "fixed": "green",
+              "not comparable": "yellow"}
 
 
 def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_ROWS) -> Table:
@@ -80,18 +82,22 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
     latency changes only between runs on the same GPU model, and, as the gate, between results measured on one model
     (runs over several models shard a workload onto either). Up to ``limit`` results (0: no limit): every one, in run
     order. More: every failure, error and regression (``_kind``), then the other changes, largest first, up to
-    ``limit`` rows; unchanged results are counted. The caption says what the table could not show."""
+    ``limit`` rows; unchanged results are counted. A passed result's headline in A that no measurement gives (NaN,
+    inf, negative, a median <= 0) is no base for a change: "not comparable", as the gate does not compare it. The
+    caption says what the table could not show."""
     other_gpu = not same_gpu(a, b)
     rows, withheld = [], 0
     for (suite, check, impl, _), ra, rb in pair(a, b):
         va, vb = headline(ra), headline(rb)
-        relative = _relative(va, vb)
-        change = _change(va, vb, relative)
+        unanchored = va is not None and ra.status == "passed" and not measured(HEADLINE[suite], va)
+        relative = None if unanchored else _relative(va, vb)
+        change = "not comparable" if unanchored else _change(va, vb, relative)
         comparable = not other_gpu and measured_on_one_model(ra, rb)
         if suite == "latency" and not comparable and change:
             relative, change, withheld = None, "other GPU", withheld + 1
         fatal = any(f.fatal for f in compare_pair(ra, rb, GateLimits(), comparable))
-        rows.append((_kind(ra, rb, relative, fatal), abs(relative or 0.0), suite, check, impl, ra, rb, va, vb, change))
+        rows.append((_kind(ra, rb, relative, fatal, unanchored), abs(relative or 0.0), suite, check, impl, ra, rb, va,
+                     vb, change))
     notes = []
     summarized = 0 < limit < len(rows)
     if summarized:
@@ -123,18 +129,23 @@ def compare_table(a: Run, b: Run, title: str = "A -> B", limit: int = COMPARE_RO
     return table
 
 
-def _kind(ra: Result | None, rb: Result | None, relative: float | None, fatal: bool) -> str:
+def _kind(ra: Result | None, rb: Result | None, relative: float | None, fatal: bool, unanchored: bool) -> str:
     """What happened to a result from A to B: a new failure (failed or errored in B only), a regression (passed
     in A, unsupported or absent in B, or a finding the gate with its default limits calls fatal: ``fatal``), still
-    failing, a failure not rerun (absent from B), fixed (passed in B), changed (another status, or the headline over
-    ``NOTABLE`` better or worse, within the gate's noise) or unchanged."""
+    failing, a failure not rerun (absent from B), fixed (passed in B), not comparable (A's headline is no value a
+    measurement gives: ``unanchored``), changed (another status, or the headline over ``NOTABLE`` better or worse,
+    within the gate's noise) or unchanged."""
     bad_a, bad_b = ra is not None and ra.status in BAD, rb is not None and rb.status in BAD
     if bad_b:
         return "still failing" if bad_a else "new failure"
     if bad_a:
         return "failure not rerun" if rb is None else "fixed" if rb.status == "passed" else "changed"
     lost = ra is not None and ra.status == "passed" and (rb is None or rb.status != "passed")
-    if lost or fatal:
+    if lost:
+        return "regression"
+    if unanchored:  # the gate's finding for such a baseline says to record it again; the table names no change
+        return "not comparable"
+    if fatal:
         return "regression"
     if ra is None or rb is None or ra.status != rb.status or (relative is not None and abs(relative) > NOTABLE):
         return "changed"

@@ -177,6 +177,11 @@ def _gated(name: str) -> bool:
     return name.partition(".")[2] in (*ERROR_BOUNDS, "nonfinite_mismatch") or name in LATENCY_METRICS
 
 
+def measured(name: str, value: float) -> bool:
+    """Whether ``value`` of metric ``name`` is one a measurement gives: finite, not negative, a median above 0."""
+    return math.isfinite(value) and value >= 0 and (name != "run_ms" or value > 0)
+
+
 def _unusable_metrics(base: Result, new: Result) -> list[Finding]:
     """A fatal finding per gated metric of the baseline's passed result that ``new`` (passed too) lacks, and per
     gated metric of either that no measurement gives: a NaN, an infinity, a negative value, a median of 0 or less.
@@ -186,7 +191,7 @@ def _unusable_metrics(base: Result, new: Result) -> list[Finding]:
              for name in base.metrics if _gated(name) and name not in new.metrics]
     for which, result in (("this run", new), ("the baseline", base)):
         for name, value in result.metrics.items():
-            if _gated(name) and not (math.isfinite(value) and value >= 0 and (name != "run_ms" or value > 0)):
+            if _gated(name) and not measured(name, value):
                 found.append(_finding("impossible value", new, f"{name} is {value!r} in {which}: no measurement "
                                       "gives that", True))
     return found

@@ -79,9 +79,9 @@ def test_gate_passes_a_rerun_and_fails_the_torch_baseline_made_twice_as_slow(tmp
 
 def test_bad_input_gets_clear_errors_and_exit_code_2(tmp_path, capsys):
     assert main(["run", "--impl", "no_such_impl", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert "unknown impl 'no_such_impl'" in capsys.readouterr().out
+    assert "error: --impl: unknown impl 'no_such_impl'" in capsys.readouterr().out
     assert main(["run", "--impl", "torch_eager", "--suite", "nope", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert "unknown suite" in capsys.readouterr().out
+    assert "error: --suite: unknown suite 'nope'" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "something-else"}))
     assert main(["gate", "--baseline", str(bad), str(bad)]) == 2
@@ -150,19 +150,23 @@ def test_dcp_flags_refuse_non_positive_values(flag, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--preset", "tinyy"], "unknown preset 'tinyy'"),
-    (["--layout", "nope"], "unknown cache layout 'nope'"),
-    (["--sweep", "x"], "unknown sweep 'x'"),
-    (["--seed", "-1"], "seed must be an int >= 0"),
-    (["--seed", str(2 ** 32)], "seed must be an int >= 0 and < 2**32"),
-    (["--mode", "decod"], "unknown mode 'decod'; modes: decode, prefill"),
-    (["--mode", "Decode"], "unknown mode 'Decode'"),
+    (["--preset", "tinyy"], "--preset: unknown preset 'tinyy'; known presets: "),
+    (["--layout", "nope"], "--layout: unknown cache layout 'nope'"),
+    (["--sweep", "x"], "--sweep: unknown sweep 'x'"),
+    (["--preset", "tiny", "--sweep", "x"], "--sweep: unknown sweep 'x'"),
+    (["--seed", "-1"], "--seed: seed must be an int >= 0"),
+    (["--seed", str(2 ** 32)], "--seed: seed must be an int >= 0 and < 2**32"),
+    (["--mode", "decod"], "--mode: unknown mode 'decod'; modes: decode, prefill"),
+    (["--mode", "Decode"], "--mode: unknown mode 'Decode'"),
     (["--mode", "prefill", "--dcp", "2"], "nothing to run: --mode prefill with --dcp 2"),
-    (["--impl", ""], "no impl given"),
-    (["--suite", ""], "no suite given"),
-    (["--impl", "torch_eager,torch_eager"], "impl name 'torch_eager' is given more than once"),
-    (["--impl", "nosuchmod:Foo"], "nosuchmod:Foo: cannot import nosuchmod"),
-    (["--preset", "tiny", "--sweep", "gpu-quick"], "sweep gpu-quick takes the presets deepseek-v3"),
+    (["--impl", ""], "--impl: no impl given"),
+    (["--suite", ""], "--suite: no suite given"),
+    (["--suite", "accuracy,nope"], "--suite: unknown suite 'nope'"),
+    (["--impl", "torch_eager,torch_eager"], "--impl: impl name 'torch_eager' is given more than once"),
+    (["--impl", "nosuchmod:Foo"], "--impl: nosuchmod:Foo: cannot import nosuchmod"),
+    (["--impl", "planted_impls:NoSuchClass"], "--impl: planted_impls:NoSuchClass: module planted_impls has no"),
+    (["--device", "tpu"], "--device: unknown device 'tpu'"),
+    (["--preset", "tiny", "--sweep", "gpu-quick"], "--sweep: sweep gpu-quick takes the presets deepseek-v3"),
     (["--dcp-interleave", "4"], "--dcp-interleave applies to decode context parallel runs only"),
     (["--suite", "placement", "--mode", "dcp"], "nothing to run: --mode dcp selects no workload of suites placement"),
     (["--suite", "equivalence", "--impl", "planted_impls:PlainDecode"],

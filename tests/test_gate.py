@@ -170,6 +170,18 @@ def test_a_baseline_metric_no_measurement_gives_is_fatal_not_a_free_pass():
     assert [f.kind for f in found] == ["impossible value"] and "in the baseline" in found[0].message
 
 
+def test_compare_calls_a_nan_baseline_headline_not_comparable_not_a_regression(tmp_path, capsys):
+    base = _run(*[_acc(label=f"w{i}") for i in range(4)])
+    base.results[1].metrics["kernel.rel_l2"] = float("nan")
+    a, b = save_run(base, tmp_path / "a"), save_run(_run(*[_acc(label=f"w{i}") for i in range(4)]), tmp_path / "b")
+    for rows in ("0", "1"):  # every row; a summary that shows only what it never leaves out
+        assert main(["compare", str(a), str(b), "--rows", rows]) == 0
+        lines = [line for line in capsys.readouterr().out.splitlines() if "│ accuracy" in line]
+        assert len(lines) == (4 if rows == "0" else 1)
+        (row,) = [line for line in lines if "│ w1 " in line]
+        assert "not comparable" in row and "regression" not in row and "%" not in row
+
+
 def test_a_run_that_loosens_its_own_tolerance_is_judged_by_the_baselines_bound():
     """The bound came from the run being judged: loosening a tolerance loosened the gate with it."""
     base, loose = _run(_acc(label="a", rel=2e-3)), _run(_acc(label="a", rel=0.2))

@@ -323,6 +323,31 @@ def test_selections_that_cannot_run_are_value_errors(options, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(device="tpu"), "--device: unknown device 'tpu'"),
+    (dict(impls=["nope"]), "--impl: unknown impl 'nope'; known: "),
+    (dict(suites=["accuracy", "nope"]), "--suite: unknown suite 'nope'; suites: "),
+    (dict(preset="tinyy"), "--preset: unknown preset 'tinyy'; known presets: "),
+    (dict(seed=2 ** 32), "--seed: seed must be an int >= 0 and < 2**32"),
+    (dict(sweep="x"), "--sweep: unknown sweep 'x'; sweeps: "),
+    (dict(sweep="gpu"), "--sweep: sweep gpu takes the presets deepseek-v3"),  # with the preset tiny
+    (dict(modes=["decode", "decod"]), "--mode: unknown mode 'decod'; modes: "),
+    (dict(layouts=["bf16", "nope"]), "--layout: unknown cache layout 'nope'; known layouts: "),
+    (dict(page_sizes=[16, 0]), "--page-size: page_size must be a positive int, got 0"),
+    (dict(dcp_interleave=2), "--dcp-interleave applies to decode context parallel runs only"),  # named it already
+])
+def test_a_bad_option_value_names_its_flag(options, message):
+    """The registries that refuse a value name it, not the flag it came from ("unknown preset 'x'")."""
+    with pytest.raises(ValueError) as info:
+        select_run(RunOptions(**{"impls": ["torch_eager"], "device": "cpu", "preset": "tiny", **options}))
+    assert str(info.value).startswith(message)
+
+
+def test_an_impl_whose_module_is_absent_names_its_flag_and_stays_not_installed():
+    with pytest.raises(ImplNotInstalled, match="^--impl: nosuchmod:MyMLA: cannot import nosuchmod"):
+        select_run(RunOptions(impls=["all", "nosuchmod:MyMLA"], device="cpu", preset="tiny"))
+
+
 def test_a_suite_with_no_workloads_on_this_device_or_one_that_ignores_modes_keeps_a_run_going():
     """Latency lists no workload on a CPU even unfiltered (it reports that in a result); metadata ignores --mode,
     placement --dcp."""
