@@ -72,13 +72,16 @@ def _driver_version() -> str | None:
 
 
 def _git() -> dict[str, Any]:
-    """The commit of the checkout the bench runs from (None when it is not its own git work tree)."""
+    """The commit of the checkout the bench runs from, and whether its tracked files differ from it (both None when
+    it is not its own git work tree)."""
     top = _command(["git", "-C", str(PROJECT_ROOT), "rev-parse", "--show-toplevel"])
     if not top or Path(top.strip()).resolve() != PROJECT_ROOT:
         return {"git_commit": None, "git_dirty": None}
     commit = _command(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"])
     status = _command(["git", "-C", str(PROJECT_ROOT), "status", "--porcelain", "--untracked-files=no"])
-    return {"git_commit": commit.strip() if commit else None, "git_dirty": bool(status and status.strip())}
+    # None when git status cannot tell (it failed or timed out): not a clean tree
+    return {"git_commit": commit.strip() if commit else None,
+            "git_dirty": None if status is None else bool(status.strip())}
 
 
 def _command(argv: list[str]) -> str | None:

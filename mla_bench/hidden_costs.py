@@ -276,8 +276,9 @@ def count_trace(events: list[dict[str, Any]], cuda: bool) -> Costs:
                 continue
             if rest[-1] == _WAITS:
                 syncs["blocking copy to the CPU"] += 1
-            if (what, *rest) not in moved or any(_nested(op, e) for op in ops if op["name"] == "aten::copy_"):
-                moved.add((what, *rest))
+            tensor = (what, *rest[:2])  # the device, the bytes and the address: blocking or not, the same move
+            if tensor not in moved or any(_nested(op, e) for op in ops if op["name"] == "aten::copy_"):
+                moved.add(tensor)
                 _add_copy(costs, copies, "h2d" if what == "cuda" else "d2h", int(rest[0]), f"to {what}")
     costs.syncs = sum(syncs.values())
     costs.sync_events, costs.copy_events = dict(syncs), dict(copies)

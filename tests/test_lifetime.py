@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+from mla_bench import lifetime
 from test_runner import _ends_within
 
 CHILD = "import time; from mla_bench.lifetime import die_with_parent; die_with_parent({parent}); time.sleep(60)"
@@ -45,3 +47,20 @@ def test_a_child_whose_parent_is_already_gone_exits_at_once():
     parent = subprocess.run([sys.executable, "-c", GONE_PARENT.format(child=LATE_CHILD)], capture_output=True,
                             text=True, timeout=30, check=True)
     assert _ends_within(int(parent.stdout), seconds=15)
+
+
+@linux_only
+def test_a_child_whose_parent_is_gone_exits_even_where_the_death_signal_is_refused(monkeypatch):
+    """A sandbox may refuse prctl: the parent check must still end an orphan (it returned before that check)."""
+    class RefusingLibc:
+        def prctl(self, *args) -> int:
+            return -1
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(lifetime.ctypes, "CDLL", lambda *args, **kwargs: RefusingLibc())
+    monkeypatch.setattr(lifetime.os, "_exit", exit_)
+    lifetime.die_with_parent(os.getppid())  # the parent lives: nothing happens
+    with pytest.raises(SystemExit):
+        lifetime.die_with_parent(os.getppid() + 1)  # the process that started us is gone: exit
