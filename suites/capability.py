@@ -10,6 +10,7 @@ hold the matrix (``matrix_details``); ``capability_table`` renders it with rich,
 from __future__ import annotations
 
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -82,8 +83,9 @@ def cells(layouts: Iterable[str]) -> list[Cell]:
 
 
 def names_combination(message: str, workload: Workload, impl: str = "") -> bool:
-    """Whether a refusal says what it refuses: the op, the layout or the transform as a word of its own (or the whole
-    workload label), not inside the impl's name (``triton_decode: ...`` names no mode)."""
+    """Whether a refusal says what it refuses: the op, the layout or the transform as a word of its own, in any case
+    and with a space or hyphen for an underscore ("DCP", "sparse decode"), or the whole workload label; not inside
+    the impl's name (``triton_decode: ...`` names no mode)."""
     if impl:
         message = re.sub(rf"(?<![\w]){re.escape(impl)}(?![\w])", " ", message)
     words = [workload.mode.value]
@@ -91,8 +93,9 @@ def names_combination(message: str, workload: Workload, impl: str = "") -> bool:
         words.append(workload.layout)
     if workload.mode.sparse:
         words.append(workload.index_transform)
-    return workload.label in message or any(word and re.search(rf"(?<![\w]){re.escape(word)}(?![\w])", message)
-                                            for word in words)
+    patterns = [r"[_\s-]".join(map(re.escape, word.split("_"))) for word in words if word]
+    return workload.label in message or any(re.search(rf"(?<![\w]){pattern}(?![\w])", message, re.IGNORECASE)
+                                            for pattern in patterns)
 
 
 def run_matrix(impls: list[ImplEntry], layouts: Iterable[str], device: torch.device, preset: str | None = None,
@@ -106,8 +109,14 @@ def run_matrix(impls: list[ImplEntry], layouts: Iterable[str], device: torch.dev
         except ImplNotInstalled as exc:
             result = Result(SUITE, "capability", "unsupported", impl=entry.name, label=f"{entry.name}: not installed",
                             details={"not_installed": True}, message=str(exc))
-            results.append(result)
-            yield result
+        except Exception:  # noqa: BLE001 - a broken impl is a crash row of its own, not the end of the matrix
+            result = Result(SUITE, "capability", "error", impl=entry.name, label=f"{entry.name}: could not load",
+                            details={"not_loaded": True},
+                            message=f"could not load {entry.target}:\n{traceback.format_exc()}")
+        else:
+            continue
+        results.append(result)
+        yield result
     for cell in matrix_cells:
         problem = build_problem(cell.workload(preset or DEFAULT_PRESET, seed), device)
         refs: References | None = None
@@ -144,8 +153,9 @@ def matrix_details(results: list[Result], matrix_cells: list[Cell]) -> dict:
     for result in results:
         if result.check != "capability":
             continue
-        if result.details.get("not_installed"):
-            rows[(result.impl, "all ops")] = {column: "not installed" for column in columns}
+        if result.details.get("not_installed") or result.details.get("not_loaded"):
+            status = "not installed" if result.details.get("not_installed") else result.status
+            rows[(result.impl, "all ops")] = {column: status for column in columns}
             continue
         rows.setdefault((result.impl, result.details["row"]), {})[result.details["column"]] = result.status
     return {"columns": columns,

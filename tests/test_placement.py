@@ -185,6 +185,14 @@ def test_cpu_counts_read_non_blocking_where_each_overload_of_a_move_puts_it():
     assert not _non_blocking(torch.Tensor.cpu, (x,), {})
 
 
+def test_a_tensor_moved_to_one_device_blocking_and_not_counts_as_one_copy_and_one_wait():
+    """Once per tensor and device in a call: the blocking and the non_blocking move of one tensor counted twice."""
+    x = torch.randint(1, 9, (64,), dtype=torch.int32)
+    _, costs = profile_costs(lambda: (x.to("cpu"), x.to("cpu", non_blocking=True)), "cpu")
+    assert costs.copy_events == {f"d2h {x.nbytes} B (to cpu)": 1}
+    assert costs.sync_events == {"blocking copy to the CPU": 1}
+
+
 def test_profiling_leaves_no_profiler_chatter_on_stderr_unless_the_user_asks_for_it():
     script = ("import torch; from mla_bench.hidden_costs import profile_costs; "
               "profile_costs(lambda: torch.randn(8).sum(), 'cpu'); profile_costs(lambda: torch.randn(8), 'cpu')")

@@ -20,7 +20,7 @@ from mla_bench.workload import Mode
 from impls.torch_eager import TorchEager
 from impls.triton.cache_ops import gather_cache_triton, write_cache_triton
 from suites.base import RunContext
-from suites.capability import capability_table, print_capability_matrix, run_matrix
+from suites.capability import capability_table, cells, names_combination, print_capability_matrix, run_matrix
 from suites.roundtrip import RoundtripSuite, check_gather
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -406,3 +406,31 @@ def _render(table) -> str:
     out = io.StringIO()
     Console(file=out, width=250).print(table)
     return out.getvalue()
+
+
+def test_an_impl_that_fails_to_load_is_a_crash_row_not_the_end_of_the_matrix():
+    """A broken impl (its module lacks the class, or raises on import) stopped the whole matrix: every other impl's
+    cells were lost with it."""
+    broken = ImplEntry("planted_broken", "suites.capability:NoSuchImpl", "path")
+    results = list(run_matrix([broken, ImplEntry("torch_eager", "tests:TorchEager", "path", TorchEager)], ["bf16"],
+                              DEVICE))
+    loaded = next(r for r in results if r.impl == "planted_broken")
+    assert loaded.status == "error" and "has no attribute 'NoSuchImpl'" in loaded.message
+    rows = {(row["impl"], row["op"]): row["cells"] for row in results[-1].details["rows"]}
+    assert rows[("planted_broken", "all ops")] == {"bf16": "error", "no cache": "error"}
+    assert rows[("torch_eager", "decode")] == {"bf16": "passed"}
+    assert results[-1].status == "failed" and "planted_broken: could not load: error" in results[-1].message
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("dcp", "DCP needs an interleave that divides the page size; got interleave=3, page_size=64"),
+    ("sparse_decode", "no sparse decode without a Hopper GPU"),
+    ("chunked_prefill", "planted: Chunked-Prefill needs the context gathered first"),
+    ("decode", "BF16 only on this build"),
+])
+def test_a_refusal_naming_the_op_or_layout_in_other_case_or_spelling_names_it(mode, message):
+    """check_dcp's own refusal (which triton_dcp passes on) says "DCP": matched case-sensitively, a refusal that named
+    the op in capitals, or with a space for the underscore, was a failed cell."""
+    workload = next(cell for cell in cells(["bf16"]) if cell.mode.value == mode).workload("deepseek-v3-tp8", 0)
+    assert names_combination(f"planted: {message}", workload, "planted")
+    assert not names_combination("planted: workspace too small", workload, "planted")
