@@ -10,13 +10,16 @@
 - Tests marked ``gpu`` are skipped with a reason where CUDA is absent.
 - An impl named with ``--mla-impl`` whose every conformance test run was skipped (it refused or did not declare
   them all) fails the session: it was tested on nothing, which pytest alone reports as a success. Under
-  pytest-xdist too: each test's reports carry its impl to the controller, which collects nothing itself.
+  pytest-xdist too: each test's reports carry its impl to the controller, which collects nothing itself. One whose
+  every conformance test ``-m`` / ``-k`` deselected is named with the selection (pytest says only "deselected").
 - Fixtures: ``mla_device``, ``mla_impl`` (parametrized over the chosen impls), ``cuda_timer`` (a CUDA-event
   clock for pytest-benchmark: ``benchmark.pedantic(...)`` after ``@pytest.mark.benchmark(timer=...)``, or
   ``mla_bench.timing.cuda_event_timer`` directly).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 
@@ -72,7 +75,8 @@ def session_device(config):
 
 class ConformanceCoverage:
     """Which impls named with ``--mla-impl`` ran a conformance test that was not skipped; the session fails when one
-    had every conformance test that ran skipped (deselected tests do not count: the user chose those). Each report of
+    had every conformance test that ran skipped (deselected tests do not count: the user chose those, and one whose
+    every test was deselected is named with the selection, not failed). Each report of
     a named impl's test carries the impl's name (``NAMED_IMPL``; not a user property, which JUnit XML would write as
     the properties xunit2 forbids): pytest-xdist's controller, which gives the verdict, collects no items itself."""
 
@@ -82,12 +86,23 @@ class ConformanceCoverage:
         self.skipped: set[str] = set()  # impls with a conformance test skipped
         self.tested: set[str] = set()  # impls with a conformance test that passed or failed
         self.untested: list[str] = []
+        self.deselected: Counter[str] = Counter()  # named impl -> its conformance tests that -m / -k deselected
+        self.unselected: list[str] = []  # named impls whose every conformance test was deselected
+
+    def _named_impl(self, item) -> str | None:
+        """The named impl whose conformance test ``item`` is, or None."""
+        case = getattr(item, "callspec", None) and item.callspec.params.get("conformance_case")
+        return case[0].name if case and (case[0].name in self.named or case[0].target in self.named) else None
+
+    def pytest_deselected(self, items) -> None:
+        self.deselected.update(filter(None, map(self._named_impl, items)))
 
     def pytest_collection_finish(self, session) -> None:
         for item in session.items:
-            case = getattr(item, "callspec", None) and item.callspec.params.get("conformance_case")
-            if case and (case[0].name in self.named or case[0].target in self.named):
-                self.impl_of[item.nodeid] = case[0].name
+            name = self._named_impl(item)
+            if name:
+                self.impl_of[item.nodeid] = name
+        self.unselected = sorted(set(self.deselected) - set(self.impl_of.values()))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -113,6 +128,12 @@ class ConformanceCoverage:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        option = terminalreporter.config.option
+        selection = " ".join(f"{flag} {expr!r}" for flag, expr in (("-m", option.markexpr), ("-k", option.keyword))
+                             if expr) or "the selection"
+        for name in self.unselected:
+            terminalreporter.write_line(f"mla-bench: no conformance test of {name} was selected: {selection} "
+                                        f"deselected all {self.deselected[name]} of them", yellow=True, bold=True)
         for name in self.untested:
             terminalreporter.write_line(f"mla-bench: {name} was tested on nothing: every conformance test of it was "
                                         "skipped (-rs shows why)", red=True, bold=True)

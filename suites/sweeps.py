@@ -204,9 +204,11 @@ def conformance(caps: Capabilities, device: torch.device | str = "cpu", preset: 
 
     Bent: a head count or page size the impl does not declare moves to the smallest declared one, and off the CPU
     the cache of an impl that keeps it only in host memory moves there (so an impl for 64/128 heads, page 64 or a
-    host cache is still checked); everything else is left for the impl to refuse. Widened: per mode, each value of
-    ``_declared_values`` that no workload the impl accepts has gets one workload, the mode's smallest accepted one
-    with that value changed (one more test each, on the cheapest shape)."""
+    host cache is still checked), and a mode the sweep has only in layouts the impl does not declare (sparse over
+    FP8 alone) moves to its first declared layout; everything else is left for the impl to refuse. Widened: per
+    mode, each value of ``_declared_values`` that no workload the impl accepts has gets one workload, the mode's
+    smallest accepted one with that value changed (one more test each, on the cheapest shape; for a page size, each
+    request made a page longer, so that it crosses a page boundary)."""
     device_type = torch.device(device).type
     host_cache = device_type != "cpu" and "cpu" in (caps.cache_devices or ())
     out: dict[str, Workload] = {}
@@ -222,24 +224,34 @@ def conformance(caps: Capabilities, device: torch.device | str = "cpu", preset: 
         out.setdefault(w.key, w)
     for mode in [m for m in Mode if m in caps.modes]:  # in a fixed order: pytest-xdist's workers must agree
         accepted = [w for w in out.values() if w.mode is mode and caps.refusal(w, device) is None]
+        if not accepted and mode.uses_cache:  # the sweep has the mode in other layouts only (sparse over FP8 alone)
+            bent = [w.replace(layout=min(caps.layouts)) for w in out.values() if w.mode is mode]
+            accepted = [w for w in bent if caps.refusal(w, device) is None]
+            out.update((w.key, w) for w in accepted)
         if not accepted:
             continue
         smallest = min(accepted, key=lambda w: w.total_q + w.total_kv)
         for name, value in _declared_values(caps, mode, host_cache):
             if all((w.dims.num_heads if name == "num_heads" else getattr(w, name)) != value for w in accepted):
-                extra = smallest.replace(**{name: value})
+                changes = {name: value}
+                if name == "page_size":  # each request one page longer: it crosses a page boundary of that size
+                    changes["kv_lens"] = tuple(n and n + value for n in smallest.kv_lens)
+                extra = smallest.replace(**changes)
                 out.setdefault(extra.key, extra)
     return list(out.values())
 
 
 def _declared_values(caps: Capabilities, mode: Mode, host_cache: bool) -> list[tuple[str, object]]:
     """The (workload field, value) pairs that conformance gives each declared mode at least once: every declared
-    dtype (the tiny sweep has no float16), the smallest and largest declared head count and page size and the
-    smallest non-power-of-two page size (kernels tile heads and split pages: their edges break, not the values in
-    between), and the cache in host memory where ``host_cache``."""
+    dtype (the tiny sweep has no float16) and layout (its sparse, chunked and DCP workloads are bf16), the smallest
+    and largest declared head count and page size and the smallest non-power-of-two page size (kernels tile heads
+    and split pages: their edges break, not the values in between), and the cache in host memory where
+    ``host_cache``."""
     wanted: list[tuple[str, object]] = [("dtype", dtype) for dtype in DTYPES if dtype in caps.dtypes]
     if caps.head_counts:
         wanted += [("num_heads", n) for n in sorted({min(caps.head_counts), max(caps.head_counts)})]
+    if mode.uses_cache:
+        wanted += [("layout", layout) for layout in sorted(caps.layouts)]
     if mode.uses_cache and caps.page_sizes:
         odd = sorted(p for p in caps.page_sizes if p & (p - 1))
         wanted += [("page_size", p) for p in sorted({min(caps.page_sizes), max(caps.page_sizes), *odd[:1]})]

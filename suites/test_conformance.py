@@ -4,13 +4,13 @@
 
 One test per (impl, workload) of ``suites.sweeps.conformance``: the tiny sweep bent to what the impl declares on the
 session's device (head count, page size, a host cache on a GPU), over every mode and layout, widened by a test on
-each mode's smallest workload per declared value it misses (a dtype such as float16, the largest head count and page
-size, a non-power-of-two page size). A combination the impl does not declare, or that its ``plan`` refuses with
-``UnsupportedConfig``, is skipped with that reason; everything else must pass ``suites.judge.judge`` (poisoned
-outputs and unused pages, permuted blocks, the bench's tolerances, inputs left as they were, and a second run of the
-same plan within the tolerances too). An impl that is not installed, or whose constructor raises, has a test per
-workload of the unbent sweep all the same, skipped or failing: a filter that selects tests by mode, layout or label
-(``-m decode``, ``-k bf16``) selects those too.
+each mode's smallest workload per declared value it misses (a dtype such as float16, a layout, the largest head count
+and page size, a non-power-of-two page size, each request then a page longer). A combination the impl does not
+declare, or that its ``plan`` refuses with ``UnsupportedConfig``, is skipped with that reason; everything else must
+pass ``suites.judge.judge`` (poisoned outputs and unused pages, permuted blocks, the bench's tolerances, inputs left
+as they were, and a second run of the same plan within the tolerances too). An impl that is not installed, or whose
+constructor raises, has a test per workload of the unbent sweep all the same, skipped or failing: a filter that
+selects tests by mode, layout or label (``-m decode``, ``-k bf16``) selects those too.
 """
 
 from __future__ import annotations

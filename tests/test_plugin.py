@@ -79,6 +79,50 @@ THIRD_PARTY = textwrap.dedent('''
 
         def __init__(self):
             raise ImplNotInstalled("my_absent needs mykernels (pip install mykernels)")
+
+    class PowerOfTwoPages(MyMLA):
+        """Finds a token's page with a shift: exact for its page size 16, wrong past 32 keys for its page size 48."""
+        name = "my_pow2_pages"
+        capabilities = Capabilities(modes={"decode"}, page_sizes=frozenset({16, 48}))
+
+        def plan(self, problem):
+            m = problem.meta
+            table, shift = m.block_table.cpu().long(), m.page_size.bit_length() - 1
+            slots = []
+            for b, n in enumerate(m.kv_lens):
+                positions = torch.arange(n)
+                page = (positions >> shift).clamp(max=max(0, (n - 1) // m.page_size))
+                slots.append(table[b][page] * m.page_size + positions % m.page_size)
+            return problem, slots
+''')
+
+# Sparse top-k kernels over FP8 pages, as FlashMLA's: one right and FP8 only, one that declares fp8_ds_mla beside bf16
+# and reads every cache as bf16.
+SPARSE_FP8 = textwrap.dedent('''
+    from dataclasses import replace
+
+    import planted_impls
+    import torch
+
+    class SparseFP8(planted_impls.PlainSparse):
+        name = "my_sparse_fp8"
+        capabilities = replace(planted_impls.SPARSE, layouts=frozenset({"fp8_ds_mla"}))
+
+        def run(self, p):
+            rows = p.cache.layout.dequantize(p.cache.rows(), p.cache.tensor_scale)
+            out = torch.zeros(*p.q.shape[:2], 512, dtype=p.q.dtype)
+            lse = torch.full(p.q.shape[:2], float("-inf"))
+            for t in range(p.q.shape[0]):
+                chosen = p.sparse_indices[t][p.sparse_indices[t] >= 0].long()
+                if chosen.numel():
+                    scores = p.q[t].float() @ rows[chosen].float().T * p.scale
+                    lse[t] = torch.logsumexp(scores, -1)
+                    out[t] = (torch.softmax(scores, -1) @ rows[chosen, :512].float()).to(p.q.dtype)
+            return out, lse
+
+    class SparseBF16AsFP8(planted_impls.PlainSparse):
+        name = "my_sparse_bf16_as_fp8"
+        capabilities = replace(planted_impls.SPARSE, layouts=frozenset({"bf16", "fp8_ds_mla"}))
 ''')
 
 # A project's own tests beside the plugin: its kernel must be compiled (e.g. ahead of time for a GPU it lacks), and
@@ -195,6 +239,38 @@ def test_a_host_cache_impl_is_tested_on_a_gpu_host(tmp_path):
     host = [line for line in passed if "[torch_eager_host_cache-" in line]
     assert len(host) >= 8 and all("_cache-cpu_" in line for line in host), done.stdout[-3000:]
     assert not any("_cache-cpu_" in line for line in passed if "[torch_eager-" in line), done.stdout[-3000:]
+
+
+def test_a_kernel_wrong_at_its_odd_page_size_past_the_first_page_is_flagged(tmp_path):
+    """The test at a declared page size (48) took the smallest decode (9 and 20 keys) as it was: every request in one
+    page, so a kernel whose page arithmetic holds for powers of two only passed. Each request is now a page longer."""
+    done = _conformance(tmp_path, "-m", "conformance and decode", "--mla-impl=mypkg:PowerOfTwoPages")
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    assert done.returncode == 1 and len(failed) == 1 and "_ps48_" in failed[0], done.stdout[-3000:]
+
+
+def test_every_layout_an_impl_declares_is_checked_in_each_of_its_modes(tmp_path):
+    """The sweep's sparse workloads are bf16: a sparse kernel over fp8_ds_mla alone was tested on nothing (the session
+    failed), and one that declared fp8_ds_mla beside bf16 without an FP8 path passed."""
+    (tmp_path / "mysparse.py").write_text(SPARSE_FP8)
+    done = _conformance(tmp_path, f"--junitxml={tmp_path / 'junit.xml'}", "-m", "conformance and sparse",
+                        "--mla-impl=mysparse:SparseFP8", "--mla-impl=mysparse:SparseBF16AsFP8")
+    assert done.returncode == 1 and "tested on nothing" not in done.stdout, done.stdout[-3000:]
+    outcomes = _outcomes(tmp_path / "junit.xml")
+    assert outcomes["my_sparse_fp8"]["passed"] >= 2 and outcomes["my_sparse_fp8"]["failed"] == 0, outcomes
+    assert outcomes["my_sparse_bf16_as_fp8"]["failed"] == 2, outcomes  # sparse decode and prefill over FP8
+
+
+def test_a_named_impl_whose_every_conformance_test_was_deselected_is_named_with_the_selection(tmp_path):
+    """``-m`` that left an impl no test said only "25 deselected" (and exited 5 where it left none at all)."""
+    (tmp_path / "mysparse.py").write_text(SPARSE_FP8)
+    done = _conformance(tmp_path, "-m", "conformance and sparse and fp8", "--mla-impl=torch_eager",
+                        "--mla-impl=mysparse:SparseFP8")
+    note = "no conformance test of torch_eager was selected: -m 'conformance and sparse and fp8' deselected all"
+    assert done.returncode == 0 and note in done.stdout, done.stdout[-3000:]
+    assert "of my_sparse_fp8 was selected" not in done.stdout, done.stdout[-3000:]
+    done = _conformance(tmp_path, "-m", "conformance and dcp and fp4", "--mla-impl=torch_eager")
+    assert done.returncode == 5 and "no conformance test of torch_eager was selected" in done.stdout, done.stdout
 
 
 def test_an_impl_whose_constructor_raises_fails_one_test_and_the_other_impls_still_run(conformance):
