@@ -92,6 +92,12 @@ class Capabilities:
             unknown = set(getattr(self, name)) - set(allowed)
             if unknown:  # a misspelt value would make every workload needing it "unsupported", silently
                 raise ValueError(f"Capabilities.{name}: unknown values {sorted(unknown)}; allowed {allowed}")
+        consulted = ["dtypes", "devices", "head_counts", "query_len_kinds"]
+        consulted += ["layouts", "page_sizes"] if any(m.uses_cache for m in self.modes) else []
+        consulted += ["index_transforms"] if any(m.sparse for m in self.modes) else []
+        for name in consulted:  # an empty set refuses every workload of a declared mode, silently
+            if getattr(self, name) == frozenset():
+                raise ValueError(f"Capabilities.{name} is empty: it refuses every workload of the modes declared")
         for name in ("page_sizes", "head_counts"):
             bad = [v for v in getattr(self, name) or () if isinstance(v, bool) or not isinstance(v, int) or v < 1]
             if bad:
@@ -205,11 +211,19 @@ class ImplEntry:
     target: str  # "module:Class"
     origin: str  # "builtin", "entry point (dist)", or "path"
     _cls: type[Impl] | None = field(default=None, repr=False)
+    conflict: str = ""  # set where other targets are registered under this name: loading it is then an error
 
     def load(self) -> Impl:
-        """Import and instantiate; ``ImplNotInstalled`` when the impl's own dependency is missing."""
+        """Import and instantiate; ``ImplNotInstalled`` when the impl's own dependency is missing, ValueError when
+        its name is registered twice or its class has another name (its results would carry that one)."""
+        if self.conflict:
+            raise ValueError(self.conflict)
         if self._cls is None:
-            self._cls = load_class(self.target)
+            cls = load_class(self.target)
+            if cls.name != self.name:
+                raise ValueError(f"{self.target} is registered as {self.name!r} but its class is named {cls.name!r}: "
+                                 f"its results would carry another name; register it as {cls.name!r}")
+            self._cls = cls
         return self._cls()
 
 
@@ -221,8 +235,12 @@ def _missing_dependency(exc: ImportError, module_name: str) -> bool:
     third-party package it needs), rather than that a name is missing from the project's or the impl's own code
     (a typo, which must show as an error, not as "not installed")."""
     missing = exc.name
-    if missing is None or module_name == missing or module_name.startswith(missing + "."):
-        return True  # raised by hand to say a dependency is absent, or the impl's module is not there at all
+    if missing is None:
+        return True  # raised by hand to say a dependency is absent
+    if module_name == missing or module_name.startswith(missing + "."):
+        # the impl's module or a package above it is not there at all; a plain ImportError naming one of them is a
+        # name missing from it ("cannot import name ... from 'mypkg'") or a circular import: the impl's own code
+        return isinstance(exc, ModuleNotFoundError)
     return missing.split(".")[0] not in {*PROJECT_PACKAGES, module_name.split(".")[0]}
 
 
@@ -257,17 +275,24 @@ def load_class(target: str) -> type[Impl]:
     if not isinstance(getattr(cls, "capabilities", None), Capabilities):
         raise ValueError(f"{target}: the class attribute 'capabilities' must be a Capabilities, "
                          f"got {type(getattr(cls, 'capabilities', None)).__name__}")
+    if cls.capabilities.graph_safe and cls.poison is Impl.poison:
+        raise ValueError(f"{target}: capabilities declare graph_safe (outputs from plan) but the class does not "
+                         "override poison: elements run leaves unwritten would never show")
     return cls
 
 
 def discover() -> dict[str, ImplEntry]:
-    """Built-in impls and those registered by installed distributions, by name."""
-    entries = {name: ImplEntry(name, target, "builtin") for name, target in BUILTIN_IMPLS.items()}
+    """Built-in impls and those registered by installed distributions, by name. A name registered with several
+    targets loads none of them (which one ran would be an accident of precedence): its entry names them all."""
+    found = {name: [ImplEntry(name, target, "builtin")] for name, target in BUILTIN_IMPLS.items()}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in entries:
-            dist = ep.dist.name if ep.dist else "unknown"
-            entries[ep.name] = ImplEntry(ep.name, ep.value, f"entry point ({dist})")
-    return entries
+        dist = ep.dist.name if ep.dist else "unknown"
+        found.setdefault(ep.name, []).append(ImplEntry(ep.name, ep.value, f"entry point ({dist})"))
+    for name, same in found.items():
+        if len({entry.target for entry in same}) > 1:
+            targets = ", ".join(f"{entry.target} ({entry.origin})" for entry in same)
+            same[0].conflict = f"impl name {name!r} is registered more than once: {targets}; keep one"
+    return {name: same[0] for name, same in found.items()}
 
 
 def resolve(spec: str) -> ImplEntry:

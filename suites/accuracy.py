@@ -60,7 +60,12 @@ def judge_workload(workload: Workload, impls: list[Impl], device: torch.device) 
             yield _result(workload, impl, "error", message=message)
         return
     for impl in accepted:
-        verdict = judge(impl, problem, refs)
+        try:
+            verdict = judge(impl, problem, refs)
+        except Exception:  # noqa: BLE001 - the judge could not undo what the impl did to the problem (a field deleted)
+            yield _result(workload, impl, "error", message=f"judging it raised:\n{traceback.format_exc()}")
+            problem = build_problem(workload, device)  # the same inputs (one seed), intact, for the next impls
+            continue
         yield _result(workload, impl, verdict.status, metrics=verdict.metrics(),
                       message=verdict.message or "; ".join(verdict.violations),
                       details={"violations": verdict.violations, "tolerance": _tolerances(workload)})

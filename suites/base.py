@@ -72,7 +72,7 @@ def load_impls(ctx: RunContext, suite: str) -> tuple[list[Impl], list[Result]]:
         except ImplNotInstalled as exc:
             results.append(Result(suite, suite, "unsupported", impl=entry.name, label="(all workloads)",
                                   message=f"not installed: {exc}"))
-        except Exception:  # noqa: BLE001 - a broken impl is a result, not a crash of the run
+        except (Exception, SystemExit):  # noqa: BLE001 - a broken impl (sys.exit too) is a result, not the run's end
             results.append(Result(suite, suite, "error", impl=entry.name, label="(all workloads)",
                                   message=f"could not load {entry.target}:\n{traceback.format_exc()}"))
     return impls, results

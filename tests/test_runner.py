@@ -456,3 +456,44 @@ def test_a_gpu_named_by_index_is_made_current_where_kernels_launch(monkeypatch):
         runner.run_selection(runner.Selection(RunOptions(impls=["torch_eager"], device="cuda:1"),
                                               torch.device("cuda:1"), [], [], [], [], []))
     assert made == [torch.device("cuda:1")] * 2
+
+
+class ExitsWhenMade(planted.PlainDecode):
+    """Its constructor calls ``sys.exit`` (a driver check)."""
+
+    name = "exits_when_made"
+
+    def __init__(self):
+        sys.exit("no GPU driver")
+
+
+class DeletesTheScale(planted.PlainDecode):
+    """Deletes a field of the shared problem, which the judge cannot restore."""
+
+    name = "deletes_the_scale"
+
+    def run(self, plan):
+        answer = super().run(plan)
+        del plan.scale
+        return answer
+
+
+def test_an_impl_that_exits_when_made_or_breaks_the_judge_is_an_error_and_the_others_are_judged():
+    """The first ended the whole run with no result, the second ended the accuracy suite (the next impls and
+    workloads got nothing)."""
+    from mla_bench.registry import ImplEntry
+    from mla_bench.workload import Workload
+    from suites.accuracy import judge_workload
+    from suites.base import RunContext, load_impls
+
+    ctx = RunContext([ImplEntry(ExitsWhenMade.name, "tests:ExitsWhenMade", "path", ExitsWhenMade),
+                      ImplEntry("plain_decode", "planted_impls:PlainDecode", "path", planted.PlainDecode)],
+                     torch.device("cpu"))
+    impls, failures = load_impls(ctx, "accuracy")
+    assert [type(impl) for impl in impls] == [planted.PlainDecode] and len(failures) == 1
+    assert (failures[0].impl, failures[0].status) == (ExitsWhenMade.name, "error")
+    assert "no GPU driver" in failures[0].message
+    workload = Workload(mode="decode", q_lens=(1, 2), kv_lens=(37, 50), page_size=16, seed=random.randint(1, 10 ** 6))
+    results = list(judge_workload(workload, [DeletesTheScale(), planted.PlainDecode()], torch.device("cpu")))
+    assert [(r.impl, r.status) for r in results] == [(DeletesTheScale.name, "error"), ("plain_decode", "passed")]
+    assert "has no attribute 'scale'" in results[0].message

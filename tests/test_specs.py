@@ -1,4 +1,4 @@
-"""Presets, softmax scale, Workload validation and serialization, Problem construction."""
+"""Presets, softmax scale, Workload validation and serialization, Problem construction, impl registration."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mla_bench.dims import PRESETS, get_preset
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import POISON_BYTE
 from mla_bench.problem import build_problem
-from mla_bench.registry import Capabilities, Impl
+from mla_bench.registry import Capabilities, Impl, ImplNotInstalled, discover, resolve
 from mla_bench.workload import SEED_LIMIT, Mode, Workload
 
 
@@ -232,3 +232,86 @@ def test_plan_called_directly_refuses_what_the_impl_did_not_declare(impl):
     assert impl().plan(problem) is problem
     with pytest.raises(UnsupportedConfig, match="page16: unsupported page size 64"):
         impl().plan(build_problem(w.replace(page_size=64)))
+
+
+def _package(tmp_path, monkeypatch, **modules: str) -> str:
+    """A fresh package of ``modules`` (name -> source; ``__init__`` included) on sys.path; its name."""
+    package = f"user_pkg_{random.randint(0, 10 ** 9)}"
+    (tmp_path / package).mkdir()
+    for module, source in {"__init__": "", **modules}.items():
+        (tmp_path / package / f"{module}.py").write_text(source.replace("PKG", package))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return package
+
+
+@pytest.mark.parametrize("modules", [
+    {"mod": "from PKG import no_such_helper\n"},                       # a name missing from its own package
+    {"mod": "from PKG.helpers import h\n", "helpers": "from PKG.mod import MyMLA\nh = 1\n"},  # a circular import
+])
+def test_an_import_error_inside_the_impls_own_package_is_an_error_not_not_installed(tmp_path, monkeypatch, modules):
+    """Both read as "not installed" (the ImportError names a package above the impl's module): skipped, run passed."""
+    package = _package(tmp_path, monkeypatch, **modules)
+    with pytest.raises(ValueError, match=f"importing {package}.mod raised ImportError"):
+        resolve(f"{package}.mod:MyMLA")
+    with pytest.raises(ImplNotInstalled, match="No module named 'no_such_kernel_pkg'"):
+        resolve("no_such_kernel_pkg.mod:MyMLA")
+
+
+@pytest.mark.parametrize("modes, field", [
+    ({"decode"}, "page_sizes"), ({"decode"}, "layouts"), ({"prefill"}, "dtypes"), ({"decode"}, "head_counts"),
+    ({"decode", "sparse_decode"}, "index_transforms"),
+])
+def test_capabilities_refuse_an_empty_set_that_a_declared_mode_reads(modes, field):
+    """Each was accepted, and the impl was "unsupported" on every workload of the mode (silently under ``all``)."""
+    with pytest.raises(ValueError, match=f"Capabilities.{field} is empty"):
+        Capabilities(modes=modes, **{field: frozenset()})
+    assert Capabilities(modes={"prefill"}, layouts=(), index_transforms=()).layouts == frozenset()  # read by none
+
+
+GRAPH_SAFE = '''
+from mla_bench.registry import Capabilities, Impl
+
+class Unpoisoned(Impl):
+    name = "unpoisoned"
+    capabilities = Capabilities(modes={"decode"}, graph_safe=True)
+
+    def plan(self, problem):
+        return problem
+
+    def run(self, plan):
+        return None
+
+class Poisoned(Unpoisoned):
+    def poison(self, plan):
+        pass
+'''
+
+
+def test_a_graph_safe_impl_must_poison_the_outputs_its_plan_allocates(tmp_path, monkeypatch):
+    """Its outputs come from plan: with ``poison`` left a no-op, rows ``run`` never writes kept whatever plan put there
+    and passed."""
+    package = _package(tmp_path, monkeypatch, mod=GRAPH_SAFE)
+    with pytest.raises(ValueError, match="declare graph_safe .* does not override poison"):
+        resolve(f"{package}.mod:Unpoisoned")
+    assert resolve(f"{package}.mod:Poisoned").load().name == "unpoisoned"
+
+
+def test_a_name_registered_twice_loads_neither_and_an_entry_point_must_carry_its_class_name(monkeypatch):
+    """An entry point named like a builtin, or like another distribution's, was dropped silently (the first won);
+    one named otherwise than its class filed its results under the class's name, beside a builtin of that name."""
+    import importlib.metadata as metadata
+
+    registered = [("torch_eager", "planted_impls:SlowerTorchEager"), ("plain_decode", "planted_impls:PlainDecode"),
+                  ("my_mla", "planted_impls:PlainDecode"), ("plain_sparse", "planted_impls:PlainSparse"),
+                  ("plain_sparse", "planted_impls:PlainDecode"),
+                  ("torch_eager_host_cache", "impls.torch_eager:TorchEagerHostCache")]
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda group: [metadata.EntryPoint(name, value, group) for name, value in registered])
+    found = discover()
+    for name, target in registered[0], registered[4]:
+        with pytest.raises(ValueError, match=f"impl name '{name}' is registered more than once: .*{target}"):
+            found[name].load()
+    with pytest.raises(ValueError, match="registered as 'my_mla' but its class is named 'plain_decode'"):
+        found["my_mla"].load()
+    assert found["plain_decode"].load().name == "plain_decode" and found["triton_decode"].origin == "builtin"
+    assert found["torch_eager_host_cache"].load().name == "torch_eager_host_cache"  # the same target twice is one
