@@ -46,8 +46,9 @@ def all_plots(run: Run) -> list[Plot]:
 
 
 def _text(value: object, limit: int = 60) -> str:
-    """A string from a results file, safe for matplotlib (``$`` would start math text) and cut to ``limit``."""
-    text = str(value)
+    """A string from a results file, safe for matplotlib (``$`` would start math text, a lone surrogate of bytes that
+    are not UTF-8 fails its text layout) and cut to ``limit``."""
+    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
     text = text if len(text) <= limit else text[:limit - 3] + "..."
     return text.replace("$", r"\$")
 
@@ -116,8 +117,9 @@ def error_heatmaps(run: Run) -> list[Plot]:
                 if r.status == "failed":
                     failed.add(cell)
             _heatmap(ax, grid, layouts, contexts, failed)
-            ax.set_title(f"{_text(impl, 30)}: {kind} relative L2 error (worst per cell)")
+            ax.set_title(f"{kind} relative L2 error (worst per cell)")
             ax.set_xlabel("longest context in the workload")
+        fig.suptitle(_text(impl))  # not in each panel's title: a long name ran the two titles together
         plots.append(Plot(f"errors-{index}", f"Error heatmap: {impl}", _png(fig)))
     return plots
 

@@ -106,8 +106,8 @@ def test_list_shows_a_broken_impl_as_such_and_exits_1(monkeypatch, capsys):
     assert main(["list"]) == 1
     out = capsys.readouterr().out
     assert "cannot load" in out and "NoSuchClass" in out and "torch_eager" in out
-    silent = registry.ImplEntry("my_silent", "planted_impls:RaisesWithoutMessage", "entry point (mypkg)")
-    monkeypatch.setattr(registry, "discover", lambda: {**known, "my_silent": silent})
+    silent = registry.ImplEntry("raises_without_message", "planted_impls:RaisesWithoutMessage", "entry point (mypkg)")
+    monkeypatch.setattr(registry, "discover", lambda: {**known, silent.name: silent})
     assert main(["list"]) == 1  # an exception with no message made the listing itself fail (IndexError)
     out = capsys.readouterr().out
     assert "cannot load" in out and "AssertionError" in out
@@ -334,3 +334,19 @@ def test_compare_withholds_a_latency_change_between_results_measured_on_differen
     caption = " ".join(out.split())
     assert "regression 1," in caption
     assert "1 latency change(s) not shown: measured on one GPU model in A and another in B" in caption
+
+
+def test_names_and_messages_with_undecodable_bytes_print_escaped(tmp_path, capsys):
+    """A traceback naming a path that is not UTF-8 holds lone surrogates: printing it on a strict UTF-8 stdout raised
+    UnicodeEncodeError (a traceback and exit 1, the gate's exit code for a regression)."""
+    bad = os.fsdecode(b"/data/caf\xe9")
+    runs = []
+    for name, status in (("base", "passed"), ("new", "error")):
+        result = Result("accuracy", "accuracy", status, impl=f"mine{bad}", label=f"w{bad}", device="cpu",
+                        message=f"Traceback (most recent call last):\n  File {bad}/x.py\nOSError: {bad}")
+        runs.append(str(save_run(Run(environment={}, results=[result], devices=[Device("cpu")]),
+                                 tmp_path / f"{name}.json")))
+    assert main(["gate", "--baseline", *runs]) == 1
+    assert "OSError: /data/caf\\udce9" in capsys.readouterr().out
+    assert main(["compare", *runs]) == 0
+    assert "mine/data/caf\\udce9" in capsys.readouterr().out

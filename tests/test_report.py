@@ -414,3 +414,32 @@ def test_console_tables_send_no_terminal_escapes():
                   summary_table(run), gate_table(findings), hidden_cost_table(run.results)):
         text = _printed(table)
         assert "\x1b" not in text and "\\x1b[2J" in text and "[bold red]x[/]" in text
+
+
+def test_names_with_undecodable_bytes_are_drawn_escaped(tmp_path, monkeypatch):
+    """A name holding lone surrogates (bytes that are not UTF-8, as ``os.fsdecode`` gives them) made matplotlib's text
+    layout raise TypeError: no figure, no report."""
+    run = rich_run(os.fsdecode(b"\xff"))
+    write_report(run, tmp_path / "r.html")
+    assert sorted(p.name for p in tmp_path.glob("r-*.png")) == ["r-errors-0.png", "r-errors-1.png", "r-latency.png",
+                                                                "r-roofline.png"]
+    figures = _figures(monkeypatch)
+    latency_plots(run)
+    assert "alpha\\udcff b2 bf16 ps64" in [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+
+
+def test_the_titles_of_an_error_heatmap_do_not_overlap(monkeypatch):
+    """Each panel's title named the impl: for triton_chunked_prefill (the GPU baselines) the two titles ran into
+    each other."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figures = _figures(monkeypatch)
+    error_heatmaps(Run(environment={}, results=[
+        Result("accuracy", "accuracy", "passed", impl="triton_chunked_prefill", workload=_workload(kv), label="w",
+               metrics={"kernel.rel_l2": 1e-3, "e2e.rel_l2": 2e-3}) for kv in (64, 4096)]))
+    canvas = FigureCanvasAgg(figures[0])
+    canvas.draw()
+    left, right = (ax.title.get_window_extent(canvas.get_renderer()) for ax in figures[0].axes[:2])
+    assert left.x1 < right.x0
+    titles = [figures[0].get_suptitle(), *(ax.get_title() for ax in figures[0].axes)]
+    assert any("triton_chunked_prefill" in title for title in titles)
