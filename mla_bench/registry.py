@@ -237,11 +237,21 @@ def _missing_dependency(exc: ImportError, module_name: str) -> bool:
     missing = exc.name
     if missing is None:
         return True  # raised by hand to say a dependency is absent
-    if module_name == missing or module_name.startswith(missing + "."):
+    if _is_or_contains(missing, module_name):
         # the impl's module or a package above it is not there at all; a plain ImportError naming one of them is a
         # name missing from it ("cannot import name ... from 'mypkg'") or a circular import: the impl's own code
-        return isinstance(exc, ModuleNotFoundError)
+        return module_not_found(exc, module_name)
     return missing.split(".")[0] not in {*PROJECT_PACKAGES, module_name.split(".")[0]}
+
+
+def module_not_found(exc: ImportError, module_name: str) -> bool:
+    """Whether ``exc``, raised importing ``module_name``, says that module or a package above it does not exist
+    (rather than that something inside an existing one failed to import)."""
+    return isinstance(exc, ModuleNotFoundError) and exc.name is not None and _is_or_contains(exc.name, module_name)
+
+
+def _is_or_contains(package: str, module_name: str) -> bool:
+    return module_name == package or module_name.startswith(package + ".")
 
 
 def _broken(target: str, module_name: str, exc: BaseException, why: str = "") -> ValueError:

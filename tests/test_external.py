@@ -1,11 +1,12 @@
-"""The external adapters: absent packages are listed and skipped as not installed; with stand-in packages
-(written from the real APIs, in plain torch) each adapter's plumbing (shapes, page lists, lse base and empty-row
-conventions) passes the conformance sweep on CPU."""
+"""The external adapters: absent packages are listed and skipped as not installed, installed but broken ones are
+errors naming them; with stand-in packages (written from the real APIs, in plain torch) each adapter's plumbing
+(shapes, page lists, lse base and empty-row conventions) passes the conformance sweep on CPU."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.abc
 import sys
 from pathlib import Path
 
@@ -44,13 +45,17 @@ def test_absent_packages_are_not_installed_and_skipped_with_the_reason(capsys):
     assert all(r.message.startswith("not installed:") for r in run.results) and run.ok
 
 
+def _forget(*packages: str) -> None:
+    """Drop ``packages`` and their submodules from ``sys.modules`` (monkeypatch.delitem would put them back)."""
+    for name in [name for name in sys.modules if name.split(".")[0] in packages]:
+        del sys.modules[name]
+
+
 @pytest.fixture
 def fake_packages(monkeypatch):
     monkeypatch.syspath_prepend(str(FAKES))
     yield
-    for name in list(sys.modules):
-        if name.split(".")[0] in ("vllm", "flashinfer", "flash_mla") or name.startswith("impls.external."):
-            monkeypatch.delitem(sys.modules, name, raising=False)
+    _forget("vllm", "flashinfer", "flash_mla")
 
 
 @pytest.mark.parametrize("name, expect", [("vllm_triton_mla", 6), ("flashinfer_mla", 7), ("flashmla", 5),
@@ -175,3 +180,110 @@ def test_flashmla_sparse_decode_takes_power_of_two_scales_and_64_or_128_heads(fa
                                                                                                   "fp8_ds_mla"))
     assert "16 heads in mode sparse_decode (FlashMLA's sparse decode runs 64 or 128)" in impl.refusal(
         problem("deepseek-v3-tp8", "fp8_ds_mla_pow2"))
+
+
+DIST_INFO = {"flash_mla": ("flash_mla", "1.0.0+abc123"), "flashinfer": ("flashinfer-python", "0.2.5"),
+             "vllm": ("vllm", "0.9.1")}
+BROKEN = {  # impl: (files of a planted package that is installed but broken, what the error and its cause quote)
+    "flashmla": ({"flash_mla/__init__.py": "raise ImportError('/site/flash_mla_cuda.so: undefined symbol: _ZN3c10')"},
+                 "undefined symbol: _ZN3c10"),
+    "flashmla_sparse": ({"flash_mla/__init__.py": "from flash_mla_cuda import fwd",  # the extension's ABI
+                         "flash_mla_cuda.py": "raise ImportError('flash_mla_cuda.so: undefined symbol: _ZN2at', "
+                                              "name='flash_mla_cuda')"}, "undefined symbol: _ZN2at"),
+    "flashinfer_mla": ({"flashinfer/__init__.py": "from flashinfer.jit import build_mla", "flashinfer/jit.py": ""},
+                       "cannot import name 'build_mla'"),
+    "vllm_triton_mla": ({"vllm/__init__.py": ""}, "No module named 'vllm.attention'"),  # nor 'vllm.v1'
+}
+OLD_API = {  # impl: files of an installed package of another version, without the name the adapter calls
+    "flashmla_sparse": {"flash_mla/__init__.py": "def get_mla_metadata(): ...\ndef flash_mla_with_kvcache(): ..."},
+    "flashinfer_mla": {"flashinfer/__init__.py": "", "flashinfer/mla.py": "class BatchMLAWrapper: ..."},
+    "vllm_triton_mla": {"vllm/__init__.py": "", "vllm/attention/__init__.py": "", "vllm/attention/ops/__init__.py": "",
+                        "vllm/attention/ops/triton_decode_attention.py": "def decode_attention(): ..."},
+}
+
+
+@pytest.fixture
+def plant(monkeypatch, tmp_path):
+    """Writes a package (with its distribution's metadata) into a directory put first on sys.path."""
+    planted: set[str] = set()
+
+    def write(files: dict[str, str]) -> None:
+        for rel, text in files.items():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_text(text)
+            planted.add(rel.split("/")[0].removesuffix(".py"))
+        for top in planted & DIST_INFO.keys():
+            dist, version = DIST_INFO[top]
+            info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
+            info.mkdir(exist_ok=True)
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+            (info / "top_level.txt").write_text(f"{top}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+
+    yield write
+    _forget(*planted)
+
+
+class _Absent(importlib.abc.MetaPathFinder):
+    """Finds no ``top``, as Python says of a package that is not installed."""
+
+    def __init__(self, top: str) -> None:
+        self.top = top
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.top:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+def _absent_then_planted(monkeypatch, plant, name: str, files: dict[str, str]):
+    """Loads ``name`` with its package absent (must be not installed), then with ``files`` planted: the error."""
+    top = next(iter(files)).split("/")[0]
+    for module in [module for module in sys.modules if module.split(".")[0] == top]:
+        monkeypatch.delitem(sys.modules, module)  # back after the test
+    with monkeypatch.context() as absent:  # whatever this machine has installed
+        absent.setattr(sys, "meta_path", [_Absent(top), *sys.meta_path])
+        with pytest.raises(ImplNotInstalled, match="not installed"):
+            resolve(name).load()
+    plant(files)
+    with pytest.raises(Exception) as info:
+        resolve(name).load()
+    assert not isinstance(info.value, ImplNotInstalled), f"a broken {top} is listed as absent: {info.value}"
+    dist, version = DIST_INFO[top]
+    assert f"{top} ({dist} {version}) is installed" in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_planted_broken_package_is_an_error_naming_it_not_absent(monkeypatch, plant, name):
+    """A package that is there but fails to import (an extension of another ABI, a name missing inside it, none of
+    the module paths) is an error naming the package, its version and the cause (chained); absent, not installed."""
+    files, quoted = BROKEN[name]
+    error = _absent_then_planted(monkeypatch, plant, name, files)
+    from impls.external import BrokenPackage
+
+    assert isinstance(error, BrokenPackage) and quoted in str(error)
+    assert isinstance(error.__cause__, ImportError) and quoted in str(error.__cause__)
+
+
+@pytest.mark.parametrize("name", OLD_API)
+def test_planted_package_without_the_called_name_is_an_error(monkeypatch, plant, name):
+    """An installed version without the function or class the adapter calls is an error at load, naming it."""
+    error = _absent_then_planted(monkeypatch, plant, name, OLD_API[name])
+    from impls.external import BrokenPackage
+
+    assert isinstance(error, BrokenPackage) and isinstance(error.__cause__, AttributeError)
+    assert {"flashmla_sparse": "'flash_mla_sparse_fwd'", "flashinfer_mla": "'BatchMLAPagedAttentionWrapper'",
+            "vllm_triton_mla": "'decode_attention_fwd'"}[name] in str(error)
+
+
+def test_planted_broken_flash_mla_is_cannot_load_in_list_and_an_error_in_a_run(plant, capsys):
+    """Where users see it: ``mla-bench list`` says cannot load (exit 1), a run gives an error result, not skips."""
+    from mla_bench.cli import main
+
+    plant(BROKEN["flashmla"][0])
+    assert main(["list"]) == 1
+    line = next(line for line in capsys.readouterr().out.splitlines() if "flashmla " in line)
+    assert "cannot load" in line and "not installed" not in line
+    run = execute(RunOptions(impls=["flashmla"], device="cpu", preset="tiny", modes=["decode"]))
+    assert [r.status for r in run.results] == ["error"] and not run.ok
+    assert "flash_mla (flash_mla 1.0.0+abc123) is installed" in run.results[0].message

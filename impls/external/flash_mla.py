@@ -54,7 +54,7 @@ class FlashMLA(Impl):
                                 index_transforms=frozenset({"paged"}), empty_lse="+inf")
 
     def __init__(self) -> None:
-        self._mla = require("flash_mla", hint=HINT)
+        self._mla = require("flash_mla", names=("get_mla_metadata", "flash_mla_with_kvcache"), hint=HINT)
 
     def refusal(self, problem: Problem) -> str | None:
         w = problem.workload
@@ -107,7 +107,7 @@ class FlashMLASparsePrefill(Impl):
                                 devices=frozenset({"cuda"}), head_counts=frozenset({64, 128}), empty_lse="+inf")
 
     def __init__(self) -> None:
-        self._mla = require("flash_mla", hint=HINT)
+        self._mla = require("flash_mla", names=("flash_mla_sparse_fwd",), hint=HINT)
 
     def plan(self, problem: Problem) -> FlashMLAPlan:
         rows = problem.cache.rows().view(torch.bfloat16)

@@ -48,7 +48,8 @@ class FlashInferMLA(Impl):
     backend = "auto"
 
     def __init__(self) -> None:
-        self._mla = require("flashinfer.mla", hint="FlashInfer is not installed (pip install flashinfer-python)")
+        self._mla = require("flashinfer.mla", names=("BatchMLAPagedAttentionWrapper",),
+                            hint="FlashInfer is not installed (pip install flashinfer-python)")
 
     def plan(self, problem: Problem) -> FlashInferPlan:
         meta, cache, device = problem.meta, problem.cache, problem.device

@@ -63,7 +63,7 @@ class VllmTritonMLA(Impl):
 
     def __init__(self) -> None:
         module = require("vllm.v1.attention.ops.triton_decode_attention", "vllm.attention.ops.triton_decode_attention",
-                         hint="vLLM is not installed (pip install vllm)")
+                         names=("decode_attention_fwd",), hint="vLLM is not installed (pip install vllm)")
         self._fwd = module.decode_attention_fwd
         params = inspect.signature(self._fwd).parameters
         if "lse" not in params:
