@@ -7,8 +7,9 @@ Quantized layouts get two error reports: ``kernel`` (against the reference on th
 by the kernel tolerance) and ``e2e`` (against the original values, judged by the layout's e2e tolerance).
 ``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
 neither ``plan`` nor ``run`` may change the problem (the values, dtype or shape of its tensors: queries, cache
-pages, metadata; nor rebind a field such as ``scale``): one that does ``failed``, naming what, and it is restored
-(after ``plan`` already, so the reference is computed from the problem as given) for the run and the next impl.
+pages, metadata; nor rebind or delete a field such as ``scale``, nor add one): one that does ``failed``, naming what,
+and it is restored (after ``plan`` already, so the reference is computed from the problem as given) for the run and
+the next impl.
 A plan that passes is run again, poisoned again, as a CUDA graph replays one plan: a second run that differs from
 the first is judged like it (a workspace zeroed only in ``plan``, a counter left set, an index transform applied in
 place to a buffer of the plan: right once, wrong on every replay; the verdict then carries the second run's errors),
@@ -80,7 +81,7 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
     changed: dict[tuple[str, str], str] = {}  # (input, kind of change) -> its first description, over the runs
 
     def restore() -> None:
-        for key, entry in {**_restore_rebound(fields), **_restore_changed(saved)}.items():
+        for key, entry in {**_restore_fields(fields), **_restore_changed(saved)}.items():
             changed.setdefault(key, entry)
 
     verdict = _judge(impl, problem, refs, between_runs=restore)
@@ -103,13 +104,22 @@ def _attributes(problem: Problem) -> dict[str, tuple[object, str, object]]:
             for name, value in vars(owner).items()}
 
 
-def _restore_rebound(saved: dict[str, tuple[object, str, object]]) -> dict[tuple[str, str], str]:
-    """The fields an impl rebound to other objects, rebound to theirs."""
+def _restore_fields(saved: dict[str, tuple[object, str, object]]) -> dict[tuple[str, str], str]:
+    """The fields an impl rebound to other objects or deleted, rebound to theirs, and the attributes it added to
+    their owners, removed: (name, kind of change) -> the name with what changed."""
     changed = {}
     for name, (owner, attr, value) in saved.items():
-        if getattr(owner, attr) is not value:
-            setattr(owner, attr, value)
-            changed[(name, "rebound")] = f"{name} (rebound)"
+        present = vars(owner)
+        if attr in present and present[attr] is value:
+            continue
+        kind = "rebound" if attr in present else "deleted"
+        setattr(owner, attr, value)
+        changed[(name, kind)] = f"{name} ({kind})"
+    owners = {name.removesuffix(attr): owner for name, (owner, attr, _) in saved.items()}
+    for prefix, owner in owners.items():
+        for attr in [attr for attr in vars(owner) if prefix + attr not in saved]:
+            delattr(owner, attr)
+            changed[(prefix + attr, "added")] = f"{prefix}{attr} (added)"
     return changed
 
 

@@ -285,3 +285,29 @@ def test_capabilities_refuse_a_misspelt_or_malformed_declaration(field, value, s
     with pytest.raises(ValueError, match=re.escape(says)):
         Capabilities(**{"modes": {"decode"}, field: value})
     assert Capabilities(modes={"decode"}, layouts=["bf16"], page_sizes=(16, 64)).page_sizes == {16, 64}
+
+
+def _in_run(change):
+    """An impl that answers right and then makes ``change`` to the problem, in every run."""
+    return Bends(lambda p, out, lse: change(p) or (out, lse))
+
+
+@pytest.mark.parametrize("impl, name", [
+    (ChangesInPlan(lambda p: delattr(p, "scale")), "scale (deleted)"),
+    (_in_run(lambda p: delattr(p, "scale")), "scale (deleted)"),
+    (_in_run(lambda p: delattr(p.meta, "kv_lens")), "meta.kv_lens (deleted)"),
+    (ChangesInPlan(lambda p: setattr(p, "workspace", torch.empty(8))), "workspace (added)"),
+    (_in_run(lambda p: setattr(p.meta, "cursor", 3)), "meta.cursor (added)"),
+], ids=["delete-in-plan", "delete-in-run", "delete-meta-in-run", "add-in-plan", "add-meta-in-run"])
+def test_an_impl_deleting_or_adding_a_field_fails_naming_it_and_the_next_impl_sees_the_problem_as_given(impl, name):
+    """A deleted field made the judge raise AttributeError while restoring it; an added one passed unnoticed."""
+    problem = _problem()
+    refs = References.of(problem)
+    owners = (problem, problem.meta, problem.cache)
+    given = [dict(vars(owner)) for owner in owners]
+    verdict = judge(impl, problem, refs)
+    assert verdict.status == "failed" and verdict.violations == [
+        f"wrote into its inputs: {name} (restored for the next impl)"], verdict.violations
+    assert all(vars(owner).keys() == fields.keys() and all(vars(owner)[k] is v for k, v in fields.items())
+               for owner, fields in zip(owners, given))
+    assert judge(planted.PlainDecode(), problem, refs).status == "passed"

@@ -468,7 +468,7 @@ class ExitsWhenMade(planted.PlainDecode):
 
 
 class DeletesTheScale(planted.PlainDecode):
-    """Deletes a field of the shared problem, which the judge cannot restore."""
+    """Deletes a field of the shared problem (the judge names it and restores it)."""
 
     name = "deletes_the_scale"
 
@@ -478,11 +478,12 @@ class DeletesTheScale(planted.PlainDecode):
         return answer
 
 
-def test_an_impl_that_exits_when_made_or_breaks_the_judge_is_an_error_and_the_others_are_judged():
-    """The first ended the whole run with no result, the second ended the accuracy suite (the next impls and
-    workloads got nothing)."""
+def test_an_impl_that_exits_when_made_or_breaks_the_judge_is_an_error_and_the_others_are_judged(monkeypatch):
+    """The first ended the whole run with no result; a judge that raised over an impl (it once did over a deleted
+    field) ended the accuracy suite, and the next impls and workloads got nothing."""
     from mla_bench.registry import ImplEntry
     from mla_bench.workload import Workload
+    from suites import accuracy
     from suites.accuracy import judge_workload
     from suites.base import RunContext, load_impls
 
@@ -495,5 +496,17 @@ def test_an_impl_that_exits_when_made_or_breaks_the_judge_is_an_error_and_the_ot
     assert "no GPU driver" in failures[0].message
     workload = Workload(mode="decode", q_lens=(1, 2), kv_lens=(37, 50), page_size=16, seed=random.randint(1, 10 ** 6))
     results = list(judge_workload(workload, [DeletesTheScale(), planted.PlainDecode()], torch.device("cpu")))
+    assert [(r.impl, r.status) for r in results] == [(DeletesTheScale.name, "failed"), ("plain_decode", "passed")]
+    assert "scale (deleted)" in results[0].message
+    judge = accuracy.judge
+
+    def judge_that_breaks(impl, problem, refs):  # leaves the problem damaged, as the old restore did
+        if impl.name != DeletesTheScale.name:
+            return judge(impl, problem, refs)
+        del problem.scale
+        raise RuntimeError("the judge broke")
+
+    monkeypatch.setattr(accuracy, "judge", judge_that_breaks)
+    results = list(judge_workload(workload, [DeletesTheScale(), planted.PlainDecode()], torch.device("cpu")))
     assert [(r.impl, r.status) for r in results] == [(DeletesTheScale.name, "error"), ("plain_decode", "passed")]
-    assert "has no attribute 'scale'" in results[0].message
+    assert "the judge broke" in results[0].message
