@@ -204,11 +204,13 @@ def conformance(caps: Capabilities, device: torch.device | str = "cpu", preset: 
 
     Bent: a head count or page size the impl does not declare moves to the smallest declared one, and off the CPU
     the cache of an impl that keeps it only in host memory moves there (so an impl for 64/128 heads, page 64 or a
-    host cache is still checked), and a mode the sweep has only in layouts the impl does not declare (sparse over
-    FP8 alone) moves to its first declared layout; everything else is left for the impl to refuse. Widened: per
-    mode, each value of ``_declared_values`` that no workload the impl accepts has gets one workload, the mode's
-    smallest accepted one with that value changed (one more test each, on the cheapest shape; for a page size, each
-    request made a page longer, so that it crosses a page boundary)."""
+    host cache is still checked); for an impl that does not declare bf16, the layout of the sweep's edge cases, each
+    cache-reading workload in a layout it does not declare moves in its place to the first declared layout (sorted),
+    where the impl accepts it there and the sweep lacks it (so an FP8-only decode kernel gets the empty request, the
+    page edges and every query-length kind, and an FP8-only sparse one the sparse workloads); everything else is left
+    for the impl to refuse. Widened: per mode, each value of ``_declared_values`` that no workload the impl accepts
+    has gets one workload, the mode's smallest accepted one with that value changed (one more test each, on the
+    cheapest shape; for a page size, each request made a page longer, so that it crosses a page boundary)."""
     device_type = torch.device(device).type
     host_cache = device_type != "cpu" and "cpu" in (caps.cache_devices or ())
     out: dict[str, Workload] = {}
@@ -222,12 +224,10 @@ def conformance(caps: Capabilities, device: torch.device | str = "cpu", preset: 
             changes["cache_device"] = "cpu"
         w = w.replace(**changes) if changes else w
         out.setdefault(w.key, w)
+    if "bf16" not in caps.layouts:
+        out = _into_declared_layout(out, caps, device)
     for mode in [m for m in Mode if m in caps.modes]:  # in a fixed order: pytest-xdist's workers must agree
         accepted = [w for w in out.values() if w.mode is mode and caps.refusal(w, device) is None]
-        if not accepted and mode.uses_cache:  # the sweep has the mode in other layouts only (sparse over FP8 alone)
-            bent = [w.replace(layout=min(caps.layouts)) for w in out.values() if w.mode is mode]
-            accepted = [w for w in bent if caps.refusal(w, device) is None]
-            out.update((w.key, w) for w in accepted)
         if not accepted:
             continue
         smallest = min(accepted, key=lambda w: w.total_q + w.total_kv)
@@ -239,6 +239,22 @@ def conformance(caps: Capabilities, device: torch.device | str = "cpu", preset: 
                 extra = smallest.replace(**changes)
                 out.setdefault(extra.key, extra)
     return list(out.values())
+
+
+def _into_declared_layout(workloads: dict[str, Workload], caps: Capabilities,
+                          device: torch.device | str) -> dict[str, Workload]:
+    """``workloads`` (by key, in order), each cache-reading one in a layout ``caps`` does not declare moved in its
+    place to the first declared layout (sorted), where ``caps`` accepts it there and no workload has that key
+    already."""
+    layout, present, out = min(caps.layouts), set(workloads), {}
+    for w in workloads.values():
+        if w.mode.uses_cache and w.layout not in caps.layouts:
+            moved = w.replace(layout=layout)
+            if moved.key not in present and caps.refusal(moved, device) is None:
+                present.add(moved.key)
+                w = moved
+        out[w.key] = w
+    return out
 
 
 def _declared_values(caps: Capabilities, mode: Mode, host_cache: bool) -> list[tuple[str, object]]:

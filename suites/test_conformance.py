@@ -3,7 +3,8 @@
     pytest --pyargs suites -m conformance --mla-impl mypkg:MyMLA
 
 One test per (impl, workload) of ``suites.sweeps.conformance``: the tiny sweep bent to what the impl declares on the
-session's device (head count, page size, a host cache on a GPU), over every mode and layout, widened by a test on
+session's device (head count, page size, a host cache on a GPU; an impl without bf16 gets the cache-reading
+workloads in its first declared layout), over every mode and layout, widened by a test on
 each mode's smallest workload per declared value it misses (a dtype such as float16, a layout, the largest head count
 and page size, a non-power-of-two page size, each request then a page longer). A combination the impl does not
 declare, or that its ``plan`` refuses with ``UnsupportedConfig``, is skipped with that reason; everything else must

@@ -8,6 +8,7 @@ from functools import cache
 import pytest
 import torch
 
+from mla_bench.layouts import LAYOUTS
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, ImplNotInstalled, discover
 from mla_bench.workload import Mode, Workload
@@ -193,3 +194,30 @@ def test_conformance_gives_every_builtin_impl_each_mode_and_dtype_it_declares(de
         if device in caps.devices:
             accepted = {(w.mode, w.dtype) for w in sweeps.conformance(caps, device) if caps.refusal(w, device) is None}
             assert accepted == {(mode, dtype) for mode in caps.modes for dtype in caps.dtypes}, name
+
+
+EDGE_PAGES = frozenset({1, 13, 16, 64})  # the tiny sweep's page sizes: none bends
+
+
+def test_conformance_gives_an_fp8_only_decode_impl_the_edge_cases_in_its_layout():
+    """The tiny sweep's decode edge cases are bf16: an impl declaring fp8_ds_mla alone was checked on the sweep's one
+    FP8 workload (and it a page longer at pages 1, 13 and 64), never on an empty request, lengths on page boundaries,
+    or single and uniform queries. Each bf16 decode workload it accepts moves, in its place, to fp8_ds_mla."""
+    caps = Capabilities(modes={"decode"}, layouts={"fp8_ds_mla"}, page_sizes=EDGE_PAGES)
+    bent = sweeps.conformance(caps)
+    accepted = [w for w in bent if caps.refusal(w, "cpu") is None]
+    assert {w.layout for w in accepted} == {"fp8_ds_mla"}
+    assert any(0 in w.kv_lens for w in accepted) and {1, 13, 16, 64} <= {w.page_size for w in accepted}
+    assert {w.query_len_kind for w in accepted} == {"single", "uniform", "varlen"}
+    assert any(w.query_len_kind == "varlen" and 0 in w.kv_lens for w in accepted)
+    moved = [w.replace(layout="fp8_ds_mla") if w.mode is Mode.DECODE and w.layout == "bf16" and w.dtype == "bfloat16"
+             else w for w in sweeps.tiny()]  # the float32 one stays: the impl refuses float32
+    assert [w.key for w in bent] == [w.key for w in moved]
+
+
+@pytest.mark.parametrize("layouts", [{"bf16"}, {"bf16", "fp8_ds_mla"}, set(LAYOUTS)])
+def test_conformance_moves_no_workload_of_an_impl_that_declares_bf16(layouts):
+    """An impl that declares bf16 takes the sweep's edge cases there: its workloads stay the tiny sweep's as they
+    were (same keys, same order), none copied to its other layouts."""
+    caps = Capabilities(modes={"decode"}, layouts=layouts, page_sizes=EDGE_PAGES)
+    assert [w.key for w in sweeps.conformance(caps)] == [w.key for w in sweeps.tiny()]
