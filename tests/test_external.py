@@ -287,3 +287,19 @@ def test_planted_broken_flash_mla_is_cannot_load_in_list_and_an_error_in_a_run(p
     run = execute(RunOptions(impls=["flashmla"], device="cpu", preset="tiny", modes=["decode"]))
     assert [r.status for r in run.results] == ["error"] and not run.ok
     assert "flash_mla (flash_mla 1.0.0+abc123) is installed" in run.results[0].message
+
+
+def test_a_vllm_whose_kernel_returns_no_lse_is_an_error_naming_it_not_absent(fake_packages, monkeypatch):
+    """An installed vLLM of a version without the lse output was listed as not installed and skipped."""
+    import importlib
+
+    from impls.external import BrokenPackage
+
+    module = importlib.import_module("vllm.v1.attention.ops.triton_decode_attention")
+
+    def without_lse(q, k_buffer, v_buffer, o, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(module, "decode_attention_fwd", without_lse)
+    with pytest.raises(BrokenPackage, match=r"^vllm \(.*\) is installed but its decode_attention_fwd returns no lse"):
+        resolve("vllm_triton_mla").load()

@@ -20,7 +20,7 @@ class BrokenPackage(RuntimeError):
     """A third-party package that is installed but fails to import or lacks what its adapter calls."""
 
 
-def _version(package: str) -> str:
+def installed(package: str) -> str:
     """``package`` with the distributions that provide it and their versions, where the metadata says."""
     found = []
     for dist in dict.fromkeys(importlib.metadata.packages_distributions().get(package, [])):
@@ -33,7 +33,7 @@ def _version(package: str) -> str:
 
 def _broken(package: str, what: str, exc: BaseException) -> BrokenPackage:
     """The error naming ``package``, its version, what failed and ``exc``."""
-    return BrokenPackage(f"{_version(package)} is installed but {what}: {type(exc).__name__}: {exc}")
+    return BrokenPackage(f"{installed(package)} is installed but {what}: {type(exc).__name__}: {exc}")
 
 
 def require(*modules: str, names: tuple[str, ...] = (), hint: str) -> ModuleType:
@@ -63,5 +63,5 @@ def require(*modules: str, names: tuple[str, ...] = (), hint: str) -> ModuleType
                     raise _broken(package, f"{name} lacks {attr!r}, which the adapter calls", exc) from exc
             return module
     tried = "; ".join(f"{name}: {exc}" for name, exc in zip(modules, failures))
-    raise BrokenPackage(f"{_version(package)} is installed but has none of the modules the adapter imports "
+    raise BrokenPackage(f"{installed(package)} is installed but has none of the modules the adapter imports "
                         f"({tried})") from failures[-1]

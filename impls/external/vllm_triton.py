@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from impls.external import require
+from impls.external import BrokenPackage, installed, require
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.problem import Problem
-from mla_bench.registry import Capabilities, Impl, ImplNotInstalled
+from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
 
 LEGACY_KV_SPLITS = 4  # vLLM's choice before is_mla (1 under batch invariance)
@@ -66,8 +66,9 @@ class VllmTritonMLA(Impl):
                          names=("decode_attention_fwd",), hint="vLLM is not installed (pip install vllm)")
         self._fwd = module.decode_attention_fwd
         params = inspect.signature(self._fwd).parameters
-        if "lse" not in params:
-            raise ImplNotInstalled("this vLLM's decode_attention_fwd returns no lse (need vLLM with the lse output)")
+        if "lse" not in params:  # an installed vLLM of another version: an error to see, not a silent skip
+            raise BrokenPackage(f"{installed('vllm')} is installed but its decode_attention_fwd returns no lse "
+                                "(need a vLLM with the lse output)")
         self._has_k_scale = "k_scale" in params
         self._mla_api = "is_mla" in params
         if not self._mla_api:
