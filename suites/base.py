@@ -63,16 +63,26 @@ class Suite(Protocol):
 
 
 def load_impls(ctx: RunContext, suite: str) -> tuple[list[Impl], list[Result]]:
-    """Instantiate the context's impls. One that is not installed gives an ``unsupported`` Result with the
-    reason, one that fails to load an ``error`` Result with the traceback; neither stops the others."""
+    """Instantiate the context's impls; each that cannot be (``load_impl``) gives a Result instead, and the others
+    still load."""
     impls, results = [], []
     for entry in ctx.impls:
-        try:
-            impls.append(entry.load())
-        except ImplNotInstalled as exc:
-            results.append(Result(suite, suite, "unsupported", impl=entry.name, label="(all workloads)",
-                                  message=f"not installed: {exc}"))
-        except (Exception, SystemExit):  # noqa: BLE001 - a broken impl (sys.exit too) is a result, not the run's end
-            results.append(Result(suite, suite, "error", impl=entry.name, label="(all workloads)",
-                                  message=f"could not load {entry.target}:\n{traceback.format_exc()}"))
+        impl, failure = load_impl(entry)
+        if impl is not None:
+            impls.append(impl)
+        else:
+            status, message = failure
+            results.append(Result(suite, suite, status, impl=entry.name, label="(all workloads)", message=message))
     return impls, results
+
+
+def load_impl(entry: ImplEntry) -> tuple[Impl | None, tuple[str, str] | None]:
+    """``entry``'s impl, else None with the status and message of its failure: ``unsupported`` where it is not
+    installed, ``error`` with the traceback where it fails to load (``sys.exit`` too: a broken impl is a result, not
+    the run's end)."""
+    try:
+        return entry.load(), None
+    except ImplNotInstalled as exc:
+        return None, ("unsupported", f"not installed: {exc}")
+    except (Exception, SystemExit):  # noqa: BLE001
+        return None, ("error", f"could not load {entry.target}:\n{traceback.format_exc()}")

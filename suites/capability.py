@@ -10,7 +10,6 @@ hold the matrix (``matrix_details``); ``capability_table`` renders it with rich,
 from __future__ import annotations
 
 import re
-import traceback
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -19,9 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from mla_bench.problem import Problem, build_problem
-from mla_bench.registry import ImplEntry, ImplNotInstalled
+from mla_bench.registry import ImplEntry
 from mla_bench.results import Result
 from mla_bench.workload import INDEX_TRANSFORMS, Mode, Workload
+from suites.base import load_impl
 from suites.judge import References, judge
 
 SUITE = "roundtrip"
@@ -104,17 +104,14 @@ def run_matrix(impls: list[ImplEntry], layouts: Iterable[str], device: torch.dev
     matrix_cells = cells(layouts)
     loaded, results = [], []
     for entry in impls:
-        try:
-            loaded.append((entry.name, entry.load()))
-        except ImplNotInstalled as exc:
-            result = Result(SUITE, "capability", "unsupported", impl=entry.name, label=f"{entry.name}: not installed",
-                            details={"not_installed": True}, message=str(exc))
-        except Exception:  # noqa: BLE001 - a broken impl is a crash row of its own, not the end of the matrix
-            result = Result(SUITE, "capability", "error", impl=entry.name, label=f"{entry.name}: could not load",
-                            details={"not_loaded": True},
-                            message=f"could not load {entry.target}:\n{traceback.format_exc()}")
-        else:
+        impl, failure = load_impl(entry)
+        if impl is not None:
+            loaded.append((entry.name, impl))
             continue
+        status, message = failure  # a row of its own for the impl, not the end of the matrix
+        why = "not installed" if status == "unsupported" else "could not load"
+        result = Result(SUITE, "capability", status, impl=entry.name, label=f"{entry.name}: {why}",
+                        details={"not_loaded": True}, message=message)
         results.append(result)
         yield result
     for cell in matrix_cells:
@@ -153,8 +150,8 @@ def matrix_details(results: list[Result], matrix_cells: list[Cell]) -> dict:
     for result in results:
         if result.check != "capability":
             continue
-        if result.details.get("not_installed") or result.details.get("not_loaded"):
-            status = "not installed" if result.details.get("not_installed") else result.status
+        if result.details.get("not_loaded"):
+            status = "not installed" if result.status == "unsupported" else result.status
             rows[(result.impl, "all ops")] = {column: status for column in columns}
             continue
         rows.setdefault((result.impl, result.details["row"]), {})[result.details["column"]] = result.status
