@@ -420,37 +420,28 @@ def test_the_plugin_chooses_its_device_once_and_names_a_bad_one(monkeypatch):
             session_device(config)
 
 
-# Decode kernels over FP8 pages alone, as FlashMLA's FP8 decode: one right, one that leaves the rows of a request with
-# no cached token at out 1 and lse 0 (not 0 and -inf).
+# Decode kernels over FP8 pages alone, as FlashMLA's FP8 decode: one right, one with the planted NaN rows for a
+# request with no cached token (not out 0 and lse -inf).
 DECODE_FP8 = textwrap.dedent('''
     from dataclasses import replace
 
     import planted_impls
-    from mla_bench.metadata.reference import cumulative
 
     class DecodeFP8(planted_impls.PlainFP8Decode):
         name = "my_decode_fp8"
         capabilities = replace(planted_impls.PlainFP8Decode.capabilities, layouts=frozenset({"fp8_ds_mla"}))
 
-    class EmptyRequestNotZero(DecodeFP8):
+    class EmptyRequestNaN(planted_impls.NaNForEmptyRequest, DecodeFP8):
         name = "my_decode_fp8_empty"
-
-        def run(self, p):
-            out, lse = super().run(p)
-            starts = cumulative(list(p.meta.q_lens))
-            for b, kv_len in enumerate(p.meta.kv_lens):
-                if kv_len == 0:
-                    out[starts[b]:starts[b + 1]], lse[starts[b]:starts[b + 1]] = 1, 0
-            return out, lse
 ''')
 
 
 def test_an_fp8_only_decode_impl_is_checked_on_the_edge_cases(tmp_path):
     """The sweep's decode edge cases are bf16: an FP8-only decode kernel never saw an empty request, so one that
-    leaves its rows at out 1 and lse 0 passed. They now run in its layout."""
+    gives its rows NaN passed. They now run in its layout."""
     (tmp_path / "mydecode.py").write_text(DECODE_FP8)
     done = _conformance(tmp_path, f"--junitxml={tmp_path / 'junit.xml'}", "-m", "conformance and decode",
-                        "--mla-impl=mydecode:DecodeFP8", "--mla-impl=mydecode:EmptyRequestNotZero")
+                        "--mla-impl=mydecode:DecodeFP8", "--mla-impl=mydecode:EmptyRequestNaN")
     assert done.returncode == 1, done.stdout[-3000:]
     outcomes = _outcomes(tmp_path / "junit.xml")
     assert outcomes["my_decode_fp8"]["passed"] == 9 and outcomes["my_decode_fp8"]["failed"] == 0, outcomes
