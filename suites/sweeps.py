@@ -148,9 +148,10 @@ def check_filters(ctx) -> None:
     with about_flag("--sweep"):
         sweep_of(ctx)
     modes = [mode.value for mode in Mode]
-    for mode in ctx.modes:
-        if mode not in modes:
-            raise ValueError(f"--mode: unknown mode {mode!r}; modes: {', '.join(modes)}")
+    with about_flag("--mode"):
+        for mode in ctx.modes:
+            if mode not in modes:
+                raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(modes)}")
     with about_flag("--layout"):
         for layout in ctx.layouts:
             probe.replace(layout=layout)
