@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import importlib.abc
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,19 @@ def _forget(*packages: str) -> None:
         del sys.modules[name]
 
 
+def _hide_loaded(monkeypatch, *packages: str) -> None:
+    """Take the real ``packages`` this process already imported out of ``sys.modules`` until the test ends, so that
+    imports find the planted or stand-in ones (on a machine with FlashInfer or vLLM installed)."""
+    for name in [name for name in sys.modules if name.split(".")[0] in packages]:
+        monkeypatch.delitem(sys.modules, name)
+
+
 @pytest.fixture
 def fake_packages(monkeypatch):
+    _hide_loaded(monkeypatch, "vllm", "flashinfer", "flash_mla")
     monkeypatch.syspath_prepend(str(FAKES))
     yield
-    _forget("vllm", "flashinfer", "flash_mla")
+    _forget("vllm", "flashinfer", "flash_mla")  # before monkeypatch puts the real ones back
 
 
 @pytest.mark.parametrize("name, expect", [("vllm_triton_mla", 6), ("flashinfer_mla", 7), ("flashmla", 5),
@@ -208,10 +217,12 @@ def plant(monkeypatch, tmp_path):
     planted: set[str] = set()
 
     def write(files: dict[str, str]) -> None:
+        tops = {rel.split("/")[0].removesuffix(".py") for rel in files}
+        _hide_loaded(monkeypatch, *(tops - planted))  # never a planted one: monkeypatch would put it back
+        planted.update(tops)
         for rel, text in files.items():
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / rel).write_text(text)
-            planted.add(rel.split("/")[0].removesuffix(".py"))
         for top in planted & DIST_INFO.keys():
             dist, version = DIST_INFO[top]
             info = tmp_path / f"{dist.replace('-', '_')}-{version}.dist-info"
@@ -238,8 +249,7 @@ class _Absent(importlib.abc.MetaPathFinder):
 def _absent_then_planted(monkeypatch, plant, name: str, files: dict[str, str]):
     """Loads ``name`` with its package absent (must be not installed), then with ``files`` planted: the error."""
     top = next(iter(files)).split("/")[0]
-    for module in [module for module in sys.modules if module.split(".")[0] == top]:
-        monkeypatch.delitem(sys.modules, module)  # back after the test
+    _hide_loaded(monkeypatch, top)
     with monkeypatch.context() as absent:  # whatever this machine has installed
         absent.setattr(sys, "meta_path", [_Absent(top), *sys.meta_path])
         with pytest.raises(ImplNotInstalled, match="not installed"):
@@ -251,6 +261,19 @@ def _absent_then_planted(monkeypatch, plant, name: str, files: dict[str, str]):
     dist, version = DIST_INFO[top]
     assert f"{top} ({dist} {version}) is installed" in str(info.value)
     return info.value
+
+
+@pytest.mark.parametrize("fixture", ["fake_packages", "plant"])
+def test_stand_ins_replace_a_real_package_already_imported(monkeypatch, request, fixture):
+    """Where vLLM is installed, this process imported it before the stand-ins go on the path (the skipif above
+    loads every adapter): the stand-in and planted packages must still be the ones imported, the real one back after."""
+    real = types.ModuleType("vllm")
+    monkeypatch.setitem(sys.modules, "vllm", real)
+    put = request.getfixturevalue(fixture)
+    if fixture == "plant":
+        put({"vllm/__init__.py": ""})
+    vllm = importlib.import_module("vllm")
+    assert vllm is not real and vllm.__file__  # a file on the path, not the module imported before
 
 
 @pytest.mark.parametrize("name", BROKEN)
