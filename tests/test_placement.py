@@ -427,6 +427,19 @@ def test_on_cuda_host_cache_moves_only_queries_and_outputs_and_planted_bugs_are_
 
 @pytest.mark.gpu
 @needs_cuda
+def test_on_cuda_host_cache_copies_the_block_table_over_once():
+    """Page 1 and one long request among short ones: the block table is as large as the queries and outputs together,
+    so a second host copy of it (one to check, one for the slots) exceeds the budget, which counts it once."""
+    skewed = HOST.replace(q_lens=(1,) * 32, kv_lens=(8192,) + (1,) * 31, page_size=1)
+    results = run_suite([resolve("torch_eager_host_cache")], device="cuda", workloads=(skewed,), builders=())
+    budget = verdicts(results)[("torch_eager_host_cache", "cache_traffic")]
+    assert budget.status == "passed", budget.message
+    table = 32 * 8192 * 4  # it crossed once: the moves hold it, and nothing more than the budget
+    assert budget.metrics["budget_bytes"] - table < budget.metrics["moved_bytes"] <= budget.metrics["budget_bytes"]
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_on_cuda_a_metadata_builder_that_syncs_is_flagged():
     results = run_suite([], device="cuda", workloads=(HOST.replace(cache_device=None),),
                         builders=METADATA_BUILDERS + (SYNCING_BUILDER, UNIQUE_PAGES_BUILDER))

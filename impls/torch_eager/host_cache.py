@@ -29,10 +29,13 @@ class TorchEagerHostCache(TorchEager):
     )
 
     def plan(self, problem: Problem) -> TorchEagerPlan:
-        """The slot lists on the host, from a host copy of the block table (metadata crosses, once per step)."""
+        """The slot lists on the host, from one host copy of the block table, which is also the one checked (the
+        metadata crosses once per step; a second copy can exceed the bus budget with page 1 and skewed lengths)."""
         meta = problem.meta
-        check_inputs(problem)  # before the copy: a list or a wrong dtype named, not .to failing
-        block_table = meta.block_table.to(problem.cache.data.device)
+        block_table = meta.block_table
+        if isinstance(block_table, torch.Tensor):  # anything else is named by the check, not failing in .to
+            block_table = block_table.to(problem.cache.data.device)
+        check_inputs(problem, block_table)
         slots = [request_token_slots(block_table, b, n, meta.page_size) for b, n in enumerate(meta.kv_lens)]
         return TorchEagerPlan(problem, slots)
 

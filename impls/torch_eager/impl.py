@@ -65,12 +65,13 @@ class TorchEager(Impl):
         return _attention(p, p.q, keys, values)
 
 
-def check_inputs(p: Problem) -> None:
+def check_inputs(p: Problem, block_table: torch.Tensor | None = None) -> None:
     """ValueError, in plan, for what run would read wrongly or fail on: the scale (a NaN one gave NaN everywhere),
     the lengths (a negative or missing one was read silently, a query longer than its context gave NaN rows), the
     queries (and a prefill's keys) of other shapes or dtypes than the problem's (torch failed in run, or out came
     back in the queries' dtype), and a decode's block table: a bad slot would read another request's keys silently
-    (a negative one wraps around) or fail deep inside torch."""
+    (a negative one wraps around) or fail deep inside torch. ``block_table``: a host copy of the problem's to check
+    instead (read there without another copy)."""
     meta, dims, decode = p.meta, p.dims, p.workload.mode is Mode.DECODE
     check_softmax_scale(p.scale)
     q_lens, kv_lens = check_lengths(meta.q_lens, meta.kv_lens)
@@ -85,7 +86,8 @@ def check_inputs(p: Problem) -> None:
             raise ValueError(f"{name} must be {p.dtype} {list(shape)} (the lengths and the problem's dims and "
                              f"dtype), got {describe(tensor)}")
     if decode:
-        check_block_table(meta.block_table, list(kv_lens), meta.page_size, p.cache.num_blocks)
+        check_block_table(meta.block_table if block_table is None else block_table, list(kv_lens), meta.page_size,
+                          p.cache.num_blocks)
 
 
 def decode(p: Problem, q: torch.Tensor, request_slots: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
