@@ -162,13 +162,20 @@ def _note_left_out(fig: Figure, left_out: int, why: str) -> None:
         fig.suptitle(f"{left_out} passed latency result(s) not drawn: {why}", color="firebrick")
 
 
-def _series_key(r: Result, by_model: bool) -> tuple[str, str]:
+def _series_key(r: Result, by_model: bool) -> tuple[str, tuple[str, str | None]]:
     """(panel, line): a panel per mode and preset (and head override), a line per impl, batch, layout, page, and GPU
     model where ``by_model`` (a run over several: one line's workloads are sharded over its GPUs)."""
     w = _workload(r)
     panel = f"{w.get('mode', '?')} {w.get('preset', '?')}" + (f" h{w['num_heads']}" if w.get("num_heads") else "")
     line = f"{r.impl} b{len(w.get('kv_lens') or [])} {layout_name(r)} ps{w.get('page_size', '?')}"
-    return panel, line + (f" on {measured_on(r)}" if by_model else "")
+    return panel, (line, measured_on(r) if by_model else None)
+
+
+def _line_label(line: tuple[str, str | None]) -> str:
+    """A line's legend entry, its GPU model cut apart from the rest: one cut whole could drop the model, and two
+    lines of one impl on two GPUs would read alike."""
+    name, model = line
+    return _text(name) + (f" on {_text(model, 40)}" if model is not None else "")
 
 
 PANELS_PER_ROW = 3  # panels (mode x preset) side by side before the figure wraps
@@ -183,7 +190,7 @@ def latency_plots(run: Run) -> list[Plot]:
     if not results:
         return []
     models = _models(map(measured_on, results))
-    panels: dict[str, dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
+    panels: dict[str, dict[tuple, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
         panel, line = _series_key(r, len(models) > 1)
         panels[panel][line].append(r)
@@ -203,17 +210,17 @@ def latency_plots(run: Run) -> list[Plot]:
         for line, items in lines:
             items = sorted(items, key=_context)
             xs = [_context(r) for r in items]
-            drawn[top] += top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_text(line))
+            drawn[top] += top.plot(xs, [r.metrics["run_ms"] for r in items], marker="o", label=_line_label(line))
             gbps = [r.metrics.get("gbps") for r in items]  # a gap where absent, NaN, inf, <= 0 or absurd
             drawn[bottom] += bottom.plot(xs, [g if _loggable(g) else math.nan for g in gbps], marker="o",
-                                         label=_text(line))
+                                         label=_line_label(line))
         for i, model in enumerate(_models(measured_on(r) for items in panels[panel].values() for r in items)):
             copy = _ceiling(run, model, "copy_gbps")
             if copy:
-                name = f" of {model}" if len(models) > 1 else ""
+                name = f" of {_text(model, 40)}" if len(models) > 1 else ""
                 drawn[bottom].append(bottom.axhline(copy, color="black",
                                                     linestyle=CEILING_STYLES[i % len(CEILING_STYLES)],
-                                                    label=_text(f"copy ceiling{name} {copy:.0f} GB/s")))
+                                                    label=f"copy ceiling{name} {copy:.0f} GB/s"))
         left_out = len(panels[panel]) > len(lines)
         top.set_title(_text(f"{panel}: latency (median)")
                       + (f", {len(lines)} of {len(panels[panel])} lines (most points)" if left_out else ""))
@@ -230,7 +237,7 @@ def latency_plots(run: Run) -> list[Plot]:
     return [Plot("latency", "Latency and bandwidth against context length", _png(fig))]
 
 
-def _longest(lines: dict[str, list[Result]]) -> list[tuple[str, list[Result]]]:
+def _longest(lines: dict[tuple, list[Result]]) -> list[tuple[tuple, list[Result]]]:
     """The ``MAX_LINES_PER_PANEL`` lines of most points (ties by name), in name order."""
     ranked = sorted(lines.items(), key=lambda item: (-len(item[1]), item[0]))
     return sorted(ranked[:MAX_LINES_PER_PANEL])

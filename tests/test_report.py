@@ -336,6 +336,21 @@ def test_latency_lines_and_copy_ceilings_are_split_by_gpu_model(monkeypatch):
     assert sorted(ceilings.values()) == [3000.0, 4400.0]
 
 
+def test_a_long_line_name_keeps_its_gpu_model_in_the_legend(monkeypatch):
+    """Labels are cut to 60 characters: cut whole, "<impl> b2 <layout> ps64 on <GPU>" of a long name lost its GPU, and
+    its lines on the two GPUs read alike."""
+    figures = _figures(monkeypatch)
+    run = two_gpu_run()
+    long = "triton_chunked_prefill_with_a_much_longer_name_x"
+    for r in run.results:
+        r.impl = long if r.impl == "alpha" else r.impl
+    latency_plots(run)
+    labels = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    cut = f"{long} b2 bf16 ps64"[:57] + "..."
+    assert labels == [f"beta b2 bf16 ps64 on {H100}", f"beta b2 bf16 ps64 on {H200}", f"{cut} on {H100}",
+                      f"{cut} on {H200}"]
+
+
 def test_an_impl_named_with_a_leading_underscore_is_in_every_legend(monkeypatch):
     """matplotlib's automatic legend leaves out labels starting with "_": the lines and points of an impl named
     "_mine" were drawn, and named in no legend."""
