@@ -103,6 +103,9 @@ PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused 
     "int64 offsets": (lambda p: setattr(p.meta, "query_start_loc", p.meta.query_start_loc.long()), "int32"),
     "short new keys": (_new_keys_short, "k_nope has 4 rows but the lengths give 5"),
     "one head's w_uk": (lambda p: setattr(p, "w_uk", p.w_uk[:1]), r"w_uk must be \[4, 512, 128\], got \[1,"),
+    "query offsets past q": (lambda p: setattr(p.meta, "query_start_loc",  # heap corruption in the suffix's run
+                                               torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE)),
+                             r"query_start_loc must hold the lengths' 3 offsets: entry 2 is \[9\], .* give \[5\]"),
 }
 
 

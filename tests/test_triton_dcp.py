@@ -239,6 +239,18 @@ def test_a_cuda_problem_with_too_few_gpus_is_refused_naming_dcp(monkeypatch):
         TritonDcp().plan(problem)
     assert names_combination(str(refused.value), problem.workload, "triton_dcp"), refused.value
 
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.1])
+def test_a_scale_the_reference_refuses_is_refused_by_plan_before_any_rank_runs(scale):
+    """The plan passed it: each triton_decode rank then failed once started (a RuntimeError, not a refusal), and the
+    torch attention answered with it (a NaN lse for a NaN scale)."""
+    problem = build_problem(dcp_workload(2, 1))
+    problem.scale = scale
+    for attention in ("triton_decode", "torch"):
+        with pytest.raises(ValueError, match="softmax scale must be a finite positive number"):
+            TritonDcp(attention=attention).plan(problem)
+
+
 FP4_LAYOUTS = {"fp4_mx16", "mxfp4_nsa", "nvfp4"}
 BF16_AND_FP8 = {"bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2"}
 

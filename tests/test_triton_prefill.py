@@ -105,6 +105,10 @@ def _rows_dropped(p, *names):
         setattr(p, name, getattr(p, name)[:-1])
 
 
+def _offsets(p, name, values):
+    setattr(p.meta, name, torch.tensor(values, dtype=torch.int32, device=DEVICE))
+
+
 PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused by plan now
     "nan scale": (lambda p: setattr(p, "scale", float("nan")), "softmax scale"),  # out all NaN
     "tensor scale": (lambda p: setattr(p, "scale", torch.tensor(p.scale)), "softmax scale"),  # a pointer to Triton
@@ -112,6 +116,13 @@ PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused 
     "int64 offsets": (lambda p: setattr(p.meta, "query_start_loc", p.meta.query_start_loc.long()), "int32"),
     "short keys": (lambda p: _rows_dropped(p, "k_nope", "k_pe", "v"), "k_nope has 8 rows but the lengths give 9"),
     "short queries": (lambda p: _rows_dropped(p, "q"), "q has 6 rows but the lengths give 7"),
+    # offsets that disagree with the lengths: rows written past out (heap corruption), keys read past k (NaN)
+    "query offsets past q": (lambda p: _offsets(p, "query_start_loc", [0, 4, 12]),
+                             r"query_start_loc must hold the lengths' 3 offsets: entry 2 is \[12\], .* give \[7\]"),
+    "key offsets past k": (lambda p: _offsets(p, "kv_start_loc", [0, 6, 40]), r"cu_seqlens_k .* entry 2 is \[40\]"),
+    "a request's offsets dropped": (lambda p: [_offsets(p, name, getattr(p.meta, name)[:2].tolist())
+                                               for name in ("query_start_loc", "kv_start_loc")],
+                                    r"query_start_loc .* entry 2 is \[\], the lengths give \[7\]"),  # left unwritten
 }
 
 

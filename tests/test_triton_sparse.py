@@ -212,6 +212,25 @@ def test_int64_indices_are_refused_by_plan_not_run(impl, transform):
         impl().plan(p)
 
 
+def _slot_past_the_cache(p):
+    p.meta.token_slots = p.meta.token_slots.clone()
+    p.meta.token_slots[3] = p.cache.num_slots + 5
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (_slot_past_the_cache, r"token_slots must lie in the cache's \[0, \d+\), got \[\d+, \d+\]"),
+    (lambda p: setattr(p.meta, "token_slots", p.meta.token_slots[:-3]),
+     r"token_slots must be .* tensor \[108\], got .*\[105\]"),
+], ids=["slot past the cache", "slots short"])
+def test_the_ragged_plan_refuses_token_slots_its_run_would_gather_wrongly(spoil, message):
+    """A slot past the cache planned, then failed in run's gather (IndexError; a device-side assert on a GPU);
+    slots short of the keys gathered a short buffer, whose missing rows the kernel skipped: a plausible answer."""
+    p = build_problem(sparse("ragged"), DEVICE)
+    spoil(p)
+    with pytest.raises(ValueError, match=message):
+        TritonSparseRagged().plan(p)
+
+
 @pytest.mark.parametrize("tiles", [dict(block_h=24), dict(block_n=48), dict(block_h=0), dict(block_n=8),
                                    dict(num_warps=3)])
 def test_tiles_triton_cannot_build_are_refused_by_the_config(tiles):

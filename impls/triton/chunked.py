@@ -166,7 +166,7 @@ class TritonChunkedPrefill(Impl):
     def plan(self, problem: Problem) -> ChunkedPlan:
         layout_code(problem.cache.layout.name)  # refuses layouts the gather cannot decode
         check_e4m3(problem.device, problem.cache.layout.name, self.name)
-        check_problem(problem, problem.meta.query_start_loc, sum(problem.meta.q_lens))  # keys: the new tokens
+        check_problem(problem, problem.meta.query_start_loc, problem.meta.q_lens)  # keys: the new tokens
         check_context_inputs(problem)
         w = problem.workload
         tokens, heads = problem.q.shape[:2]

@@ -3,26 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from impls.triton.cache_ops import triton_unavailable
 from impls.triton.prefill_kernel import PrefillConfig, check_mha_inputs, default_config, mha_prefill
+from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
 
 
-def check_problem(problem: Problem, cu_seqlens_k: torch.Tensor, key_rows: int) -> None:
-    """ValueError, at plan time, for what ``mha_prefill`` refuses or reads wrongly: its own checks, and queries
-    and keys with other row counts than the lengths give (``sum(q_lens)``, ``key_rows``): the kernel reads and
-    writes the rows the offsets name, past the end of a shorter tensor."""
+def check_problem(problem: Problem, cu_seqlens_k: torch.Tensor, key_lens: Sequence[int]) -> None:
+    """ValueError, at plan time, for what ``mha_prefill`` refuses or reads wrongly: its own checks, queries
+    and keys with other row counts than the lengths give (``sum(q_lens)``, ``sum(key_lens)``), and offsets other
+    than the lengths' (read on the host): the kernel reads and writes the rows the offsets name, past the end of a
+    shorter tensor (it corrupted the heap) or another request's."""
     meta = problem.meta
     check_mha_inputs(problem.q, problem.k_nope, problem.k_pe, problem.v, meta.query_start_loc, cu_seqlens_k,
                      problem.scale)
-    for name, tensor, rows in (("q", problem.q, sum(meta.q_lens)), ("k_nope", problem.k_nope, key_rows)):
+    for name, tensor, rows in (("q", problem.q, sum(meta.q_lens)), ("k_nope", problem.k_nope, sum(key_lens))):
         if tensor.shape[0] != rows:  # k_pe and v have k_nope's rows (check_mha_inputs)
             raise ValueError(f"{name} has {tensor.shape[0]} rows but the lengths give {rows}")
+    for name, offsets, lens in (("query_start_loc", meta.query_start_loc, meta.q_lens),
+                                ("cu_seqlens_k", cu_seqlens_k, key_lens)):
+        got, want = offsets.tolist(), cumulative(list(lens))
+        if got != want:
+            i = next(i for i, (g, w) in enumerate(zip(got + [None], want + [None])) if g != w)
+            raise ValueError(f"{name} must hold the lengths' {len(want)} offsets: entry {i} is {got[i:i + 1]}, "
+                             f"the lengths give {want[i:i + 1]}")
 
 
 @dataclass
@@ -49,7 +59,7 @@ class TritonPrefill(Impl):
         return super().refusal(problem) or triton_unavailable(problem.device)
 
     def plan(self, problem: Problem) -> PrefillPlan:
-        check_problem(problem, problem.meta.kv_start_loc, sum(problem.meta.kv_lens))
+        check_problem(problem, problem.meta.kv_start_loc, problem.meta.kv_lens)
         tokens, heads = problem.q.shape[:2]
         out = torch.empty(tokens, heads, problem.out_dim, dtype=problem.q.dtype, device=problem.device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=problem.device)

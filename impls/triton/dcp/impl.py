@@ -10,6 +10,7 @@ import torch
 
 from impls.triton.dcp.attention import TritonDecodeShardAttention, shard_attention
 from impls.triton.dcp.launch import default_backend, run_dcp
+from mla_bench.dims import check_softmax_scale
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.metadata.reference import check_dcp
 from mla_bench.problem import Problem
@@ -34,6 +35,7 @@ class TritonDcp(Impl):
             check_dcp(w.page_size, w.dcp_world, w.dcp_interleave)
         except ValueError as exc:
             raise UnsupportedConfig(f"{self.name}: {exc}") from None
+        check_softmax_scale(problem.scale)  # else the ranks fail once started (the torch attention: NaN lse)
         if problem.device.type == "cuda" and default_backend(w.dcp_world) != "nccl":
             raise UnsupportedConfig(f"{self.name}: dcp over W={w.dcp_world} ranks needs {w.dcp_world} GPUs, "
                                     f"{torch.cuda.device_count()} visible")
