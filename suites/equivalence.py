@@ -17,10 +17,12 @@ How close is close enough: the two formulations round their bf16 inputs at diffe
 bf16 ``k_nope``, the absorbed path a bf16 absorbed query), so even their float64 references differ. Each
 metric's bound is that inherent difference (the float64 references of both sides, compared the same way)
 plus twice the dtype's kernel bound (cos_diff four times): two sides each within the kernel bound of their
-reference. Both numbers are reported (``pair.*`` and ``inherent.*``). Each side is also held to its own float64
-reference, since two sides sharing a bug agree: NaN/Inf where the reference has none, an lse in another base than
-its capabilities declare (each impl's lse is read in its declared convention). A failure names the two sides and
-the row (token, request, head) where they differ most; an out or lse of the wrong shape fails its check.
+reference. Both numbers are reported (``pair.*`` and ``inherent.*``); the references are computed before the sides
+run, so a side that writes into its inputs cannot widen the bound by the error it makes. Each side is also held to
+its own float64 reference, since two sides sharing a bug agree: NaN/Inf where the reference has none, an lse in
+another base than its capabilities declare (each impl's lse is read in its declared convention). A failure names
+the two sides and the row (token, request, head) where they differ most; an out or lse of the wrong shape fails its
+check, an out not in the problem's dtype is an error.
 
 ``--impl`` selects the comparisons filed under the impls it names (each has one, so a run with ``--isolate``, one
 worker an impl, makes each once). Shapes: the ``tiny`` preset with short requests on CPU (Triton interpreter);
@@ -47,6 +49,7 @@ from mla_bench.tolerances import Tolerance, tolerance_for
 from mla_bench.workload import Mode, Workload
 from reference.expected import expected
 from suites.base import RunContext, refusal
+from suites.judge import check_outputs
 
 SUITE = "equivalence"
 DENSE_DECODE_IMPLS = ("triton_decode", "torch_eager")
@@ -84,7 +87,7 @@ class Side:
     post: Callable[[torch.Tensor, Problem], torch.Tensor] = lambda out, problem: out
 
     def result(self) -> Pair:
-        out, lse = self.run(self.problem)
+        out, lse = check_outputs(self.run(self.problem), self.problem)
         return self.post(out.double(), self.problem), lse.double()
 
     def reference(self) -> Pair:
@@ -256,8 +259,9 @@ def _dcp_runner() -> Callable[[Problem], Pair]:
 
 def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], tuple[Side, Side]],
             memo: dict[tuple, Pair]) -> Result:
-    """Run both sides and their references and judge the difference; a refusal is ``unsupported``, a crash
-    ``error``. ``memo`` keeps results of a side shared by several checks, keyed by side, workload and ``post``
+    """Compute both sides' references, then run the sides, and judge the difference; a refusal is ``unsupported``,
+    a crash (``sys.exit`` too) or an ``(out, lse)`` that ``check_outputs`` refuses (``out`` not in the problem's
+    dtype) ``error``. ``memo`` keeps results of a side shared by several checks, keyed by side, workload and ``post``
     (the dense decode is up-projected in one check and compared as it is in another)."""
     def cached(key: tuple, compute: Callable[[], Pair]) -> Pair:
         if key not in memo:
@@ -266,12 +270,13 @@ def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], 
 
     try:
         a, b = make_sides()
-        results = [cached((s.name, s.post, s.problem.workload.key), s.result) for s in (a, b)]
+        # references first: what a side writes into its problem's inputs cannot move its reference, nor the bound
         refs = [cached(("ref", s.name, s.post, s.problem.workload.key), s.reference) for s in (a, b)]
+        results = [cached((s.name, s.post, s.problem.workload.key), s.result) for s in (a, b)]
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
         return Result(SUITE, check, status, impl, workload.to_dict(), workload.label, message=message)
-    except Exception:  # noqa: BLE001 - one side's crash is this check's result, not the suite's end
+    except (Exception, SystemExit):  # noqa: BLE001 - one side's crash (sys.exit too) is this check's result
         return Result(SUITE, check, "error", impl, workload.to_dict(), workload.label,
                       message=traceback.format_exc())
     try:

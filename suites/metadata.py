@@ -9,8 +9,9 @@ FlashMLA's invalid indices among them). The builders read their inputs as engine
 first columns of a wider table (row stride > width), and a builder that writes into an input is named for it (other
 builders read them).
 
-One Result per (builder, page size); its message names every mix where the builder differs and how. The tests
-run the same comparison on thousands of random mixes.
+One Result per (builder, page size); its message names every mix where the builder differs and how, its details
+the seed and the lengths of those mixes (``make_case`` rebuilds one from them). The tests run the same comparison
+on thousands of random mixes.
 """
 
 from __future__ import annotations
@@ -281,11 +282,13 @@ class MetadataSuite:
                 if triton_reason and "triton" in builder.name:
                     yield Result(self.name, builder.name, "unsupported", label=label, message=triton_reason)
                     continue
-                problems = [f"{case.name}: {p}" for case in cases if (p := check(builder, case))]
-                yield Result(self.name, builder.name, "failed" if problems else "passed", label=label,
-                             metrics={"mixes": len(cases), "failed_mixes": len(problems)},
-                             details={"page_size": page_size, "mixes": [c.name for c in cases]},
-                             message="; ".join(problems))
+                failing = [(case, p) for case in cases if (p := check(builder, case))]
+                yield Result(self.name, builder.name, "failed" if failing else "passed", label=label,
+                             metrics={"mixes": len(cases), "failed_mixes": len(failing)},
+                             details={"page_size": page_size, "seed": ctx.seed, "mixes": [c.name for c in cases],
+                                      "failing_mixes": {case.name: {"q_lens": case.q_lens, "kv_lens": case.kv_lens}
+                                                        for case, _ in failing}},
+                             message="; ".join(f"{case.name}: {p}" for case, p in failing))
 
 
 def _triton_unavailable(device: torch.device) -> str | None:

@@ -198,6 +198,50 @@ def test_an_lse_in_another_base_than_declared_is_named(monkeypatch):
         in result.message
 
 
+class ZeroesItsQuery(TritonChunkedPrefill):
+    """Planted bug: zeroes the problem's queries in place and attends with them (uniform weights over the keys)."""
+
+    name = "triton_chunked_prefill"
+
+    def run(self, plan):
+        plan.problem.q.zero_()
+        return super().run(plan)
+
+
+def test_a_side_that_writes_into_its_queries_is_flagged(monkeypatch):
+    """The references were computed after the runs, on the zeroed queries: the bound took in the whole error (rel_l2
+    0.8 both pair and inherent) and the check passed."""
+    result = chunked_result(monkeypatch, ZeroesItsQuery)
+    assert result.status == "failed" and "triton_chunked_prefill vs triton_prefill" in result.message
+    assert result.metrics["inherent.rel_l2"] < 0.05 < result.metrics["pair.rel_l2"], result.metrics
+
+
+class Float32Out(TritonChunkedPrefill):
+    """Planted bug: returns its float32 accumulator, not an out in the problem's dtype."""
+
+    name = "triton_chunked_prefill"
+
+    def run(self, plan):
+        out, lse = super().run(plan)
+        return out.float(), lse
+
+
+class Exits(TritonChunkedPrefill):
+    """Planted bug: calls ``sys.exit`` (as some libraries do on a failure)."""
+
+    name = "triton_chunked_prefill"
+
+    def run(self, plan):
+        raise SystemExit(3)
+
+
+@pytest.mark.parametrize("bug, says", [(Float32Out, "ValueError: out is torch.float32"), (Exits, "SystemExit: 3")])
+def test_a_side_that_exits_or_returns_another_dtype_is_an_error_of_its_check(monkeypatch, bug, says):
+    """A float32 out passed (the comparison is in float64); sys.exit ended the suite, and the run."""
+    result = chunked_result(monkeypatch, bug)
+    assert result.status == "error" and says in result.message, result.message
+
+
 def naive_rescale(part: torch.Tensor, all_lse: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Planted bug (DCP combine): ``part * exp(lse_r - logsumexp_r lse_r)`` with no guard, so a request that no
     rank holds a token of gets NaN (-inf - -inf) instead of out 0 / lse -inf."""

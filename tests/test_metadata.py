@@ -283,6 +283,21 @@ def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on, says, on
         f"seed {seed}: {others}"
 
 
+def test_a_failed_result_holds_what_rebuilds_its_failing_mixes(one_thread):
+    """The Result named the failing mixes ("varlen: 7 instead of 137") but held neither their lengths nor the seed
+    they are drawn with: a reader of the run file could not rebuild the failing case."""
+    seed = random.randrange(2 ** 32)
+    suite = MetadataSuite(builders=_replace("max_qo_len", _max_qo_len_of_last_request))
+    (failed,) = [r for r in suite.run(RunContext(impls=[], device=torch.device(DEVICE), page_sizes=[48], seed=seed))
+                 if r.status == "failed"]
+    mixes = failed.details["failing_mixes"]
+    assert "one huge" in mixes and len(mixes) == failed.metrics["failed_mixes"], f"seed {seed}: {mixes}"
+    planted = next(b for b in suite.builders if b.name == "max_qo_len")
+    for name, lengths in mixes.items():
+        case = make_case(name, lengths["q_lens"], lengths["kv_lens"], 48, failed.details["seed"], DEVICE)
+        assert f"{name}: {check(planted, case)}" in failed.message, f"seed {seed}: {name}"
+
+
 def test_planted_shift_and_mask_page_math_is_flagged_only_at_the_page_size_no_power_of_two(one_thread):
     seed = random.randrange(2 ** 32)
     suite = MetadataSuite(builders=_replace("slot mapping", _slot_mapping_by_shift_and_mask))
