@@ -106,13 +106,19 @@ PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused 
     "query offsets past q": (lambda p: setattr(p.meta, "query_start_loc",  # heap corruption in the suffix's run
                                                torch.tensor([0, 3, 9], dtype=torch.int32, device=DEVICE)),
                              r"query_start_loc must hold the lengths' 3 offsets: entry 2 is \[9\], .* give \[5\]"),
+    # another device than the problem's, where the gather kernel runs
+    "token_slots elsewhere": (lambda p: setattr(p.meta, "token_slots", p.meta.token_slots.to("meta")),
+                              r"token_slots is on meta but the problem is on (cpu|cuda)"),
+    "cache elsewhere": (lambda p: setattr(p, "cache", p.cache.to("meta")),
+                        r"cache is on meta but the problem is on (cpu|cuda)"),
 }
 
 
 @pytest.mark.parametrize("case", PLAN_REFUSALS)
 def test_chunked_plan_refuses_what_its_run_would_read_wrongly(case):
     """A slot outside the cache was gathered as zeros and one head's w_uk broadcast to every head (plausible
-    answers); int64 offsets failed after every context chunk had run, at the suffix."""
+    answers); int64 offsets failed after every context chunk had run, at the suffix; slots on another device failed
+    in plan's range check (NotImplementedError on meta), a cache there planned."""
     spoil, message = PLAN_REFUSALS[case]
     p = build_problem(chunked(7, q_lens=(3, 2), kv_lens=(20, 9)), DEVICE)
     spoil(p)

@@ -251,6 +251,21 @@ def test_a_scale_the_reference_refuses_is_refused_by_plan_before_any_rank_runs(s
             TritonDcp(attention=attention).plan(problem)
 
 
+@pytest.mark.parametrize("spoil, got", [
+    (lambda q: q.float(), r"torch.float32 \[5, 4, 576\]"),  # the decode attention rounded it to bf16 silently
+    (lambda q: q[:-1], r"torch.bfloat16 \[4, 4, 576\]"),   # a rank failed once started
+    (lambda q: q[:, :2], r"torch.bfloat16 \[5, 2, 576\]"),
+], ids=["float32", "a token short", "half the heads"])
+def test_queries_other_than_the_workloads_are_refused_by_plan_before_any_rank_runs(spoil, got):
+    """The plan passed queries of another dtype or shape than the workload's, whatever the shard attention."""
+    problem = build_problem(dcp_workload(2, 1))
+    problem.q = spoil(problem.q)
+    for attention in ("triton_decode", "torch"):
+        with pytest.raises(ValueError, match=r"triton_dcp: q must be torch.bfloat16 \[5, 4, 576\] \(the workload's "
+                                             r"dtype, tokens and heads\), got " + got):
+            TritonDcp(attention=attention).plan(problem)
+
+
 FP4_LAYOUTS = {"fp4_mx16", "mxfp4_nsa", "nvfp4"}
 BF16_AND_FP8 = {"bf16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_mla_pow2"}
 

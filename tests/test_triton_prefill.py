@@ -109,6 +109,11 @@ def _offsets(p, name, values):
     setattr(p.meta, name, torch.tensor(values, dtype=torch.int32, device=DEVICE))
 
 
+def _on_meta(owner, name):
+    """``owner.name`` replaced by a tensor of its shape and dtype on torch's meta device, another than the rest's."""
+    setattr(owner, name, torch.empty_like(getattr(owner, name), device="meta"))
+
+
 PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused by plan now
     "nan scale": (lambda p: setattr(p, "scale", float("nan")), "softmax scale"),  # out all NaN
     "tensor scale": (lambda p: setattr(p, "scale", torch.tensor(p.scale)), "softmax scale"),  # a pointer to Triton
@@ -123,6 +128,10 @@ PLAN_REFUSALS = {  # what run() read wrongly or failed on halfway, each refused 
     "a request's offsets dropped": (lambda p: [_offsets(p, name, getattr(p.meta, name)[:2].tolist())
                                                for name in ("query_start_loc", "kv_start_loc")],
                                     r"query_start_loc .* entry 2 is \[\], the lengths give \[7\]"),  # left unwritten
+    # a tensor on another device: Triton reads its address as one of q's device (a failed launch, or worse)
+    "k_pe elsewhere": (lambda p: _on_meta(p, "k_pe"), r"k_pe is on meta but q is on (cpu|cuda:\d+)"),
+    "offsets elsewhere": (lambda p: _on_meta(p.meta, "kv_start_loc"), r"cu_seqlens_k is on meta but q is on"),
+    "q elsewhere": (lambda p: _on_meta(p, "q"), r"q is on meta but the problem is on (cpu|cuda)"),  # out, lse go there
 }
 
 

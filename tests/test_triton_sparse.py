@@ -231,6 +231,17 @@ def test_the_ragged_plan_refuses_token_slots_its_run_would_gather_wrongly(spoil,
         TritonSparseRagged().plan(p)
 
 
+@pytest.mark.parametrize("name", ["token_slots", "cache"])
+def test_the_ragged_plan_refuses_token_slots_or_a_cache_off_the_problems_device(name):
+    """Run gathers the cache's rows by the slots into a buffer on the problem's device: slots elsewhere failed in
+    plan's range check (NotImplementedError on meta), a cache elsewhere planned and would fail in run's gather."""
+    p = build_problem(sparse("ragged"), DEVICE)
+    owner = p.meta if name == "token_slots" else p
+    setattr(owner, name, getattr(owner, name).to("meta"))
+    with pytest.raises(ValueError, match=f"triton_sparse_ragged: {name} is on meta but the problem is on {DEVICE}"):
+        TritonSparseRagged().plan(p)
+
+
 @pytest.mark.parametrize("tiles", [dict(block_h=24), dict(block_n=48), dict(block_h=0), dict(block_n=8),
                                    dict(num_warps=3)])
 def test_tiles_triton_cannot_build_are_refused_by_the_config(tiles):

@@ -27,7 +27,7 @@ import torch
 from impls.triton.latent_io import LAYOUT_CODES, gather_latent, layout_code
 from impls.triton.merge import merge_attn_states
 from impls.triton.cache_ops import triton_unavailable
-from impls.triton.common import check_e4m3
+from impls.triton.common import check_e4m3, misplaced
 from impls.triton.prefill import check_problem
 from impls.triton.prefill_kernel import NOPE, VDIM, PrefillConfig, default_config, mha_prefill
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
@@ -115,8 +115,10 @@ def check_context_inputs(problem: Problem) -> None:
     """ValueError unless the context path's own inputs are what it reads: a slot of the cache for every key in
     ``meta.token_slots`` (the gather reads a slot outside the cache as a row of zeros, a wrong key that no error
     shows; the slots' range is read on the host) and ``[H, 512, 128]`` up-projections (one head's would be
-    broadcast to every head)."""
+    broadcast to every head); the slots and the cache on the problem's device, where the gather kernel runs."""
     meta = problem.meta
+    if wrong := misplaced(problem.device, "the problem", token_slots=meta.token_slots, cache=problem.cache.data):
+        raise ValueError("; ".join(wrong))
     check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
     check_slots_in_cache("token_slots", meta.token_slots, problem.cache.num_slots)
     heads = problem.q.shape[1]

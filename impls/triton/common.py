@@ -41,6 +41,16 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def misplaced(device: torch.device, where: str, **tensors: torch.Tensor) -> list[str]:
+    """One message per tensor of ``tensors`` not on ``device`` (``where``: what is there, e.g. ``"q"``); ``cuda``
+    without an index is the current GPU, where the kernels launch. A kernel reads another device's tensor as an
+    address on its own: a failed launch, an illegal memory access or another tensor's values, so plans refuse it."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return [f"{name} is on {tensor.device} but {where} is on {device}" for name, tensor in tensors.items()
+            if tensor.device != device]
+
+
 def check_power_of_two(config: object, name: str, least: int = 1) -> None:
     """ValueError unless ``config``'s field ``name`` is an int power of two of at least ``least``: a tile or warp
     count Triton cannot build fails only at the first launch, inside Triton, and some only on a GPU."""

@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from impls.triton.cache_ops import triton_unavailable
+from impls.triton.common import misplaced
 from impls.triton.prefill_kernel import PrefillConfig, check_mha_inputs, default_config, mha_prefill
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem
@@ -19,8 +20,11 @@ def check_problem(problem: Problem, cu_seqlens_k: torch.Tensor, key_lens: Sequen
     """ValueError, at plan time, for what ``mha_prefill`` refuses or reads wrongly: its own checks, queries
     and keys with other row counts than the lengths give (``sum(q_lens)``, ``sum(key_lens)``), and offsets other
     than the lengths' (read on the host): the kernel reads and writes the rows the offsets name, past the end of a
-    shorter tensor (it corrupted the heap) or another request's."""
+    shorter tensor (it corrupted the heap) or another request's. Devices: the plan's outputs are on the problem's,
+    the other inputs must be on q's (``check_mha_inputs``)."""
     meta = problem.meta
+    if wrong := misplaced(problem.device, "the problem", q=problem.q):
+        raise ValueError("; ".join(wrong))
     check_mha_inputs(problem.q, problem.k_nope, problem.k_pe, problem.v, meta.query_start_loc, cu_seqlens_k,
                      problem.scale)
     for name, tensor, rows in (("q", problem.q, sum(meta.q_lens)), ("k_nope", problem.k_nope, sum(key_lens))):

@@ -148,8 +148,8 @@ def _prefill_kernel(Q, K_NOPE, K_PE, V, OUT, LSE, CU_Q, CU_K, qk_scale,
 
 def check_mha_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
                      cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float) -> None:
-    """ValueError naming every input ``mha_prefill`` would read wrongly: shapes, dtypes, strides, the offsets
-    (read as contiguous int32) and the scale. Host-only, so a plan calls it to refuse what its run would."""
+    """ValueError naming every input ``mha_prefill`` would read wrongly: shapes, dtypes, strides, devices, the
+    offsets (read as contiguous int32) and the scale. Host-only, so a plan calls it to refuse what its run would."""
     heads = q.shape[1] if q.dim() == 3 else -1
     problems = []
     if q.dim() != 3 or q.shape[2] != NOPE + ROPE:
@@ -171,6 +171,7 @@ def check_mha_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, 
         problems.append(f"cu_seqlens_q / cu_seqlens_k must be contiguous int32 [B+1] of one shape, got "
                         f"{cu_q.dtype} {list(cu_q.shape)} strides {cu_q.stride()} and "
                         f"{cu_k.dtype} {list(cu_k.shape)} strides {cu_k.stride()}")
+    problems += common.misplaced(q.device, "q", k_nope=k_nope, k_pe=k_pe, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     if (scale_problem := softmax_scale_problem(scale)) is not None:
         problems.append(scale_problem)
     if problems:

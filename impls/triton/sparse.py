@@ -18,7 +18,7 @@ import torch
 
 from impls.triton.cache_ops import triton_unavailable
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
-from impls.triton.common import check_e4m3
+from impls.triton.common import check_e4m3, misplaced
 from impls.triton.sparse_kernel import SparseConfig, check_inputs, check_wgmma, default_config, sparse_mqa
 from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 from mla_bench.problem import Problem
@@ -91,8 +91,11 @@ class TritonSparseRagged(_TritonSparseBase):
 
     def plan(self, problem: Problem) -> SparsePlan:
         """Also refuses token slots that run would gather wrongly: outside the cache (an IndexError in run, a
-        device-side assert on a GPU), or not one per key (a short buffer, whose missing rows the kernel skips)."""
+        device-side assert on a GPU), or not one per key (a short buffer, whose missing rows the kernel skips); and
+        token slots or a cache on another device than the problem's, where run gathers them into the buffer."""
         cache, meta = problem.cache, problem.meta
+        if wrong := misplaced(problem.device, "the problem", token_slots=meta.token_slots, cache=cache.data):
+            raise ValueError(f"{self.name}: " + "; ".join(wrong))
         check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
         check_slots_in_cache("token_slots", meta.token_slots, cache.num_slots)
         buffer = torch.empty(meta.token_slots.shape[0], cache.layout.bytes_per_token, dtype=torch.uint8,

@@ -11,7 +11,8 @@ import torch
 from impls.triton.dcp.attention import TritonDecodeShardAttention, shard_attention
 from impls.triton.dcp.launch import default_backend, run_dcp
 from mla_bench.dims import check_softmax_scale
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, describe
+from mla_bench.layouts import LATENT_DIM
 from mla_bench.metadata.reference import check_dcp
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -36,6 +37,11 @@ class TritonDcp(Impl):
         except ValueError as exc:
             raise UnsupportedConfig(f"{self.name}: {exc}") from None
         check_softmax_scale(problem.scale)  # else the ranks fail once started (the torch attention: NaN lse)
+        # else queries of another shape failed in the ranks, float32 ones were rounded into the decode's bf16 buffer
+        want = (w.total_q, w.dims.num_heads, LATENT_DIM)
+        if problem.q.dtype != problem.dtype or tuple(problem.q.shape) != want:
+            raise ValueError(f"{self.name}: q must be {problem.dtype} {list(want)} (the workload's dtype, tokens and "
+                             f"heads), got {describe(problem.q)}")
         if problem.device.type == "cuda" and default_backend(w.dcp_world) != "nccl":
             raise UnsupportedConfig(f"{self.name}: dcp over W={w.dcp_world} ranks needs {w.dcp_world} GPUs, "
                                     f"{torch.cuda.device_count()} visible")
