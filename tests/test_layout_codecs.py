@@ -106,6 +106,15 @@ def test_all_zero_tiles_decode_to_zero_not_nan(name):
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_an_unwritten_slot_decodes_to_nan_in_every_value(name):
+    """Unused pages are poisoned with one byte: in every layout it must read as NaN (codes, scales and rope alike),
+    or a kernel reading a page it should not would read plausible numbers."""
+    layout = get_layout(name)
+    cache = PagedCache.empty(layout, 2, 3, tensor_scale=layout.fit_tensor_scale(random_latent(4, seed=3)))
+    assert bool(torch.isnan(gather_cache(cache, torch.arange(cache.num_slots))).all())
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_nonfinite_inputs_are_refused_by_default_and_propagate_on_request(name):
     layout = get_layout(name)
     x = random_latent(4, seed=3)

@@ -170,6 +170,21 @@ def test_problem_cache_is_poisoned_outside_written_slots_and_blocks_are_permuted
         assert all(int(x) not in owned for x in table[b, n:])
 
 
+@pytest.mark.parametrize("page_size, kv_lens", [(1, (3, 2)), (13, (26, 9)), (16, (20, 0, 9))])
+def test_block_tables_defeat_page_math_that_ignores_them_whatever_the_seed(page_size, kv_lens):
+    """The pages were left to the draw: for some seeds page 0 or the last page was owned, or a request's pages were
+    consecutive ascending, so a kernel that read page ``j`` for block ``j``, slot -1 as the last slot, or
+    ``block_table[b, 0] + j`` passed (seed 0 of the tiny sweep's ragged sparse prefill did)."""
+    for seed in range(30):
+        p = build_problem(Workload(mode="decode", q_lens=(1,) * len(kv_lens), kv_lens=kv_lens, page_size=page_size,
+                                   seed=seed))
+        rows = p.cache.rows()
+        assert bool((rows[:page_size] == POISON_BYTE).all()) and bool((rows[-page_size:] == POISON_BYTE).all()), seed
+        for b, kv_len in enumerate(kv_lens):
+            pages = p.meta.block_table[b, :-(-kv_len // page_size)]
+            assert pages.numel() < 2 or bool((pages.diff() != 1).any()), (seed, pages.tolist())
+
+
 @pytest.mark.parametrize("mode, extra", [("prefill", {}), ("chunked_prefill", {"chunk_size": 8}),
                                          ("sparse_prefill", {"topk": 6}), ("dcp", {"dcp_world": 2})])
 def test_problem_shapes_per_mode(mode, extra):

@@ -37,12 +37,25 @@ def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Ge
 
     The pool holds ``spare_blocks`` pages no request owns; block-table entries past a request's last page
     point at one of them, so a kernel that reads beyond ``seq_len`` reads poison, not another request's data.
+    Whatever the draw, pages 0 and ``num_blocks - 1`` are spares (a kernel that reads page ``j`` for block ``j``, a
+    zeroed entry, or slot -1 as the cache's last slot reads poison) and no request's pages are consecutive
+    ascending (a kernel that reads ``block_table[b, 0] + j`` fails).
     """
     if spare_blocks < 1:
         raise ValueError("spare_blocks must be >= 1: padding entries need a page no request owns")
     kv_lens = check_kv_lens(kv_lens)
-    num_blocks = sum(blocks_needed(n, page_size) for n in kv_lens) + spare_blocks
+    needed = [blocks_needed(n, page_size) for n in kv_lens]
+    owned = sum(needed)
+    num_blocks = owned + spare_blocks
     pool = torch.randperm(num_blocks, generator=generator)
+    for i, page in enumerate((0, num_blocks - 1)[:spare_blocks]):
+        at = int((pool == page).nonzero())
+        pool[[at, owned + i]] = pool[[owned + i, at]]
+    start = 0
+    for n in needed:
+        if n > 1 and bool((pool[start:start + n].diff() == 1).all()):
+            pool[start:start + n] = pool[start:start + n].flip(0)
+        start += n
     return assign_blocks(kv_lens, page_size, pool), num_blocks
 
 
