@@ -5,13 +5,14 @@ queries), lengths on and next to page boundaries, one huge request among small o
 query last. Builders: cumulative lengths, block allocation from a permuted pool, slot mapping, FlashInfer CSR
 (kv_indptr, kv_indices in torch and in Triton, last_page_len), token page table and its flattened form, max_qo_len /
 max_kv_len, DCP local lengths and slot mapping, PAGED and RAGGED top-k transforms (-1 kept, out-of-range indices -1,
-FlashMLA's invalid indices among them). The builders read their inputs as engines hold them: the block table is the
-first columns of a wider table (row stride > width), and a builder that writes into an input is named for it (other
-builders read them).
+FlashMLA's invalid indices among them), and the whole step an engine builds in one call (``fast.build_step``, field
+by field against ``reference.build_step``: a part wired to the wrong inputs fails). The builders read their inputs
+as engines hold them: the block table is the first columns of a wider table (row stride > width), and a builder
+that writes into an input is named for it (other builders read them).
 
-One Result per (builder, page size); its message names every mix where the builder differs and how, its details
-the seed and the lengths of those mixes (``make_case`` rebuilds one from them). The tests run the same comparison
-on thousands of random mixes.
+One Result per (builder, page size); its message names every mix where the builder differs and how (the step: its
+first field that differs), its details the seed and the lengths of those mixes (``make_case`` rebuilds one from
+them). The tests run the same comparison on thousands of random mixes.
 """
 
 from __future__ import annotations
@@ -144,13 +145,16 @@ def random_case(rng: random.Random, device: torch.device | str, seed: int) -> Ca
     return make_case(f"random #{seed}", q_lens, kv_lens, ps, seed, device)
 
 
+Built = torch.Tensor | dict[str, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Builder:
-    """A fast builder and the reference it must equal; both take a Case."""
+    """A fast builder and the reference it must equal; both take a Case and return a tensor or a dict of them."""
 
     name: str
-    fast: Callable[[Case], torch.Tensor]
-    reference: Callable[[Case], torch.Tensor]
+    fast: Callable[[Case], Built]
+    reference: Callable[[Case], Built]
 
 
 def _dcp_all(case: Case, one: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
@@ -229,11 +233,22 @@ BUILDERS: tuple[Builder, ...] = (
             lambda c: fast.transform_indices_ragged(c.on_device("topk_indices"), c.on_device("query_start_loc"),
                                                     c.on_device("seq_lens"), c.on_device("kv_start_loc")),
             lambda c: reference.transform_indices_ragged(c.topk_indices, c.q_lens, c.kv_lens)),
+    Builder("build_step",
+            lambda c: fast.step_of(c.on_device("query_start_loc"), c.on_device("seq_lens"), c.on_device("block_table"),
+                                   c.page_size, c.q_lens, c.kv_lens),
+            lambda c: reference.build_step(c.q_lens, c.kv_lens, c.block_table, c.page_size)),
 )
 
 
-def difference(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
-    """How ``actual`` differs from ``expected`` (dtype, shape, first differing element), or None when equal."""
+def difference(actual: Built, expected: Built) -> str | None:
+    """How ``actual`` differs from ``expected`` (dtype, shape, first differing element; for dicts, the fields or the
+    first field that differs), or None when equal."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return f"a {type(actual).__name__}, expected the fields {sorted(expected)}"
+        if actual.keys() != expected.keys():
+            return f"fields {sorted(actual)}, expected {sorted(expected)}"
+        return next((f"{name}: {p}" for name in expected if (p := difference(actual[name], expected[name]))), None)
     if actual.dtype != expected.dtype:
         return f"dtype {actual.dtype}, expected {expected.dtype}"
     if actual.shape != expected.shape:

@@ -27,7 +27,6 @@ import torch
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.hidden_costs import StepCosts, measure_step, profile_costs
 from mla_bench.metadata import fast
-from mla_bench.metadata.fast import HostSizes
 from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import Capabilities, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
@@ -55,9 +54,8 @@ def _has_topk(problem: Problem) -> bool:
 def _step(problem: Problem) -> dict[str, torch.Tensor]:
     """The whole per-step build from lengths already on the device (one host-to-device copy) and the block table."""
     meta = problem.meta
-    lengths = torch.stack([meta.query_start_loc.diff(), meta.seq_lens]).to(torch.int32)
-    sizes = HostSizes.of(list(meta.q_lens), list(meta.kv_lens), meta.page_size)
-    return fast.build_step(lengths, meta.block_table, meta.page_size, sizes)
+    return fast.step_of(meta.query_start_loc, meta.seq_lens, meta.block_table, meta.page_size, meta.q_lens,
+                        meta.kv_lens)
 
 
 # The per-step builders of mla_bench/metadata/fast.py (the reference builders are plain host loops, not meant for

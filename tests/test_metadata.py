@@ -248,6 +248,25 @@ def _slot_mapping_of_decode_only(case):
     return torch.where(position >= 0, slots + safe % case.page_size, -1)
 
 
+def _step_with(case, **wrong):
+    """``fast.build_step`` on the case's device lengths with the fields ``wrong`` (name: part of the step) rewired."""
+    lengths = torch.stack([case.on_device("q_lens"), case.on_device("seq_lens")])
+    step = fast.build_step(lengths, case.on_device("block_table"), case.page_size, case.sizes)
+    return step | {name: part(step) for name, part in wrong.items()}
+
+
+def _step_with_query_lengths_for_max_kv_len(case):
+    """The step wired with the query lengths where max_kv_len needs the key lengths."""
+    return _step_with(case, max_kv_len=lambda step: fast.max_len(case.on_device("q_lens")))
+
+
+def _step_with_page_counts_by_shift(case):
+    """The step's kv_indptr from ``(kv_len + page - 1) >> log2(page)``: right only when the page size is a power of
+    two."""
+    shift = case.page_size.bit_length() - 1
+    return _step_with(case, kv_indptr=lambda step: fast.cumulative((step["seq_lens"] + case.page_size - 1) >> shift))
+
+
 # An index past the block table is an IndexError on the CPU but a device-side assert on CUDA, which ends the
 # process's CUDA context for every later test: that planted bug is shown on the CPU.
 INDEXES_PAST_THE_TABLE = (_paged_transform_only_minus_one_invalid,)
@@ -265,6 +284,8 @@ INDEXES_PAST_THE_TABLE = (_paged_transform_only_minus_one_invalid,)
     ("kv_indices (triton)", _kv_indices_kernel_with_width_as_stride, "one huge", "elements differ"),
     ("max_qo_len", _max_qo_len_hard_coded_to_one, "mtp", "1 instead of 3"),
     ("slot mapping", _slot_mapping_of_decode_only, "mtp", "elements differ"),
+    ("build_step", _step_with_query_lengths_for_max_kv_len, "one huge", "max_kv_len: 1 of 1 elements differ, first at "
+     "[]: 5 instead of 20000"),
 ])
 def test_planted_metadata_bugs_are_flagged(builder, planted, caught_on, says, one_thread):
     """On fresh mixes (a new seed each run): only the planted builder fails, on the mix named, saying how."""
@@ -298,13 +319,18 @@ def test_a_failed_result_holds_what_rebuilds_its_failing_mixes(one_thread):
         assert f"{name}: {check(planted, case)}" in failed.message, f"seed {seed}: {name}"
 
 
-def test_planted_shift_and_mask_page_math_is_flagged_only_at_the_page_size_no_power_of_two(one_thread):
+@pytest.mark.parametrize("builder, planted, says", [
+    ("slot mapping", _slot_mapping_by_shift_and_mask, "elements differ"),
+    ("build_step", _step_with_page_counts_by_shift, "page boundaries: kv_indptr: "),
+])
+def test_planted_shift_and_mask_page_math_is_flagged_only_at_the_page_size_no_power_of_two(builder, planted, says,
+                                                                                            one_thread):
     seed = random.randrange(2 ** 32)
-    suite = MetadataSuite(builders=_replace("slot mapping", _slot_mapping_by_shift_and_mask))
-    results = [r for r in suite.run(RunContext(impls=[], device=torch.device(DEVICE), seed=seed))
-               if r.check == "slot mapping"]
+    suite = MetadataSuite(builders=tuple(b for b in _replace(builder, planted) if b.name == builder))
+    results = list(suite.run(RunContext(impls=[], device=torch.device(DEVICE), seed=seed)))
     assert {r.details["page_size"]: r.status for r in results} == {1: "passed", 16: "passed", 48: "failed",
                                                                    64: "passed"}, f"seed {seed}"
+    assert says in next(r.message for r in results if r.status == "failed"), f"seed {seed}"
 
 
 # ---- bad input: a clear error naming the problem, never a deep traceback or a silent wrong answer ------------------

@@ -266,3 +266,11 @@ def build_step(lengths: torch.Tensor, block_table: torch.Tensor, page_size: int,
         "max_qo_len": _max_len(q_lens),
         "max_kv_len": _max_len(seq_lens),
     }
+
+
+def step_of(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int,
+            q_lens: list[int], kv_lens: list[int]) -> dict[str, torch.Tensor]:
+    """``build_step`` on device metadata: the lengths stacked on the device (q_lens from ``query_start_loc``), the
+    sizes from the host lengths ``q_lens`` and ``kv_lens``."""
+    lengths = torch.stack([query_start_loc.diff(), seq_lens]).to(torch.int32)
+    return build_step(lengths, block_table, page_size, HostSizes.of(list(q_lens), list(kv_lens), page_size))
