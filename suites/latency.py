@@ -7,8 +7,9 @@ and planned (plan time measured on the host, per set), then ``run`` is timed ove
 sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS`` of launches, the
 host kept ahead of the GPU (``host_behind`` in the details counts samples where it could not be). Metrics: median,
 IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s
-(``mla_bench.costs``) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the
-same run (yielded once per device as the ``ceilings`` result).
+(``mla_bench.costs``; a sparse workload's bytes count the distinct tokens input set 0's top-k indices select)
+and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the same run (yielded once
+per device as the ``ceilings`` result).
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
 (``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
 """
@@ -23,7 +24,7 @@ import torch
 from mla_bench import timing
 from mla_bench.costs import cost
 from mla_bench.errors import UnsupportedConfig
-from mla_bench.problem import build_problem
+from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import Impl
 from mla_bench.results import Result
 from mla_bench.workload import Mode, Workload, derive_seed
@@ -88,17 +89,17 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         return result("unsupported", message=f"{impl.name}: unsupported {reason}")
     if workload.mode is Mode.DCP:
         return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
-    work = cost(workload)
     free, _ = torch.cuda.mem_get_info(device)
     plans, plan_ms = [], []
 
-    def add_set(i: int) -> None:
+    def add_set(i: int) -> Problem:
         problem = build_problem(input_set(workload, i), device)
         plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
+        return problem
 
     try:
         before = torch.cuda.memory_allocated(device)
-        add_set(0)
+        work = cost(workload, add_set(0).topk_indices)  # sparse: the tokens set 0's indices select
         # measured, not derived from shapes: what a set keeps depends on the impl (which inputs its plan references,
         # which buffers it allocates); set 0's problem is dropped by now, so this is what each set keeps
         set_bytes = torch.cuda.memory_allocated(device) - before

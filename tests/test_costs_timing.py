@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mla_bench import timing
-from mla_bench.costs import cost, visible_keys
+from mla_bench.costs import Cost, cost, visible_keys
+from mla_bench.problem import build_problem
 from mla_bench.workload import Mode, Workload
 
 
@@ -32,14 +33,53 @@ def test_costs_count_only_what_is_read_and_seen():
     sparse = Workload(Mode.SPARSE_DECODE, (1, 1), (5, 40), topk=16, page_size=16)
     assert visible_keys(sparse) == [5, 16]                                  # -1 padding is not read
     dense = cost(Workload(Mode.DECODE, (1, 1), (5, 40), page_size=16))
-    assert cost(sparse).bytes == dense.bytes - (45 - 21) * 1152             # only valid top-k rows read
+    assert sparse_cost(sparse).bytes == dense.bytes - (45 - 21) * 1152      # only valid top-k rows read
     prefill = Workload(Mode.SPARSE_PREFILL, (4,), (40,), topk=16, page_size=16)
-    q_and_out = cost(prefill).bytes - 40 * 1152                             # 4 x 16 picks, but 40 tokens exist
-    assert q_and_out == 4 * 4 * (576 * 2 + 512 * 2 + 4) and cost(prefill).flops == 4 * 16 * 4 * 2 * 1088
+    q_and_out = 4 * 4 * (576 * 2 + 512 * 2 + 4)                             # 4 x 16 picks of 37 to 40 tokens
+    assert sparse_cost(prefill).bytes == 33 * 1152 + q_and_out and sparse_cost(prefill).flops == 4 * 16 * 4 * 2 * 1088
     prefill = Workload(Mode.PREFILL, (4,), (4,))
     heads = prefill.dims.num_heads
     assert cost(prefill).flops == (1 + 2 + 3 + 4) * heads * 2 * (192 + 128)
     assert cost(prefill).bytes == 4 * heads * 192 * 2 + 4 * (heads * 256 * 2 + 128) + 4 * heads * (128 * 2 + 4)
+
+
+def sparse_cost(workload: Workload) -> Cost:
+    """The cost of a sparse workload with its problem's own top-k indices."""
+    return cost(workload, build_problem(workload).topk_indices)
+
+
+def test_sparse_bytes_are_the_distinct_tokens_the_indices_select():
+    """MTP sparse decode: two query tokens of a request pick 4 keys each, 2 of them shared: 6 tokens read, not
+    min(kv_len, 4 + 4) = 8. Random picks of 2048 from 4096 share a quarter: 12277 tokens read, not 16384."""
+    mtp = Workload(Mode.SPARSE_DECODE, (2,), (8,), topk=4, page_size=4)
+    picks = torch.tensor([[0, 1, 2, 3], [5, 3, 4, 2]], dtype=torch.int32)
+    assert cost(mtp, picks).bytes == 6 * 1152 + 2 * 4 * 576 * 2 + 2 * 4 * (512 * 2 + 4)
+    assert cost(mtp, picks).flops == 2 * 4 * 4 * 2 * 1088
+    assert cost(mtp, torch.tensor([[0, 1, -1, -1], [1, 0, 7, -1]], dtype=torch.int32)).bytes \
+        == cost(mtp, picks).bytes - 3 * 1152                                # -1 is no token
+    wide = Workload(Mode.SPARSE_DECODE, (2,) * 4, (4096,) * 4, topk=2048)
+    assert sparse_cost(wide).bytes == 12277 * 1152 + 8 * 4 * (576 * 2 + 512 * 2 + 4)
+    with pytest.raises(ValueError, match="pass topk_indices"):
+        cost(mtp)
+
+
+def test_a_request_without_queries_reads_none_of_its_cache():
+    """A request of kv_len 20 and no query token: no kernel reads its 20 tokens (nor a prefill its keys)."""
+    alone = cost(Workload(Mode.DECODE, (1,), (10,)))
+    assert cost(Workload(Mode.DECODE, (1, 0), (10, 20))) == alone
+    assert cost(Workload(Mode.CHUNKED_PREFILL, (3, 0), (10, 20), chunk_size=8)) \
+        == cost(Workload(Mode.CHUNKED_PREFILL, (3,), (10,), chunk_size=8))
+    assert cost(Workload(Mode.PREFILL, (2, 0), (5, 9))) == cost(Workload(Mode.PREFILL, (2,), (5,)))
+
+
+def test_a_query_that_sees_no_key_is_written_but_not_read():
+    """A padding request (kv_len 0) gets out 0 and lse -inf written, but its queries need not be read."""
+    heads, out_row = 4, 4 * (512 * 2 + 4)
+    padded = cost(Workload(Mode.DECODE, (1, 1), (0, 10)))
+    assert padded.bytes == 10 * 1152 + heads * 576 * 2 + 2 * out_row
+    assert padded.bytes == cost(Workload(Mode.DECODE, (1,), (10,))).bytes + out_row
+    sparse = Workload(Mode.SPARSE_DECODE, (1, 1), (0, 10), topk=4, page_size=4)
+    assert sparse_cost(sparse).bytes == 4 * 1152 + heads * 576 * 2 + 2 * out_row
 
 
 def test_timing_stats_median_and_iqr():
