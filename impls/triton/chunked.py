@@ -27,11 +27,10 @@ import torch
 from impls.triton.latent_io import LAYOUT_CODES, gather_latent, layout_code
 from impls.triton.merge import merge_attn_states
 from impls.triton.cache_ops import triton_unavailable
-from impls.triton.common import check_e4m3, misplaced
+from impls.triton.common import check_e4m3, check_token_slots
 from impls.triton.prefill import check_problem
 from impls.triton.prefill_kernel import NOPE, VDIM, PrefillConfig, default_config, mha_prefill
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM
-from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -112,15 +111,10 @@ def context_segments(ctx_lens, chunk_size: int) -> list[list[tuple[int, int, int
 
 
 def check_context_inputs(problem: Problem) -> None:
-    """ValueError unless the context path's own inputs are what it reads: a slot of the cache for every key in
-    ``meta.token_slots`` (the gather reads a slot outside the cache as a row of zeros, a wrong key that no error
-    shows; the slots' range is read on the host) and ``[H, 512, 128]`` up-projections (one head's would be
-    broadcast to every head); the slots and the cache on the problem's device, where the gather kernel runs."""
-    meta = problem.meta
-    if wrong := misplaced(problem.device, "the problem", token_slots=meta.token_slots, cache=problem.cache.data):
-        raise ValueError("; ".join(wrong))
-    check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
-    check_slots_in_cache("token_slots", meta.token_slots, problem.cache.num_slots)
+    """ValueError unless the context path's own inputs are what it reads: ``meta.token_slots`` and the cache as
+    ``check_token_slots`` says (here the gather read a slot outside the cache as a row of zeros, a wrong key that no
+    error shows) and ``[H, 512, 128]`` up-projections (one head's would be broadcast to every head)."""
+    check_token_slots(problem)
     heads = problem.q.shape[1]
     for name, width in (("w_uk", NOPE), ("w_uv", VDIM)):
         shape = getattr(problem, name).shape

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from mla_bench.errors import UnsupportedConfig
+from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -49,6 +50,18 @@ def misplaced(device: torch.device, where: str, **tensors: torch.Tensor) -> list
         device = torch.device("cuda", torch.cuda.current_device())
     return [f"{name} is on {tensor.device} but {where} is on {device}" for name, tensor in tensors.items()
             if tensor.device != device]
+
+
+def check_token_slots(problem) -> None:
+    """ValueError unless ``meta.token_slots`` (the ragged paths' gather) and the cache are on the problem's device,
+    where the gather runs, and the slots are one per key, each a slot of the cache: the gather reads a slot outside
+    it as another token's row (or past the cache), and skips the rows a short list lacks. Reads the slots' range
+    on the host."""
+    meta = problem.meta
+    if wrong := misplaced(problem.device, "the problem", token_slots=meta.token_slots, cache=problem.cache.data):
+        raise ValueError("; ".join(wrong))
+    check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
+    check_slots_in_cache("token_slots", meta.token_slots, problem.cache.num_slots)
 
 
 def check_power_of_two(config: object, name: str, least: int = 1) -> None:

@@ -18,9 +18,8 @@ import torch
 
 from impls.triton.cache_ops import triton_unavailable
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
-from impls.triton.common import check_e4m3, misplaced
+from impls.triton.common import check_e4m3, check_token_slots
 from impls.triton.sparse_kernel import SparseConfig, check_inputs, check_wgmma, default_config, sparse_mqa
-from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -90,14 +89,14 @@ class TritonSparseRagged(_TritonSparseBase):
                                 index_transforms=frozenset({"ragged"}), graph_safe=True)
 
     def plan(self, problem: Problem) -> SparsePlan:
-        """Also refuses token slots that run would gather wrongly: outside the cache (an IndexError in run, a
-        device-side assert on a GPU), or not one per key (a short buffer, whose missing rows the kernel skips); and
-        token slots or a cache on another device than the problem's, where run gathers them into the buffer."""
+        """Also refuses token slots or a cache that run would gather wrongly (``check_token_slots``): a slot outside
+        the cache was an IndexError in run (a device-side assert on a GPU), a short list a short buffer whose missing
+        rows the kernel skips."""
         cache, meta = problem.cache, problem.meta
-        if wrong := misplaced(problem.device, "the problem", token_slots=meta.token_slots, cache=cache.data):
-            raise ValueError(f"{self.name}: " + "; ".join(wrong))
-        check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
-        check_slots_in_cache("token_slots", meta.token_slots, cache.num_slots)
+        try:
+            check_token_slots(problem)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
         buffer = torch.empty(meta.token_slots.shape[0], cache.layout.bytes_per_token, dtype=torch.uint8,
                              device=problem.device)
         return self._outputs(problem, buffer, buffer)
