@@ -95,7 +95,7 @@ def test_forced_splits_and_both_orientations_pass_with_16_heads(config):
 def test_a_merge_of_many_splits_on_a_large_gpu_narrows_its_rows_and_passes(monkeypatch):
     """One request cut in 22 splits on a GPU of 64 multiprocessors (this machine's plan says 4): the merge tile
     narrows its columns to 8, then its rows until a program reads all 22 partials in one step."""
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 64)
+    monkeypatch.setattr(common, "sm_count", lambda device: 64)
     impl = Configured(DecodeConfig(block_m=16, block_n=16, num_splits=24))
     problem = build_problem(workload("bf16", 16, ((1,), (700,)), heads=16, seed=8))
     plan = impl.plan(problem)
@@ -432,7 +432,7 @@ def test_128_row_blocks_where_memory_is_fast_enough_for_their_one_stage():
 
 def test_a_batch_config_takes_the_devices_bandwidth_per_multiprocessor(monkeypatch):
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
     monkeypatch.setattr(decode.common, "has_wgmma", lambda device: False)  # Hopper reads nvfp4 in 64-row Gluon blocks
     for gbps, rows in ((3352.3, 64), (4915.2, 128)):  # an H100 SXM's and an H200's peaks
         monkeypatch.setattr(decode.triton.testing, "get_dram_gbps", lambda index, gbps=gbps: gbps)
@@ -453,7 +453,7 @@ def test_short_batches_take_64_key_splits_where_those_fill_at_most_half_the_prog
     assert fp4.programs_per_sm == 2 and fp4.min_split == 64
     assert decode.default_config(16, 1, "nvfp4", 16, 2 * per_slot + 1, hopper=True).min_split == 128
     # One request of 4096 keys on a GPU of 132 multiprocessors (31 keys each): 64 programs of 64 keys, not 32 of 128.
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
     problem = build_problem(workload("bf16", 64, ((1,), (4096,)), heads=16))
     meta = problem.meta
     plan = plan_decode(problem.q, problem.cache, meta.block_table, meta.q_lens, meta.kv_lens, problem.scale)
@@ -1037,7 +1037,7 @@ def test_the_default_plan_of_128_heads_runs_a_groups_splits_in_a_cluster_on_hopp
     device = torch.device("cuda")
     if not common.has_wgmma(device):
         pytest.skip("needs a Hopper GPU (compute capability 9)")
-    requests = decode._sm_count(device) // 4
+    requests = common.sm_count(device) // 4
     problem = build_problem(workload("bf16", 64, ((1,) * requests, (1024,) * requests), heads=128, seed=9), device)
     plan = TritonDecode().plan(problem)
     assert plan.cluster == 2 and plan.schedule.max_splits == 2 and plan.descriptors is not None
@@ -1102,7 +1102,7 @@ def test_a_cluster_launch_keeps_one_program_to_a_multiprocessor_on_hopper(layout
         shared = compiled.packed_metadata[2]
         assert compiled.packed_metadata[1] == plan.cluster and shared > half
         assert decode._clusters_resident(compiled, plan.cluster, shared) * plan.cluster >= programs
-    if decode._sm_count(device) == 132 and mix[0] == (1,) * 32:  # 30 clusters of 4 fit one to a multiprocessor
+    if common.sm_count(device) == 132 and mix[0] == (1,) * 32:  # 30 clusters of 4 fit one to a multiprocessor
         assert plan.cluster == 1
     verdict = judge(TritonDecode(), build_problem(workload(layout, 64, mix, heads=16, seed=8), device))
     assert verdict.status == "passed", verdict.violations or verdict.message
@@ -1119,7 +1119,7 @@ def test_a_cut_into_clusters_the_gpu_cannot_hold_falls_back_to_the_balanced_cut(
     problem = build_problem(workload("bf16", 64, STRADDLED, heads=16, seed=6), device)
     plan = TritonDecode().plan(problem)
     balanced = build_schedule(list(STRADDLED[0]), list(STRADDLED[1]), 16, plan.config.block_m, plan.config.block_n,
-                              decode._sm_count(device), plan.config.min_split)
+                              common.sm_count(device), plan.config.min_split)
     assert plan.cluster == 1 and plan.schedule == balanced
     verdict = judge(TritonDecode(), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message

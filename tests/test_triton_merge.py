@@ -1,7 +1,9 @@
-"""Triton merge_attn_states and the DCP rescale against reference.merge, with the inf conventions.
+"""Triton merge_attn_states, the split-KV merge_parts and the DCP rescale against reference.merge, with the inf
+conventions.
 
-Planted bugs: vLLM's Triton merge formula without the empty-row guard (NaN when both parts are empty) and a
-rescale without it (NaN for a row no rank saw) must be caught by the same checks that pass ours.
+Planted bugs: vLLM's Triton merge formula without the empty-row guard (NaN when both parts are empty), a rescale
+without it (NaN for a row no rank saw), and a merge_parts that averages its parts unweighted or leaves the guard
+out must be caught by the same checks that pass ours.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 import impls.triton  # noqa: F401  (sets TRITON_INTERPRET on CPU before any kernel module loads)
-from impls.triton.merge import merge_attn_states, rescale_partial
+from impls.triton.merge import merge_attn_states, merge_parts, rescale_partial
 from reference.merge import merge_attn_states as ref_merge
 from reference.merge import merge_many
 
@@ -129,3 +131,211 @@ def test_merge_refuses_integer_tensors():
         merge_attn_states(out_a, lse_a, out_b, lse_b.long())
     with pytest.raises(ValueError, match="rescale_partial: part, all_lse and out must be floating point"):
         rescale_partial(out_a, torch.stack([lse_a, lse_b]).long(), 0)
+
+
+# merge_parts: S parts [S, T, H, D] at once (the split-KV merge of the sparse decode). T*H = 7 * 19 = 133 rows is
+# no multiple of a row block (128 in the interpreter, 16 on a GPU); 17 parts take three steps of 8.
+TOKENS, HEADS = 7, 19
+
+
+def split_parts(splits, tokens=TOKENS, heads=HEADS, dim=512, seed=0, scale=3.0):
+    """Fresh random float32 ``parts [S, T, H, D]`` and ``part_lse [S, T, H]`` (no zeros, no ties)."""
+    g = torch.Generator().manual_seed(seed)
+    parts_ = torch.randn(splits, tokens, heads, dim, generator=g).to(DEVICE)
+    part_lse = (torch.randn(splits, tokens, heads, generator=g) * scale).to(DEVICE)
+    return parts_, part_lse
+
+
+def ref_merge_parts(parts_, part_lse):
+    """The float64 reference: L = logsumexp_s lse_s, out = sum_s exp(lse_s - L) * parts_s (empty parts ignored)."""
+    return merge_many(list(zip(parts_.unbind(0), part_lse.unbind(0))))
+
+
+def results(tokens, heads, dim, dtype, strided):
+    """NaN-filled ``out [T, H, D]`` and ``lse_out [T, H]``, and the NaN margin a strided view leaves around them.
+
+    Strided: out is a [H, T, D + 24] tensor, transposed and sliced to D columns from 8 (last dim contiguous, the
+    others not); lse_out every other row of a transposed [H, 2T]. Any element left unwritten stays NaN."""
+    if not strided:
+        return (torch.full((tokens, heads, dim), float("nan"), dtype=dtype, device=DEVICE),
+                torch.full((tokens, heads), float("nan"), device=DEVICE), [])
+    wide = torch.full((heads, tokens, dim + 24), float("nan"), dtype=dtype, device=DEVICE)
+    wide_lse = torch.full((heads, 2 * tokens), float("nan"), device=DEVICE)
+    margin = [wide[..., :8], wide[..., 8 + dim:], wide_lse[:, 1::2]]
+    return wide.transpose(0, 1)[..., 8:8 + dim], wide_lse.t()[::2], margin
+
+
+def check_merge_parts(merge, splits, dim, dtype, strided, seed=0) -> None:
+    """``merge`` against the float64 reference on fresh parts: every element written, nothing outside the view."""
+    parts_, part_lse = split_parts(splits, dim=dim, seed=seed)
+    out, lse, margin = results(TOKENS, HEADS, dim, dtype, strided)
+    merge(parts_, part_lse, out, lse)
+    ref_out, ref_lse = ref_merge_parts(parts_, part_lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "left unwritten or NaN"
+    assert all(bool(torch.isnan(m).all()) for m in margin), "wrote outside the view"
+    assert torch.allclose(lse.double(), ref_lse, atol=2e-6, rtol=1e-6)
+    if dtype == torch.float32:
+        assert torch.allclose(out.double(), ref_out, atol=2e-6, rtol=1e-5)
+    else:  # float32 math, then one rounding to nearest: half a bf16 ulp, at most 2**-8 of the value
+        assert bool(((out.double() - ref_out).abs() <= ref_out.abs() * 2 ** -8 * 1.001 + 2e-6).all())
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dim", [512, 100])
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 9, 17])
+def test_merge_parts_follows_the_float64_reference(splits, dim, dtype, strided):
+    """S of one part to three steps of 8, D of 512 and one no power of two, 133 rows: each row's logsumexp and
+    weighted sum, into bf16 or float32, into a contiguous out or a strided view (its margin untouched)."""
+    check_merge_parts(merge_parts, splits, dim, dtype, strided, seed=splits * 1000 + dim)
+
+
+def test_merge_parts_rescales_across_steps_without_overflow():
+    """lse near +1000 rising over 17 parts (a later step holds a new max: the running sums must be rescaled) and
+    near -1000 falling (the max in the first step): unshifted exps would overflow or underflow to 0."""
+    parts_, part_lse = split_parts(17, tokens=4, heads=8, dim=100, seed=5, scale=0.3)
+    ramp = torch.arange(17, device=DEVICE)[:, None, None] * 0.7
+    rising = (torch.arange(4, device=DEVICE) % 2 == 0)[None, :, None]
+    part_lse = part_lse + torch.where(rising, 1000 + ramp, -1000 - ramp)
+    out, lse = torch.empty(4, 8, 100, device=DEVICE), torch.empty(4, 8, device=DEVICE)
+    merge_parts(parts_, part_lse, out, lse)
+    ref_out, ref_lse = ref_merge_parts(parts_, part_lse)
+    assert torch.allclose(out.double(), ref_out, atol=2e-6, rtol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=0, rtol=1e-7)
+
+
+def poisoned_parts(splits=9, tokens=6, heads=3, dim=100, seed=11):
+    """Random parts over two steps of 8 with the conventions planted, and where out must be NaN.
+
+    Rows (token, head): (0, 0) parts 3 and 8 empty (-inf) holding NaN; (0, 1) parts 0 and 8 at +inf holding NaN;
+    (1, 0) all -inf, (1, 1) all +inf, (1, 2) all -inf or +inf, each holding NaN; (2, 0), (2, 1) a NaN lse in the
+    first step and in the second; (2, 2) a NaN lse beside only empty parts; (3, 0) one NaN value (column 7) and
+    (3, 1) a row of NaN values, both of a part with a finite lse. The other rows are clean."""
+    parts_, part_lse = split_parts(splits, tokens, heads, dim, seed=seed)
+    nan = float("nan")
+    clean_parts, clean_lse = parts_.clone(), part_lse.clone()  # what the reference merges (it refuses NaN)
+    part_lse[[3, 8], 0, 0], parts_[[3, 8], 0, 0] = -INF, nan
+    part_lse[[0, 8], 0, 1], parts_[[0, 8], 0, 1] = INF, nan
+    part_lse[:, 1, 0], part_lse[:, 1, 1] = -INF, INF
+    part_lse[:, 1, 2] = torch.where(torch.arange(splits, device=DEVICE) % 2 == 0, INF, -INF)
+    parts_[:, 1] = nan
+    part_lse[2, 2, 0] = part_lse[8, 2, 1] = nan
+    part_lse[:, 2, 2], part_lse[4, 2, 2] = -INF, nan
+    parts_[8, 3, 0, 7] = parts_[1, 3, 1] = nan
+    clean_lse[[3, 8], 0, 0], clean_lse[[0, 8], 0, 1], clean_lse[:, 1] = -INF, INF, -INF
+    expect_nan = torch.zeros(tokens, heads, dim, dtype=torch.bool, device=DEVICE)
+    expect_nan[2, :], expect_nan[3, 0, 7], expect_nan[3, 1] = True, True, True
+    return parts_, part_lse, (clean_parts, clean_lse), expect_nan
+
+
+def check_poisoned(merge, dtype=torch.float32) -> None:
+    """``merge`` on ``poisoned_parts``: NaN exactly where expected, elsewhere the reference of the clean parts."""
+    parts_, part_lse, clean, expect_nan = poisoned_parts()
+    out, lse, _ = results(*parts_.shape[1:], dtype, strided=False)
+    merge(parts_, part_lse, out, lse)
+    ref_out, ref_lse = ref_merge_parts(*clean)
+    assert torch.equal(torch.isnan(out), expect_nan), "NaN where a part is empty, or a NaN part merged to a number"
+    assert bool(torch.isnan(lse[2]).all()), "a NaN lse must give lse NaN"
+    assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all()), "all empty: out 0, lse -inf"
+    assert not torch.isnan(lse[[0, 1, 3, 4, 5]]).any()
+    keep = ~expect_nan
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -8)
+    assert torch.allclose(out.double()[keep], ref_out[keep], **tol)
+    rows = [0, 1, 3, 4, 5]
+    assert torch.equal(torch.isneginf(lse[rows]), torch.isneginf(ref_lse[rows]))
+    finite = torch.isfinite(ref_lse[rows])
+    assert torch.allclose(lse[rows].double()[finite], ref_lse[rows][finite], atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_merge_parts_keeps_the_empty_and_nan_conventions(dtype):
+    """An empty part (-inf, or +inf) adds nothing whatever it holds; an all-empty row gives out 0 and lse -inf,
+    not NaN; a NaN lse gives NaN out and lse, a NaN value under a nonzero weight NaN out: never a plausible number."""
+    check_poisoned(merge_parts, dtype)
+
+
+def mean_of_parts(parts_, part_lse, out, lse_out):
+    """Planted bug: the plain mean of the live parts (their lse ignored), with the right lse."""
+    lse = torch.where(torch.isposinf(part_lse), -INF, part_lse)
+    live = (~torch.isneginf(lse))[..., None]
+    count = live.sum(0).clamp(min=1)
+    out.copy_(torch.where(live, parts_, 0.0).sum(0) / count)
+    lse_out.copy_(torch.logsumexp(lse, 0))
+
+
+def unguarded_merge_parts(parts_, part_lse, out, lse_out):
+    """Planted bug: the weighted merge without the empty guard (vLLM's formula: NaN for an all-empty row)."""
+    lse = torch.where(torch.isposinf(part_lse), -INF, part_lse)
+    m = lse.max(0).values
+    w = torch.exp(lse - m)[..., None]
+    out.copy_(torch.where(w > 0, w * parts_, 0.0).sum(0) / w.sum(0))
+    lse_out.copy_(m + torch.log(w.sum(0)[..., 0]))
+
+
+def test_planted_merge_parts_bugs_are_caught():
+    """The same checks that pass merge_parts fail an unweighted mean and a merge without the empty guard."""
+    with pytest.raises(AssertionError):
+        check_merge_parts(mean_of_parts, 9, 100, torch.float32, strided=False)
+    with pytest.raises(AssertionError, match="all empty|NaN"):
+        check_poisoned(unguarded_merge_parts)
+    check_merge_parts(unguarded_merge_parts, 9, 100, torch.float32, strided=True)  # right where no row is empty
+
+
+SHAPES = r"merge_parts: parts \[S, T, H, D\], part_lse \[S, T, H\], out \[T, H, D\] and lse_out \[T, H\] needed, got "
+CONTIGUOUS = "merge_parts: parts and part_lse must be contiguous, out contiguous in its last dim"
+FLOATS = "merge_parts: parts, part_lse and out must be floating point, got "
+
+
+def not_contiguous(x):
+    """The same values, same shape, laid out head-major: strides a kernel reading [S, T, H, D] would misread."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda p, pl, o, lo: (p[0], pl, o, lo), SHAPES + r"\[4, 2, 16\], \[3, 4, 2\]"),
+    (lambda p, pl, o, lo: (p[None], pl, o, lo), SHAPES + r"\[1, 3, 4, 2, 16\]"),
+    (lambda p, pl, o, lo: (p, pl[:, :3], o, lo), SHAPES + r"\[3, 4, 2, 16\], \[3, 3, 2\]"),
+    (lambda p, pl, o, lo: (p, pl[:2], o, lo), SHAPES + r"\[3, 4, 2, 16\], \[2, 4, 2\]"),
+    (lambda p, pl, o, lo: (p, pl, o[:, :, :8], lo), r", \[4, 2, 8\] and \[4, 2\]"),
+    (lambda p, pl, o, lo: (p, pl, o[None], lo), r", \[1, 4, 2, 16\] and \[4, 2\]"),
+    (lambda p, pl, o, lo: (p, pl, o, lo[:3]), r", \[4, 2, 16\] and \[3, 2\]"),
+    (lambda p, pl, o, lo: (p, pl, o, lo.double()), "merge_parts: lse_out must be float32, got torch.float64"),
+    (lambda p, pl, o, lo: (p, pl, o, lo.bfloat16()), "merge_parts: lse_out must be float32, got torch.bfloat16"),
+    (lambda p, pl, o, lo: (p, pl, o, lo.int()), "merge_parts: lse_out must be float32, got torch.int32"),
+    (lambda p, pl, o, lo: (not_contiguous(p), pl, o, lo), CONTIGUOUS),
+    (lambda p, pl, o, lo: (torch.cat([p, p], -1)[..., :16], pl, o, lo), CONTIGUOUS),
+    (lambda p, pl, o, lo: (p, not_contiguous(pl), o, lo), CONTIGUOUS),
+    (lambda p, pl, o, lo: (p, pl, torch.cat([o, o], -1)[..., ::2], lo), CONTIGUOUS),
+    (lambda p, pl, o, lo: (p.int(), pl, o, lo), FLOATS + "torch.int32, torch.float32, torch.float32"),
+    (lambda p, pl, o, lo: (p, pl.long(), o, lo), FLOATS + "torch.float32, torch.int64, torch.float32"),
+    (lambda p, pl, o, lo: (p, pl, o.to(torch.int16), lo), FLOATS + "torch.float32, torch.float32, torch.int16"),
+])
+def test_merge_parts_refuses_bad_input(bad, message):
+    """Wrong ranks or shapes, an lse_out not float32, non-contiguous parts or out, integer tensors: each was read or
+    written in the wrong place, or as other numbers. Refused before anything is written."""
+    parts_, part_lse = split_parts(3, tokens=4, heads=2, dim=16)
+    out, lse_out, _ = results(4, 2, 16, torch.float32, strided=False)
+    args = bad(parts_, part_lse, out, lse_out)
+    with pytest.raises(ValueError, match=message):
+        merge_parts(*args)
+    assert bool(torch.isnan(out).all() and torch.isnan(lse_out).all()), "wrote before refusing"
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_merge_parts_of_no_parts_gives_empty_rows(strided):
+    """S = 0: no row saw a key, so out 0 and lse -inf, not whatever out held before."""
+    parts_, part_lse = split_parts(0, dim=100)
+    out, lse, margin = results(TOKENS, HEADS, 100, torch.bfloat16, strided)
+    out.copy_(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).abs() + 1)  # garbage, not only NaN
+    merge_parts(parts_, part_lse, out, lse)
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+    assert all(bool(torch.isnan(m).all()) for m in margin), "wrote outside the view"
+
+
+@pytest.mark.parametrize("splits", [0, 3])
+@pytest.mark.parametrize("tokens, heads", [(0, 4), (4, 0), (0, 0)])
+def test_merge_parts_of_no_rows_returns(splits, tokens, heads):
+    """T*H = 0: nothing to merge or write; must return, not launch an empty grid or raise."""
+    parts_, part_lse = split_parts(splits, tokens=tokens, heads=heads, dim=64)
+    out, lse = torch.empty(tokens, heads, 64, device=DEVICE), torch.empty(tokens, heads, device=DEVICE)
+    assert merge_parts(parts_, part_lse, out, lse) is None

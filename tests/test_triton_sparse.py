@@ -2,12 +2,15 @@
 
 Invalid indices (FlashMLA's list: -2^31, -123456, -1, the source's row count, 2^31-1) are skipped; a row
 with none valid gives out 0 / lse -inf, as does every row of a top-k of 0 (with no kernel launched); float16 queries
-run through both impls; the wrong index transform is refused at plan time. Planted bugs: -1 read as index 0, and a
-RAGGED buffer dequantized to bf16 (rounding FP8 keys), must fail the judge. On a Hopper GPU
+run through both impls; the wrong index transform is refused at plan time; index lists cut in pieces merged by LSE
+(split-KV) pass, pieces past a list's end included. Planted bugs: -1 read as index 0, a RAGGED buffer dequantized to
+bf16 (rounding FP8 keys), pieces averaged and a piece dropped from the merge, must fail the judge. On a Hopper GPU
 (``pytest -m gpu``) the Gluon kernel of the fp8_ds_mla layouts is judged the same way, with a planted bug of its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,8 +22,8 @@ from impls.triton.common import check_e4m3
 from impls.triton.latent_io import LAYOUT_CODES, gather_latent
 from impls.triton.merge import LOG2E
 from impls.triton.sparse import TritonSparse, TritonSparseRagged
-from impls.triton.sparse_kernel import (INTERPRETER_CONFIG, WGMMA_CONFIG, SparseConfig, check_wgmma, default_config,
-                                        sparse_mqa)
+from impls.triton.sparse_kernel import (INTERPRETER_CONFIG, MIN_SPLIT_INDICES, WGMMA_CONFIG, SparseConfig,
+                                        check_wgmma, default_config, index_splits, sparse_mqa, split_workspace)
 from magnify import magnified
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import build_problem
@@ -442,3 +445,123 @@ def test_a_planted_bug_through_the_gluon_kernel_fails_the_judge():
                                    seed=3), _hopper())
     verdict = judge(GluonDropsTheLastIndex(WGMMA_CONFIG), problem)
     assert verdict.status == "failed", "the Gluon kernel ignored the list's last index"
+
+
+# ---- index lists cut in pieces (split-KV over the top-k list, merged by LSE) ------------------------------------
+
+
+def split_config(problem, splits: int | None) -> SparseConfig:
+    """The problem's default tiles on this device, its lists cut in ``splits`` pieces."""
+    config = default_config(problem.q.device, problem.q.shape[1], LAYOUT_CODES[problem.cache.layout.name],
+                            problem.q.dtype)
+    return replace(config, num_splits=splits)
+
+
+# top-k 128 over requests of 150, 33 and 5 keys: with 32- or 64-index steps, 3 pieces leave the last one past the
+# list's end and 5 several; the shorter requests' later pieces see no key (their lists end in -1 padding).
+LISTS = (150, 33, 5)
+
+
+@pytest.mark.parametrize("transform", ["paged", "ragged"])
+@pytest.mark.parametrize("layout, mode, splits", [("bf16", "sparse_decode", 2), ("fp8_ds_mla", "sparse_prefill", 3),
+                                                  ("fp8_e4m3", "sparse_decode", 5),
+                                                  ("fp8_ds_mla_pow2", "sparse_decode", 3)])
+def test_index_lists_cut_in_pieces_pass_the_judge(transform, layout, mode, splits):
+    """Each piece writes a normalized partial that the merge weighs by its lse; pieces that see no key (lse -inf) add
+    nothing, though the judge poisons the workspace they leave."""
+    p = build_problem(sparse(transform, mode, layout, topk=128, kv_lens=LISTS, seed=splits), DEVICE)
+    impl = IMPLS[transform](split_config(p, splits))
+    verdict = judge(impl, p)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    parts, part_lse = impl.plan(p).workspace
+    assert parts.shape == (splits, *p.q.shape[:2], 512) and part_lse.shape == (splits, *p.q.shape[:2])
+
+
+def test_few_tokens_on_a_large_gpu_are_cut_by_default_and_pass_the_judge(monkeypatch):
+    """Three tokens on a GPU of 132 multiprocessors (the interpreter's plan says 4): the default cuts their lists."""
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    p = build_problem(sparse("paged", topk=2 * MIN_SPLIT_INDICES, kv_lens=(300, 200, 40)), DEVICE)
+    impl = TritonSparse()
+    plan = impl.plan(p)
+    assert plan.workspace is not None and plan.workspace[0].shape[0] == 2
+    verdict = judge(impl, p)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+def test_the_lists_are_cut_to_fill_the_gpu_in_whole_steps_and_no_empty_piece():
+    one = SparseConfig(block_h=16, block_n=64, num_warps=4)
+    assert index_splits(1, 16, 2048, one, 132) == (2048 // MIN_SPLIT_INDICES, MIN_SPLIT_INDICES)  # no piece shorter
+    assert index_splits(64, 16, 2048, one, 132) == (3, 704)  # 192 programs for 132 multiprocessors
+    assert index_splits(32, 16, 2048, replace(one, programs_per_sm=2), 132) == (8, 256)  # 256 for 264
+    assert index_splits(132, 16, 2048, one, 132)[0] == 1    # the tokens fill the GPU alone
+    assert index_splits(32, 128, 2048, one, 132)[0] == 1    # so do their head blocks
+    for tokens, heads, topk in [(1, 16, 2048), (3, 16, 130), (5, 128, 2047), (40, 16, 64), (2, 64, 129), (0, 16, 64),
+                                (7, 16, 0)]:
+        splits, chunk = index_splits(tokens, heads, topk, one, 132)
+        assert chunk % one.block_n == 0 and splits * chunk >= topk, (tokens, heads, topk)
+        assert splits == 1 or (splits - 1) * chunk < topk, "a piece past the list's end"
+    assert index_splits(4, 16, 100, replace(one, num_splits=5), 132) == (5, 64)  # forced: pieces 2-4 empty
+    assert index_splits(1, 64, 2048, WGMMA_CONFIG, 132)[0] == 1  # the Gluon kernel walks a whole list
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_splits=0), "num_splits must be None or an int >= 1, got 0"),
+    (dict(num_splits=True), "num_splits must be None or an int >= 1, got True"),
+    (dict(num_splits=2.0), "num_splits must be None or an int >= 1, got 2.0"),
+    (dict(num_splits=65536), "which CUDA caps at 65535, got 65536"),
+    (dict(programs_per_sm=0), "programs_per_sm must be an int >= 1, got 0"),
+    (dict(block_h=64, block_n=64, num_warps=8, wgmma=True, num_splits=2), "in one program, got num_splits=2"),
+])
+def test_piece_counts_the_kernel_cannot_run_are_refused_by_the_config(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SparseConfig(**fields)
+
+
+def test_a_workspace_unlike_the_split_partials_is_refused_and_none_is_allocated_by_sparse_mqa():
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS, seed=5), DEVICE)
+    config = split_config(p, 3)
+    rows, code = p.cache.rows(), LAYOUT_CODES["bf16"]
+    parts, part_lse = split_workspace(p.q, p.sparse_indices, config)
+    for bad in [(parts[:2], part_lse[:2]), (parts.double(), part_lse), (parts, part_lse[..., :1]), parts]:
+        with pytest.raises(ValueError, match=r"sparse_mqa: the workspace must be contiguous float32 \[3, "):
+            sparse_mqa(p.q, p.sparse_indices, rows, code, p.scale, config=config, workspace=bad)
+    given = sparse_mqa(p.q, p.sparse_indices, rows, code, p.scale, config=config, workspace=(parts, part_lse))
+    own = sparse_mqa(p.q, p.sparse_indices, rows, code, p.scale, config=config)
+    assert torch.equal(given[0], own[0]) and torch.equal(given[1], own[1])
+
+
+def test_the_plans_poison_reaches_the_workspace():
+    """The judge poisons what a plan holds before each run: a piece that left rows of its partial unwritten then
+    merges NaN into the answer instead of last run's values."""
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS), DEVICE)
+    impl = TritonSparse(split_config(p, 2))
+    plan = impl.plan(p)
+    impl.poison(plan)
+    assert all(bool(t.isnan().all()) for t in plan.workspace)
+
+
+class PiecesAveraged(TritonSparse):
+    """Planted bug: the pieces' partials averaged, not weighed by their lse."""
+
+    def run(self, plan):
+        out, lse = super().run(plan)
+        parts, part_lse = plan.workspace
+        out.copy_(parts.mean(0))
+        return out, lse
+
+
+class LastPieceDropped(TritonSparse):
+    """Planted bug: the merge reads one piece fewer than the kernel wrote."""
+
+    def run(self, plan):
+        out, lse = super().run(plan)
+        parts, part_lse = plan.workspace
+        sparse_kernel.merge_parts(parts[:-1].contiguous(), part_lse[:-1].contiguous(), out, lse)
+        return out, lse
+
+
+@pytest.mark.parametrize("planted", [PiecesAveraged, LastPieceDropped])
+def test_planted_merge_bugs_fail_the_judge(planted):
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS, seed=2), DEVICE)
+    verdict = judge(planted(split_config(p, 2)), p)
+    assert verdict.status == "failed", verdict.message

@@ -31,6 +31,13 @@ def has_wgmma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors a split-KV kernel fills; the interpreter gets a nominal 4 so that small tests still split."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` the current CUDA device for the block: Triton compiles for and launches on the current device
     whatever its tensors' device, so tensors on cuda:1 while cuda:0 is current ran cuda:0's kernels over cuda:1's

@@ -118,7 +118,7 @@ def _as_launch(fn, args: tuple, kwargs: dict) -> Launch:
 
 def _drive_impls() -> None:
     """Plan and run small problems through every Triton path with the GPU's default configurations."""
-    from impls.triton import decode, prefill_kernel, sparse_kernel
+    from impls.triton import common, decode, prefill_kernel, sparse_kernel
     from impls.triton.cache_ops import gather_cache_triton, has_kernel, write_cache_triton
     from impls.triton.chunked import TritonChunkedPrefill
     from impls.triton.kv_indices import kv_indices_triton
@@ -158,7 +158,7 @@ def _drive_impls() -> None:
     long = build_problem(Workload(mode="decode", preset="tiny", num_heads=16, q_lens=(1,), kv_lens=(4200,),
                                   page_size=64), cpu)
     config = dataclasses.replace(split_and_kept(decode.default_config(16, 1)), num_splits=64)
-    with mock.patch.object(decode, "_sm_count", lambda device: 132):
+    with mock.patch.object(common, "sm_count", lambda device: 132):
         decode.run_decode(decode.plan_decode(long.q, long.cache, long.meta.block_table, long.meta.q_lens,
                                              long.meta.kv_lens, long.scale, config=config))
 
@@ -169,8 +169,10 @@ def _drive_impls() -> None:
                 problem = build_problem(Workload(mode=mode, q_lens=(2, 1), kv_lens=(70, 33), page_size=16,
                                                  layout=layout, dtype=dtype, topk=32, index_transform=transform), cpu)
                 for heads, hopper in itertools.product((16, 64, 128), (False, True)):
-                    runner = impl(sparse_kernel.default_config(gpu, heads, code, problem.q.dtype, hopper=hopper))
-                    runner.run(runner.plan(problem))
+                    config = sparse_kernel.default_config(gpu, heads, code, problem.q.dtype, hopper=hopper)
+                    for splits in (None,) if config.wgmma else (None, 2):  # cut in two: the split store and merge
+                        runner = impl(dataclasses.replace(config, num_splits=splits))
+                        runner.run(runner.plan(problem))
         chunked = TritonChunkedPrefill(prefill_kernel.default_config(gpu))
         problem = build_problem(Workload(mode="chunked_prefill", q_lens=(3, 2), kv_lens=(40, 9), page_size=16,
                                          layout=layout, dtype=dtype, chunk_size=16), cpu)

@@ -421,7 +421,7 @@ def batch_config(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int], 
                  device: torch.device) -> DecodeConfig:
     """``default_config`` for a batch on ``device``: its longest query, its keys and the device's bandwidth per
     multiprocessor."""
-    sms = _sm_count(device)
+    sms = common.sm_count(device)
     return default_config(num_heads, max(q_lens), layout, page_size, sum(kv_lens) / sms, common.has_wgmma(device),
                           _dram_gbps(device) / sms)
 
@@ -485,7 +485,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                                 f"use block_n >= 32")
     if config.gluon:
         _check_gluon(cache, device, config)
-    sms = _sm_count(device)
+    sms = common.sm_count(device)
     schedule = build_schedule(q_lens, kv_lens, num_heads, config.block_m, config.block_n,
                               sms * config.programs_per_sm, config.min_split, config.num_splits)
     if _gluon_split(config, cache.layout.name) is _decode_split_kernel_wgmma:
@@ -1014,11 +1014,3 @@ def _dram_gbps(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0
     return triton.testing.get_dram_gbps(device.index)
-
-
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors to fill; the interpreter gets a nominal 4 so that small tests still split."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-

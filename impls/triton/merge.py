@@ -108,6 +108,76 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
 
 
 @triton.jit
+def _merge_parts_kernel(out_ptr, lse_out_ptr, parts_ptr, part_lse_ptr, S, R, H, D, s_ot, s_oh, s_lt, s_lh,
+                        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
+    """Rows ``r`` ((token, head) pairs, head fastest) and ``BLOCK_D`` columns of the merge of ``S`` contiguous parts
+    ``[S, R, D]``, ``BLOCK_S`` parts per step with independent loads (a long list is not a chain of latencies)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    r_ok = r < R
+    t = (r // H).to(tl.int64)
+    heads = r % H
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
+        ok = (s < S)[:, None] & r_ok[None, :]
+        lse = tl.load(part_lse_ptr + s[:, None] * R + r[None, :], mask=ok, other=float("-inf")).to(tl.float32)
+        lse = _as_neginf_if_posinf(lse)
+        o = tl.load(parts_ptr + ((s[:, None] * R + r[None, :]) * D)[:, :, None] + cols[None, None, :],
+                    mask=ok[:, :, None] & (cols < D)[None, None, :], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no part saw a key yet: weights stay 0
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe[None, :])
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, w[:, :, None] * o, 0.0), 0)
+        m = m_new
+    live = total != 0  # not > 0: a NaN row is not an empty one
+    safe_total = tl.where(live, total, 1.0)
+    merged = cast(acc / safe_total[:, None], out_ptr.dtype.element_ty, INTERP)
+    tl.store(out_ptr + (t * s_ot + heads * s_oh)[:, None] + cols[None, :], merged,
+             mask=r_ok[:, None] & (cols < D)[None, :])
+    if tl.program_id(1) == 0:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(lse_out_ptr + t * s_lt + heads * s_lh, tl.where(live, m_safe + tl.log(safe_total), float("-inf")),
+                 mask=r_ok)
+
+
+def merge_parts(parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor) -> None:
+    """Write into ``out`` ``[T, H, D]`` and ``lse_out`` ``[T, H]`` (float32) the attention over the union of ``S``
+    disjoint key sets, from each part's ``parts[s]`` ``[T, H, D]`` and ``part_lse[s]`` ``[T, H]`` (the split-KV
+    merge: the parts contiguous, ``out`` contiguous in its last dim). A part of weight 0 adds nothing even where it
+    holds garbage; all parts empty give out 0 and lse -inf; a NaN part gives NaN."""
+    if parts.dim() != 4 or part_lse.shape != parts.shape[:3] or out.shape != parts.shape[1:] \
+            or lse_out.shape != parts.shape[1:3]:
+        raise ValueError(f"merge_parts: parts [S, T, H, D], part_lse [S, T, H], out [T, H, D] and lse_out [T, H] "
+                         f"needed, got {list(parts.shape)}, {list(part_lse.shape)}, {list(out.shape)} and "
+                         f"{list(lse_out.shape)}")
+    if not (parts.is_contiguous() and part_lse.is_contiguous() and out.stride(-1) == 1):
+        raise ValueError("merge_parts: parts and part_lse must be contiguous, out contiguous in its last dim")
+    if lse_out.dtype != torch.float32:
+        raise ValueError(f"merge_parts: lse_out must be float32, got {lse_out.dtype}")
+    _check_floats("merge_parts: parts, part_lse and out", parts, part_lse, out)
+    splits, tokens, heads, dim = parts.shape
+    rows = tokens * heads
+    if not rows:
+        return
+    if not splits:
+        out.zero_()
+        lse_out.fill_(float("-inf"))
+        return
+    block_r, block_d = (128, min(128, triton.next_power_of_2(dim))) if INTERPRETING else (16, 64)
+    block_s = min(triton.next_power_of_2(splits), 8)
+    with common.on_device(out.device):
+        _merge_parts_kernel[(triton.cdiv(rows, block_r), triton.cdiv(dim, block_d))](
+            out, lse_out, parts, part_lse, splits, rows, heads, dim, out.stride(0), out.stride(1),
+            lse_out.stride(0), lse_out.stride(1),
+            BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_D=block_d, INTERP=INTERPRETING)
+
+
+@triton.jit
 def _rescale_kernel(out_ptr, lse_total_ptr, part_ptr, all_lse_ptr, rank, world, R, H, D,
                     s_ot, s_oh, s_pt, s_ph, s_lw, s_lt, s_lh, s_tt, s_th,
                     BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -19,7 +19,8 @@ import torch
 from impls.triton.cache_ops import triton_unavailable
 from impls.triton.latent_io import LAYOUT_CODES, cache_tensor_scale, layout_code
 from impls.triton.common import check_e4m3, check_token_slots
-from impls.triton.sparse_kernel import SparseConfig, check_inputs, check_wgmma, default_config, sparse_mqa
+from impls.triton.sparse_kernel import (SparseConfig, check_inputs, check_wgmma, default_config, sparse_mqa,
+                                        split_workspace)
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
@@ -38,6 +39,7 @@ class SparsePlan:
     config: SparseConfig
     layout: int                         # kernel constexpr of the row source's layout
     buffer: torch.Tensor | None = None  # RAGGED: [N, bytes_per_token] the requests' tokens, in order
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # the split partials (split_workspace)
 
 
 class _TritonSparseBase(Impl):
@@ -60,11 +62,11 @@ class _TritonSparseBase(Impl):
         config = self.config or default_config(q.device, heads, layout, q.dtype)
         check_e4m3(q.device, problem.cache.layout.name, self.name)
         check_wgmma(config, q.device, layout, q.dtype)
-        return SparsePlan(problem, out, lse, config, layout, buffer)
+        return SparsePlan(problem, out, lse, config, layout, buffer, split_workspace(q, problem.sparse_indices, config))
 
     def poison(self, plan: SparsePlan) -> None:
-        plan.out.fill_(float("nan"))
-        plan.lse.fill_(float("nan"))
+        for tensor in (plan.out, plan.lse, *(plan.workspace or ())):
+            tensor.fill_(float("nan"))
 
 
 class TritonSparse(_TritonSparseBase):
@@ -79,7 +81,7 @@ class TritonSparse(_TritonSparseBase):
     def run(self, plan: SparsePlan) -> tuple[torch.Tensor, torch.Tensor]:
         p = plan.problem
         return sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), plan.layout, p.scale, cache_tensor_scale(p.cache),
-                          plan.out, plan.lse, plan.config)
+                          plan.out, plan.lse, plan.config, plan.workspace)
 
 
 class TritonSparseRagged(_TritonSparseBase):
@@ -105,4 +107,4 @@ class TritonSparseRagged(_TritonSparseBase):
         p = plan.problem
         torch.index_select(p.cache.rows(), 0, p.meta.token_slots, out=plan.buffer)
         return sparse_mqa(p.q, p.sparse_indices, plan.buffer, plan.layout, p.scale, cache_tensor_scale(p.cache),
-                          plan.out, plan.lse, plan.config)
+                          plan.out, plan.lse, plan.config, plan.workspace)

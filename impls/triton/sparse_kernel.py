@@ -15,6 +15,11 @@ layouts enter the products as their exact codes and each tile's per-token scale 
 cache exactly, whatever its scales, instead of rounding dequantized keys to bf16. Power-of-two scales
 (``fp8_ds_mla_pow2``) dequantize exactly into bf16, so that layout takes the unscaled products like bf16.
 
+Few tokens would leave most of the GPU idle (one program per token and head block, each walking its whole list: at
+16 heads, batch 1, top-k 2048 that is one program for 99 us on an H100). So each list is cut into pieces, one
+program each, that write normalized partials and their lse into a workspace the plan allocates; ``merge_parts``
+combines them by LSE (flash-decoding over the top-k list; ``index_splits`` chooses the pieces).
+
 On Hopper, 64-head blocks of ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` with bf16 queries run ``sparse_wgmma``'s Gluon
 kernel instead (``SparseConfig.wgmma``): same arguments and results, the serial chain of this kernel's step shortened
 (power-of-two scales through one scale per key, exact).
@@ -31,7 +36,7 @@ import triton.language as tl
 from impls.triton import common
 from impls.triton.common import INTERPRETING, cast, check_e4m3, check_power_of_two, mma, prefetch_l2
 from impls.triton.latent_io import LAYOUT_CODES, SCALED_CODES, load_nope_tile, load_rope_tile
-from impls.triton.merge import LOG2E
+from impls.triton.merge import LOG2E, merge_parts
 from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
 from mla_bench.dims import softmax_scale_problem
 from mla_bench.errors import UnsupportedConfig
@@ -42,6 +47,7 @@ WGMMA_TILE = (64, 64, 8)  # sparse_wgmma's heads per program, indices per step, 
 # sparse_wgmma's tokens per launch: its grid's second dimension, which CUDA caps at 65535, rounded down to a multiple
 # of 4 so that every launch's int32 index rows start 16-byte aligned as the first launch's do
 TOKENS_PER_LAUNCH = 65532
+MAX_SPLITS = 65535  # the split kernel's grid's third dimension
 LAYOUT_NAMES = {code: name for name, code in LAYOUT_CODES.items()}
 
 
@@ -53,12 +59,26 @@ class SparseConfig:
     num_stages: int = 2
     prefetch: bool = False  # request the next step's rows into L2 while this step computes
     wgmma: bool = False     # the Gluon kernel (sparse_wgmma): Hopper, fp8_ds_mla layouts, bf16 queries
+    # pieces each token's index list is cut into, one program each, merged by LSE (None: ``index_splits`` chooses)
+    num_splits: int | None = None
+    programs_per_sm: int = 1  # programs a multiprocessor runs at once (index_splits fills the GPU with as many)
 
     def __post_init__(self) -> None:
         """Tiles Triton cannot build fail only at the first launch, and some only on a GPU (the interpreter runs a
         block_n of 8, which a 16-bit ``tl.dot`` refuses as K, and 3 warps): refuse them here."""
         for name, least in (("block_h", 1), ("block_n", 16), ("num_warps", 1)):
             check_power_of_two(self, name, least)
+        if isinstance(self.programs_per_sm, bool) or not isinstance(self.programs_per_sm, int) \
+                or self.programs_per_sm < 1:
+            raise ValueError(f"SparseConfig.programs_per_sm must be an int >= 1, got {self.programs_per_sm!r}")
+        splits = self.num_splits
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):
+            raise ValueError(f"SparseConfig.num_splits must be None or an int >= 1, got {splits!r}")
+        if splits is not None and splits > MAX_SPLITS:
+            raise ValueError(f"SparseConfig.num_splits is a grid dimension, which CUDA caps at {MAX_SPLITS}, "
+                             f"got {splits}")
+        if self.wgmma and splits not in (None, 1):
+            raise ValueError(f"SparseConfig.wgmma runs each token's index list in one program, got num_splits={splits}")
         if self.wgmma and (self.block_h, self.block_n, self.num_warps) != WGMMA_TILE:
             raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = {WGMMA_TILE}, got "
                              f"{(self.block_h, self.block_n, self.num_warps)}")
@@ -66,6 +86,9 @@ class SparseConfig:
 
 WGMMA_CONFIG = SparseConfig(*WGMMA_TILE, num_stages=2, wgmma=True)
 INTERPRETER_CONFIG = SparseConfig(block_h=16, block_n=32, num_warps=4, num_stages=1)  # the interpreter pays per op
+# Split-KV over the index lists: the fewest indices worth a program of their own (a piece's fixed cost: its query
+# tiles, its partial's store and read back by the merge). H100, 16 heads, top-k 2048, b1: 128 -> 20.7 us, 64 -> 24.7.
+MIN_SPLIT_INDICES = 128
 
 
 def default_config(device: torch.device, heads: int, layout_code: int = 0,
@@ -79,13 +102,16 @@ def default_config(device: torch.device, heads: int, layout_code: int = 0,
         # 64-head blocks (fewer heads would pad them); H200, 128 heads b128 top-k 2048: 0.505 -> 0.334 ms. Power-of-
         # two scales since their one scale per key (H100: 0.341 -> 0.305 ms; NOTES.md, part 2, session 30).
         return WGMMA_CONFIG
+    # programs_per_sm, H100, 16 heads, top-k 2048 (NOTES.md, session 64): bf16's two stages of keys in shared memory
+    # leave room for one program (b64 75 us at 1, 88 at 2; b128 123 at 1, 141 at 2); the scaled layouts' register-
+    # staged tiles for two (b32 72 us at 2, 87 at 1).
     if layout_code in SCALED_CODES:  # one program per token reads each key once; 64-key steps: fewer loop trips
-        best = SparseConfig(128, 64, 8, 1)
+        best = SparseConfig(128, 64, 8, 1, programs_per_sm=2)
     elif layout_code == 0:
         best = SparseConfig(32, 64, 4, 2)
     else:  # power-of-two fp8 dequantized in registers: wide head blocks amortize the decode (BH32 was 4.6x slower);
         # one stage of 128 keys with the next step's rows prefetched: 404 (BN64 s2) -> 331 us (NOTES.md, round 7)
-        best = SparseConfig(64, 128, 8, 1, prefetch=True)
+        best = SparseConfig(64, 128, 8, 1, prefetch=True, programs_per_sm=2)
     return replace(best, block_h=min(best.block_h, max(16, triton.next_power_of_2(heads))))
 
 
@@ -127,11 +153,15 @@ def _prefetch_rows(idx_row, first, topk, SRC, num_rows, row_bytes, LAYOUT: tl.co
 
 
 @triton.jit
-def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_scale, qk_scale,
-                   s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
+def _sparse_kernel(Q, IDX, SRC, OUT, LSE, PARTS, PART_LSE, H, topk, chunk, num_rows, row_bytes, tensor_scale,
+                   qk_scale, s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
                    LAYOUT: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PREFETCH: tl.constexpr, UPCAST: tl.constexpr):
+                   PREFETCH: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    """One program: ``BLOCK_H`` heads of token ``program_id(0)`` over indices ``[split * chunk, split * chunk +
+    chunk)`` of its list, ``split = program_id(2)``. ``SPLIT``: write the normalized partial and its lse into the
+    contiguous ``PARTS`` ``[S, T, H, 512]`` float32 and ``PART_LSE`` ``[S, T, H]`` for ``merge_parts``."""
     t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     offs = tl.arange(0, 128)
@@ -147,7 +177,7 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
     acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
+    for n0 in range(split * chunk, tl.minimum(topk, split * chunk + chunk), BLOCK_N):
         rows, valid = _index_rows(IDX + t * s_it, n0, topk, num_rows, BLOCK_N)
         k0, c0 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 0, LAYOUT, q0.dtype)
         k1, c1 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 1, LAYOUT, q0.dtype)
@@ -176,13 +206,51 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, H, topk, num_rows, row_bytes, tensor_s
     live = l_i != 0  # not > 0: a NaN row is not an empty one
     inv_l = (1.0 / tl.where(live, l_i, 1.0))[:, None]
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_rows = OUT + t * s_ot + heads[:, None] * s_oh + offs[None, :]
-    o_dt = OUT.dtype.element_ty
+    if SPLIT:
+        part = (split * tl.num_programs(0) + t) * H + heads  # (split, token, head) of the contiguous workspace
+        o_rows = PARTS + part[:, None] * 512 + offs[None, :]
+        lse_at = PART_LSE + part
+        o_dt = tl.float32
+    else:
+        o_rows = OUT + t * s_ot + heads[:, None] * s_oh + offs[None, :]
+        lse_at = LSE + t * s_lt + heads * s_lh
+        o_dt = OUT.dtype.element_ty
     tl.store(o_rows, cast(acc0 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
     tl.store(o_rows + 128, cast(acc1 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
     tl.store(o_rows + 256, cast(acc2 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
     tl.store(o_rows + 384, cast(acc3 * inv_l, o_dt, UPCAST), mask=h_ok[:, None])
-    tl.store(LSE + t * s_lt + heads * s_lh, lse, mask=h_ok)
+    tl.store(lse_at, lse, mask=h_ok)
+
+
+def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: int) -> tuple[int, int]:
+    """``(splits, chunk)``: each token's index list is cut into ``splits`` pieces of ``chunk`` indices (a multiple of
+    the step), one program each, merged by LSE (flash-decoding over the top-k list), so that a few tokens still fill
+    the GPU: ``config.programs_per_sm`` programs per multiprocessor, no piece under ``MIN_SPLIT_INDICES``. One
+    piece for the Gluon kernel and wherever the tokens fill the GPU alone; ``config.num_splits`` forces the count
+    (pieces past the list's end are then empty)."""
+    if config.num_splits is not None:
+        splits = config.num_splits
+    elif config.wgmma or not tokens or not topk:
+        splits = 1
+    else:
+        programs = tokens * triton.cdiv(heads, config.block_h)
+        splits = min(triton.cdiv(config.programs_per_sm * sms, programs), triton.cdiv(topk, MIN_SPLIT_INDICES))
+    chunk = triton.cdiv(triton.cdiv(max(topk, 1), splits), config.block_n) * config.block_n
+    if config.num_splits is None:
+        splits = triton.cdiv(max(topk, 1), chunk)  # no piece left empty by rounding the chunk up
+    return splits, chunk
+
+
+def split_workspace(q: torch.Tensor, indices: torch.Tensor,
+                    config: SparseConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The split partials ``sparse_mqa`` writes and merges, ``([S, T, H, 512], [S, T, H])`` float32; None where the
+    lists are not split. A plan allocates it so that its run allocates nothing (CUDA graphs)."""
+    splits, _ = index_splits(q.shape[0], q.shape[1], indices.shape[1], config, common.sm_count(q.device))
+    if splits == 1:
+        return None
+    shape = (splits, q.shape[0], q.shape[1])
+    return (torch.empty(*shape, NOPE_DIM, dtype=torch.float32, device=q.device),
+            torch.empty(shape, dtype=torch.float32, device=q.device))
 
 
 def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, query_dtype: torch.dtype) -> None:
@@ -233,9 +301,11 @@ def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, lay
 
 def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
                tensor_scale: float = 1.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               config: SparseConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: SparseConfig | None = None,
+               workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[T, H, 576]`` attends ``rows[indices[t]]``; ``rows`` is the uint8 ``[num_rows, bytes_per_token]``
     source (``PagedCache.rows()``, or a gathered bf16 buffer viewed as bytes) in the layout ``layout_code``.
+    ``workspace``: ``split_workspace``'s, where the lists are split (allocated here when not given).
 
     Returns ``out`` ``[T, H, 512]`` (q's dtype unless given) and ``lse`` ``[T, H]`` float32, natural log.
     """
@@ -244,6 +314,10 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
     out = torch.empty(tokens, heads, NOPE_DIM, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
     config = config or default_config(q.device, heads, layout_code, q.dtype)
+    splits, chunk = index_splits(tokens, heads, indices.shape[1], config, common.sm_count(q.device))
+    if splits > 1:
+        workspace = split_workspace(q, indices, config) if workspace is None else workspace
+        _check_workspace(workspace, (splits, tokens, heads), q.device)
     check_e4m3(q.device, LAYOUT_NAMES[layout_code], "sparse_mqa")
     check_wgmma(config, q.device, layout_code, q.dtype)
     qk_scale = float(scale) * LOG2E  # a numpy float32 passes the check, and no launcher takes it
@@ -261,14 +335,31 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
                     qk_scale, heads, PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"],
                     num_warps=config.num_warps)
         elif tokens:
-            grid = (tokens, triton.cdiv(heads, config.block_h))
-            _sparse_kernel[grid](q, indices, rows, out, lse, heads, indices.shape[1], rows.shape[0], rows.shape[1],
-                                 tensor_scale, qk_scale, q.stride(0), q.stride(1), indices.stride(0),
-                                 out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            parts, part_lse = workspace if splits > 1 else (out, lse)  # unread where not split
+            grid = (tokens, triton.cdiv(heads, config.block_h), splits)
+            _sparse_kernel[grid](q, indices, rows, out, lse, parts, part_lse, heads, indices.shape[1], chunk,
+                                 rows.shape[0], rows.shape[1], tensor_scale, qk_scale, q.stride(0), q.stride(1),
+                                 indices.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                                  LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
                                  BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,
-                                 UPCAST=INTERPRETING, num_warps=config.num_warps, num_stages=config.num_stages)
+                                 SPLIT=splits > 1, UPCAST=INTERPRETING, num_warps=config.num_warps,
+                                 num_stages=config.num_stages)
+            if splits > 1:
+                merge_parts(parts, part_lse, out, lse)
     return out, lse
+
+
+def _check_workspace(workspace: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
+                     device: torch.device) -> None:
+    """ValueError unless ``workspace`` is what ``split_workspace`` allocates for this launch."""
+    want = ((*shape, NOPE_DIM), shape)
+    tensors = isinstance(workspace, tuple) and all(isinstance(w, torch.Tensor) for w in workspace)
+    if not (tensors and len(workspace) == 2 and all(
+            tuple(w.shape) == s and w.dtype == torch.float32 and w.is_contiguous() and w.device == device
+            for w, s in zip(workspace, want))):
+        got = [(w.dtype, list(w.shape), str(w.device)) for w in workspace] if tensors else type(workspace).__name__
+        raise ValueError(f"sparse_mqa: the workspace must be contiguous float32 {list(want[0])} and {list(want[1])} "
+                         f"on {device} (split_workspace), got {got}")
 
 
 def sparse_flops(indices_valid: int, heads: int) -> int:
