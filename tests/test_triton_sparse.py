@@ -565,3 +565,77 @@ def test_planted_merge_bugs_fail_the_judge(planted):
     p = build_problem(sparse("paged", topk=128, kv_lens=LISTS, seed=2), DEVICE)
     verdict = judge(planted(split_config(p, 2)), p)
     assert verdict.status == "failed", verdict.message
+
+
+@pytest.mark.parametrize("splits", [1, 2], ids=["whole", "cut"])
+@pytest.mark.parametrize("out_dtype, lse_dtype, message", [
+    (torch.bfloat16, torch.float64, r"lse must be \[3, 4\] float32, got torch.float64"),
+    (torch.bfloat16, torch.bfloat16, r"lse must be \[3, 4\] float32, got torch.bfloat16"),
+    (torch.int16, torch.float32, r"out must be \[3, 4, 512\] floating point .*, got torch.int16"),
+])
+def test_outputs_the_merge_cannot_write_are_refused_before_any_launch(splits, out_dtype, lse_dtype, message):
+    """The merge of cut lists takes a float32 lse and a floating-point out: another lse, or an integer out, was
+    written where the lists were whole and a ValueError from merge_parts after the kernel ran where they were cut, so
+    the same call passed or raised by batch size and multiprocessor count. Now refused up front either way."""
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS, seed=7), DEVICE)
+    config = split_config(p, splits)
+    workspace = split_workspace(p.q, p.sparse_indices, config)
+    for tensor in workspace or ():
+        tensor.fill_(float("nan"))
+    out = torch.full((3, 4, 512), 7, dtype=out_dtype, device=DEVICE)
+    lse = torch.full((3, 4), 7, dtype=lse_dtype, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), 0, p.scale, 1.0, out, lse, config, workspace)
+    assert bool((out == 7).all() and (lse == 7).all()), "written before the refusal"
+    assert all(bool(t.isnan().all()) for t in workspace or ()), "a kernel launched before the refusal"
+
+
+def test_queries_of_no_heads_give_empty_outputs():
+    """q ``[T, 0, 576]`` passes the checks, as T = 0 and top-k 0 do: ``index_splits`` divided the GPU's programs by
+    the tokens' zero head blocks (ZeroDivisionError in plan and run) where the whole lists launched an empty grid."""
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS), DEVICE)
+    assert index_splits(3, 0, 128, INTERPRETER_CONFIG, 132) == (1, 128)
+    p.q = p.q[:, :0]
+    impl = TritonSparse()
+    out, lse = impl.run(impl.plan(p))
+    assert out.shape == (3, 0, 512) and lse.shape == (3, 0)
+
+
+def test_cut_lists_of_several_head_blocks_pass_the_judge():
+    """40 heads are three 16-head blocks (the last padded): each block's pieces land at their heads' rows of the
+    workspace, in the interpreter's tiles and a GPU's alike."""
+    p = build_problem(sparse("ragged", topk=128, kv_lens=LISTS, num_heads=40, seed=4), DEVICE)
+    verdict = judge(TritonSparseRagged(split_config(p, 3)), p)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+
+
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_a_nan_reaches_out_and_lse_through_cut_lists(where):
+    """A NaN query row, or a NaN key that a token's list selects, gives that row NaN in out and lse when its list is
+    cut, as when it is whole (a NaN must never merge into a plausible number); the other rows stay finite."""
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS, seed=9), DEVICE)
+    if where == "query":
+        p.q[1, 2, 5] = float("nan")
+    else:  # token 1's last selected key: a bf16 value in its nope columns
+        slot = int(p.sparse_indices[1][p.sparse_indices[1] >= 0][-1])
+        p.cache.rows()[slot, 40:42] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8, device=DEVICE)  # bf16 NaN
+    impl = TritonSparse(split_config(p, 3))
+    out, lse = impl.run(impl.plan(p))
+    nan_rows = torch.zeros(out.shape[:2], dtype=torch.bool, device=DEVICE)
+    nan_rows[1, 2 if where == "query" else slice(None)] = True
+    assert torch.equal(torch.isnan(lse), nan_rows) and torch.equal(torch.isnan(out).all(-1), nan_rows)
+    assert not torch.isnan(out[~nan_rows]).any()
+
+
+def test_a_planned_run_allocates_no_workspace(monkeypatch):
+    """CUDA graphs replay ``run`` without its allocations: with a plan, the cut lists' partials come from it."""
+    p = build_problem(sparse("paged", topk=128, kv_lens=LISTS), DEVICE)
+    impl = TritonSparse(split_config(p, 2))
+    plan = impl.plan(p)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("run allocated a workspace")
+
+    monkeypatch.setattr(sparse_kernel, "split_workspace", refuse)
+    out, lse = impl.run(plan)
+    assert plan.workspace is not None and not torch.isnan(out).any()

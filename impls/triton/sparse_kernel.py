@@ -230,7 +230,7 @@ def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: 
     (pieces past the list's end are then empty)."""
     if config.num_splits is not None:
         splits = config.num_splits
-    elif config.wgmma or not tokens or not topk:
+    elif config.wgmma or not tokens or not heads or not topk:  # no program to fill the GPU with
         splits = 1
     else:
         programs = tokens * triton.cdiv(heads, config.block_h)
@@ -285,11 +285,13 @@ def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, lay
         if rows.dim() != 2 or rows.dtype != torch.uint8 or not rows.is_contiguous() or rows.shape[1] != width:
             problems.append(f"rows must be a contiguous uint8 [N, {width}] source of {LAYOUT_NAMES[layout_code]} "
                             f"tokens, got {rows.dtype} {list(rows.shape)}")
-    if out is not None and (tuple(out.shape) != (tokens, heads, NOPE_DIM) or out.stride(-1) != 1):
-        problems.append(f"out must be [{tokens}, {heads}, {NOPE_DIM}] (last dim contiguous), got {list(out.shape)} "
-                        f"strides {out.stride()}")
-    if lse is not None and tuple(lse.shape) != (tokens, heads):
-        problems.append(f"lse must be [{tokens}, {heads}], got {list(lse.shape)}")
+    # merge_parts, where the lists are cut, takes no other dtypes: refused here whether or not they are
+    if out is not None and (tuple(out.shape) != (tokens, heads, NOPE_DIM) or out.stride(-1) != 1
+                            or not out.dtype.is_floating_point):
+        problems.append(f"out must be [{tokens}, {heads}, {NOPE_DIM}] floating point (last dim contiguous), got "
+                        f"{out.dtype} {list(out.shape)} strides {out.stride()}")
+    if lse is not None and (tuple(lse.shape) != (tokens, heads) or lse.dtype != torch.float32):
+        problems.append(f"lse must be [{tokens}, {heads}] float32, got {lse.dtype} {list(lse.shape)}")
     devices = {t.device for t in (q, indices, rows, out, lse) if t is not None}  # a tensor's: cuda:0, not cuda
     if len(devices) > 1:
         problems.append(f"q, indices, rows, out and lse must be on one device, got {sorted(map(str, devices))}")

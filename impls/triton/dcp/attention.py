@@ -8,8 +8,8 @@ layouts it reads, so a run over another is refused before any rank starts.
 - ``triton_decode`` (the default): the Triton split-KV paged decode (issue 5) over the shard's own pages, with
   ``visible_lens`` as its per-row causal frontier; every layout the decode kernel reads (FP4 ones included);
 - ``triton_sparse``: the Triton sparse kernel fed every visible local slot of each row (-1 past the row's
-  frontier): a second Triton path (no split over the context: slow on few rows); the Triton latent readers'
-  layouts (bf16 and FP8, no FP4);
+  frontier): a second Triton path (few rows' lists cut into pieces merged by LSE, as any sparse problem's; its
+  workspace allocated per call); the Triton latent readers' layouts (bf16 and FP8, no FP4);
 - ``torch``: eager gather-and-softmax per request in float32, any layout (decoded by the layout's own codec).
 """
 
