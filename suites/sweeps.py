@@ -69,7 +69,7 @@ def tiny(preset: str = "tiny") -> list[Workload]:
 def gpu(presets: Iterable[str] = GPU_PRESETS, batches=(1, 32, 128), contexts=(4096, 8192, 16384)) -> list[Workload]:
     """Serving shapes: decode over batch x context, each other layout at one shape, prefill, chunked prefill
     over a long context, and DeepSeek V3.2's sparse decode and prefill (top-k 2048) on bf16 and fp8_ds_mla; then
-    ``short_sparse``'s mixes on both layouts (the same in every gpu sweep)."""
+    ``short_sparse``'s mixes on both layouts (the same in every gpu sweep) and sparse decode at the smallest batch."""
     sweep = []
     big_batch, long_ctx = batches[-1], contexts[-1]
     for preset in presets:
@@ -89,6 +89,10 @@ def gpu(presets: Iterable[str] = GPU_PRESETS, batches=(1, 32, 128), contexts=(40
             ]
     # Last, so that the workloads above keep their places in the shards' round robin.
     sweep += [w for preset in presets for layout in ("bf16", "fp8_ds_mla") for w in short_sparse(preset, layout)]
+    # Sparse decode at the smallest batch, where one token's list must be cut to fill the GPU (after the rest: the
+    # places above stay as the committed baselines have them).
+    sweep += [Workload.uniform(Mode.SPARSE_DECODE, batches[0], 1, long_ctx, topk=2048, layout=layout, preset=preset,
+                               page_size=GPU_PAGE) for preset in presets for layout in ("bf16", "fp8_ds_mla")]
     return sweep
 
 
