@@ -170,7 +170,7 @@ def _drive_impls() -> None:
                                                  layout=layout, dtype=dtype, topk=32, index_transform=transform), cpu)
                 for heads, hopper in itertools.product((16, 64, 128), (False, True)):
                     config = sparse_kernel.default_config(gpu, heads, code, problem.q.dtype, hopper=hopper)
-                    for splits in (None,) if config.wgmma else (None, 2):  # cut in two: the split store and merge
+                    for splits in (None, 2):  # cut in two: the float32 partials' store and the merge
                         runner = impl(dataclasses.replace(config, num_splits=splits))
                         runner.run(runner.plan(problem))
         chunked = TritonChunkedPrefill(prefill_kernel.default_config(gpu))

@@ -323,13 +323,14 @@ def _store_item(m_i, l_part, unit, out_scale, acc0, acc1, acc2, acc3, row_block,
 
 @gluon.jit
 def _store_out(out_row, cols, ok, acc0, acc1, acc2, acc3, inv_l):
-    """The final output rows, bf16."""
+    """The output rows ``ok`` in ``out_row``'s element type (bf16 outputs; float32 split partials)."""
     scale = inv_l[:, None]
     mask = ok[:, None]
-    gl.store(out_row[:, None] + (0 * TILE + cols)[None, :], (acc0 * scale).to(gl.bfloat16), mask=mask)
-    gl.store(out_row[:, None] + (1 * TILE + cols)[None, :], (acc1 * scale).to(gl.bfloat16), mask=mask)
-    gl.store(out_row[:, None] + (2 * TILE + cols)[None, :], (acc2 * scale).to(gl.bfloat16), mask=mask)
-    gl.store(out_row[:, None] + (3 * TILE + cols)[None, :], (acc3 * scale).to(gl.bfloat16), mask=mask)
+    dtype: gl.constexpr = out_row.dtype.element_ty
+    gl.store(out_row[:, None] + (0 * TILE + cols)[None, :], (acc0 * scale).to(dtype), mask=mask)
+    gl.store(out_row[:, None] + (1 * TILE + cols)[None, :], (acc1 * scale).to(dtype), mask=mask)
+    gl.store(out_row[:, None] + (2 * TILE + cols)[None, :], (acc2 * scale).to(dtype), mask=mask)
+    gl.store(out_row[:, None] + (3 * TILE + cols)[None, :], (acc3 * scale).to(dtype), mask=mask)
 
 
 @gluon.jit

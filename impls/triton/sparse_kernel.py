@@ -18,7 +18,9 @@ cache exactly, whatever its scales, instead of rounding dequantized keys to bf16
 Few tokens would leave most of the GPU idle (one program per token and head block, each walking its whole list: at
 16 heads, batch 1, top-k 2048 that is one program for 99 us on an H100). So each list is cut into pieces, one
 program each, that write normalized partials and their lse into a workspace the plan allocates; ``merge_parts``
-combines them by LSE (flash-decoding over the top-k list; ``index_splits`` chooses the pieces).
+combines them by LSE (flash-decoding over the top-k list; ``index_splits`` chooses the pieces). The Gluon kernel
+takes pieces too, where ``SparseConfig.num_splits`` asks for them; by default it walks whole lists (its pieces are
+not measured yet: NOTES.md, session 64).
 
 On Hopper, 64-head blocks of ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` with bf16 queries run ``sparse_wgmma``'s Gluon
 kernel instead (``SparseConfig.wgmma``): same arguments and results, the serial chain of this kernel's step shortened
@@ -77,8 +79,6 @@ class SparseConfig:
         if splits is not None and splits > MAX_SPLITS:
             raise ValueError(f"SparseConfig.num_splits is a grid dimension, which CUDA caps at {MAX_SPLITS}, "
                              f"got {splits}")
-        if self.wgmma and splits not in (None, 1):
-            raise ValueError(f"SparseConfig.wgmma runs each token's index list in one program, got num_splits={splits}")
         if self.wgmma and (self.block_h, self.block_n, self.num_warps) != WGMMA_TILE:
             raise ValueError(f"SparseConfig.wgmma runs (block_h, block_n, num_warps) = {WGMMA_TILE}, got "
                              f"{(self.block_h, self.block_n, self.num_warps)}")
@@ -226,11 +226,11 @@ def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: 
     """``(splits, chunk)``: each token's index list is cut into ``splits`` pieces of ``chunk`` indices (a multiple of
     the step), one program each, merged by LSE (flash-decoding over the top-k list), so that a few tokens still fill
     the GPU: ``config.programs_per_sm`` programs per multiprocessor, no piece under ``MIN_SPLIT_INDICES``. One
-    piece for the Gluon kernel and wherever the tokens fill the GPU alone; ``config.num_splits`` forces the count
-    (pieces past the list's end are then empty)."""
+    piece wherever the tokens fill the GPU alone, and by default for the Gluon kernel; ``config.num_splits`` forces the
+    count (pieces past the list's end are then empty)."""
     if config.num_splits is not None:
         splits = config.num_splits
-    elif config.wgmma or not tokens or not heads or not topk:  # no program to fill the GPU with
+    elif config.wgmma or not tokens or not heads or not topk:  # the Gluon kernel's pieces: selectable, not measured
         splits = 1
     else:
         programs = tokens * triton.cdiv(heads, config.block_h)
@@ -328,16 +328,19 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
         lse.fill_(float("-inf"))
         return out, lse
     with common.on_device(q.device):
+        parts, part_lse = workspace if splits > 1 else (out, lse)  # unread where not split
         if config.wgmma:
+            # a piece's out and lse: the workspace's next [T, H, 512] and [T, H] (one piece: out and lse themselves)
+            piece_strides = (parts.stride(0), part_lse.stride(0)) if splits > 1 else (0, 0)
             for t0 in range(0, tokens, TOKENS_PER_LAUNCH):
                 t = slice(t0, min(tokens, t0 + TOKENS_PER_LAUNCH))
-                _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), t.stop - t0)](
+                o, l = (parts[:, t], part_lse[:, t]) if splits > 1 else (out[t].unsqueeze(0), lse[t].unsqueeze(0))
+                _sparse_kernel_wgmma[(triton.cdiv(heads, config.block_h), t.stop - t0, splits)](
                     q[t], q.stride(0), q.stride(1), indices[t], indices.stride(0), rows, rows.shape[0],
-                    indices.shape[1], out[t], out.stride(0), out.stride(1), lse[t], lse.stride(0), lse.stride(1),
-                    qk_scale, heads, PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"],
+                    indices.shape[1], o, o.stride(1), o.stride(2), l, l.stride(1), l.stride(2), qk_scale, heads,
+                    chunk, *piece_strides, PER_KEY=layout_code == LAYOUT_CODES["fp8_ds_mla_pow2"],
                     num_warps=config.num_warps)
         elif tokens:
-            parts, part_lse = workspace if splits > 1 else (out, lse)  # unread where not split
             grid = (tokens, triton.cdiv(heads, config.block_h), splits)
             _sparse_kernel[grid](q, indices, rows, out, lse, parts, part_lse, heads, indices.shape[1], chunk,
                                  rows.shape[0], rows.shape[1], tensor_scale, qk_scale, q.stride(0), q.stride(1),
@@ -346,8 +349,8 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
                                  BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,
                                  SPLIT=splits > 1, UPCAST=INTERPRETING, num_warps=config.num_warps,
                                  num_stages=config.num_stages)
-            if splits > 1:
-                merge_parts(parts, part_lse, out, lse)
+        if splits > 1 and tokens:
+            merge_parts(parts, part_lse, out, lse)
     return out, lse
 
 

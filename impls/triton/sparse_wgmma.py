@@ -369,16 +369,22 @@ def _softmax_and_values(s, step_scales, probs, keys, m_i, l_part, unit, acc0, ac
 @gluon.jit
 def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows, topk,
                          out, stride_ot, stride_oh, lse, stride_lt, stride_lh, qk_scale, num_heads,
-                         PER_KEY: gl.constexpr):
-    """Program (token, 64-head block): ``out``/``lse`` of those heads over the token's ``topk`` indices into
-    ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the softmax scale times log2(e); ``PER_KEY``: the
-    scales are powers of two (``fp8_ds_mla_pow2``), one per key. ``topk`` >= 1: ``sparse_mqa`` writes a top-k of 0
-    itself."""
+                         chunk, stride_os, stride_ls, PER_KEY: gl.constexpr):
+    """Program (64-head block, token, piece): ``out``/``lse`` of those heads over the token's indices ``[piece *
+    chunk, piece * chunk + chunk)`` (of ``topk``) into ``rows`` (uint8 ``[num_rows, 656]``); ``qk_scale`` is the
+    softmax scale times log2(e); ``PER_KEY``: the scales are powers of two (``fp8_ds_mla_pow2``), one per key. A
+    piece's out and lse lie ``stride_os`` and ``stride_ls`` past the one before (cut lists: float32 partials for
+    ``merge_parts``; a whole list is the one piece, ``chunk`` >= ``topk``). ``topk`` >= 1: ``sparse_mqa`` writes a
+    top-k of 0 itself; a piece past the list's end sees no key (out 0, lse -inf)."""
     q_nope, q_rope, codes, scales, key_scales, rope, keys, probs = _step_buffers(HEADS, PER_KEY)
 
     token = gl.program_id(1).to(gl.int64)  # a token's head blocks run side by side: the second reads its rows from L2
     head0 = gl.program_id(0) * HEADS
-    idx_row = idx + token * stride_it
+    piece = gl.program_id(2)
+    idx_row = idx + token * stride_it + piece * chunk  # the piece's indices: a list of their own from here on
+    topk = gl.maximum(gl.minimum(chunk, topk - piece * chunk), 0)
+    out += piece.to(gl.int64) * stride_os
+    lse += piece.to(gl.int64) * stride_ls
     for first in range(0, topk, 32 * 256):  # the token's index list into L2: every later read of it is short
         at = gl.minimum(first + gl.arange(0, 256, layout=gl.BlockedLayout([1], [32], [8], [0])) * 32, topk - 1)
         _prefetch_l2(idx_row + at)
