@@ -186,14 +186,18 @@ class Impl(ABC):
         """Why ``problem`` is out of this impl's declared capabilities, or None."""
         return self.capabilities.refusal(problem.workload, problem.device)
 
+    def refuse_undeclared(self, problem: Any) -> None:
+        """UnsupportedConfig naming why ``problem`` is out of the declared capabilities (plan's own first check)."""
+        reason = self.refusal(problem)
+        if reason:
+            raise UnsupportedConfig(f"{self.name}: unsupported {reason} ({problem.workload.label})")
+
 
 def _refusing_undeclared(plan: Any) -> Any:
     """``plan`` behind the capability check (see ``Impl.__init_subclass__``)."""
     @functools.wraps(plan)
     def checked(self: Impl, problem: Any) -> Any:
-        reason = self.refusal(problem)
-        if reason:
-            raise UnsupportedConfig(f"{self.name}: unsupported {reason} ({problem.workload.label})")
+        self.refuse_undeclared(problem)
         return plan(self, problem)
     checked.checks_capabilities = True
     return checked

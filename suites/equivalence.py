@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import traceback
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -79,12 +79,14 @@ GPU_SHAPES = Shapes("deepseek-v3-tp8", 64, absorbed=(((1,) * 32, (4096,) * 32), 
 @dataclass
 class Side:
     """One way of computing: ``run`` gives ``(out, lse)`` on ``problem``; ``post`` maps an output (the impl's, or
-    the float64 reference's) into the space both sides are compared in."""
+    the float64 reference's) into the space both sides are compared in; ``refuse`` raises UnsupportedConfig where the
+    side's impl declines a problem by its declared capabilities, asked before any reference is computed."""
 
     name: str
     problem: Problem
     run: Callable[[Problem], Pair]
     post: Callable[[torch.Tensor, Problem], torch.Tensor] = lambda out, problem: out
+    refuse: Callable[[Problem], None] = lambda problem: None
 
     def result(self) -> Pair:
         out, lse = check_outputs(self.run(self.problem), self.problem)
@@ -212,13 +214,19 @@ def _sides(c: Comparison, device: torch.device) -> tuple[Side, Side]:
     mine, other = build_problem(c.workload, device), build_problem(c.other, device)
     if c.check == "absorbed == mha":  # filed under the decode workload, with MHA's prefill as the first side
         dense = c.dense or _dense_decode_impl()
-        return (Side("triton_prefill", other, _impl_runner("triton_prefill")),
-                Side(dense, mine, _impl_runner(dense), _up_project))
+        return _impl_side("triton_prefill", other), _impl_side(dense, mine, post=_up_project)
     if c.check == "dcp == single rank":
         return (Side(f"triton_dcp W={c.workload.dcp_world}", mine, _dcp_runner()),
                 Side("triton_dcp W=1", other, _dcp_runner()))
     reference = "triton_prefill" if c.check == "chunked == unchunked" else _dense_decode_impl()
-    return Side(c.impl, mine, _impl_runner(c.impl)), Side(reference, other, _impl_runner(reference))
+    return _impl_side(c.impl, mine), _impl_side(reference, other)
+
+
+def _impl_side(name: str, problem: Problem, **fields: Any) -> Side:
+    """A side the registered impl ``name`` runs (``fields``: Side's others, as ``post``), refused by its
+    capabilities before any reference is computed."""
+    return Side(name, problem, _impl_runner(name), refuse=lambda p: discover()[name].load().refuse_undeclared(p),
+                **fields)
 
 
 def _up_project(latent: torch.Tensor, problem: Problem) -> torch.Tensor:
@@ -259,10 +267,11 @@ def _dcp_runner() -> Callable[[Problem], Pair]:
 
 def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], tuple[Side, Side]],
             memo: dict[tuple, Pair]) -> Result:
-    """Compute both sides' references, then run the sides, and judge the difference; a refusal is ``unsupported``,
-    a crash (``sys.exit`` too) or an ``(out, lse)`` that ``check_outputs`` refuses (``out`` not in the problem's
-    dtype) ``error``. ``memo`` keeps results of a side shared by several checks, keyed by side, workload and ``post``
-    (the dense decode is up-projected in one check and compared as it is in another)."""
+    """Ask both sides' capabilities, compute their references, then run the sides, and judge the difference; a
+    refusal (by capabilities or by plan) is ``unsupported``, a crash (``sys.exit`` too) or an ``(out, lse)`` that
+    ``check_outputs`` refuses (``out`` not in the problem's dtype) ``error``. ``memo`` keeps results of a side
+    shared by several checks, keyed by side, workload and ``post`` (the dense decode is up-projected in one check
+    and compared as it is in another)."""
     def cached(key: tuple, compute: Callable[[], Pair]) -> Pair:
         if key not in memo:
             memo[key] = compute()
@@ -270,6 +279,8 @@ def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], 
 
     try:
         a, b = make_sides()
+        for s in (a, b):  # a refusal its capabilities give needs no reference (minutes each at serving shapes)
+            s.refuse(s.problem)
         # references first: what a side writes into its problem's inputs cannot move its reference, nor the bound
         refs = [cached(("ref", s.name, s.post, s.problem.workload.key), s.reference) for s in (a, b)]
         results = [cached((s.name, s.post, s.problem.workload.key), s.result) for s in (a, b)]

@@ -216,6 +216,26 @@ def test_a_side_that_writes_into_its_queries_is_flagged(monkeypatch):
     assert result.metrics["inherent.rel_l2"] < 0.05 < result.metrics["pair.rel_l2"], result.metrics
 
 
+class RefusesThePageSize(TritonChunkedPrefill):
+    """Declares page size 1 only: the suite's pages (8 tokens on CPU, 64 on GPU) are out of its capabilities."""
+
+    name = "triton_chunked_prefill"
+    capabilities = dataclasses.replace(TritonChunkedPrefill.capabilities, page_sizes=frozenset({1}))
+
+
+def test_a_side_its_capabilities_refuse_is_unsupported_before_any_reference(monkeypatch):
+    """Both sides' float64 references were computed before plan refused (minutes for nothing at 128 heads and long
+    contexts); the record is the one plan's refusal gives."""
+    computed, real = [], suites.equivalence.expected
+    monkeypatch.setattr(suites.equivalence, "expected",
+                        lambda problem: computed.append(problem.workload.label) or real(problem))
+    result = chunked_result(monkeypatch, RefusesThePageSize)
+    assert result.status == "unsupported", result.message
+    assert result.message == f"triton_chunked_prefill: unsupported page size {result.workload['page_size']} " \
+        f"({result.label})"
+    assert computed == [], f"{len(computed)} float64 references computed for a refused side"
+
+
 class Float32Out(TritonChunkedPrefill):
     """Planted bug: returns its float32 accumulator, not an out in the problem's dtype."""
 
