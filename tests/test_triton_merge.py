@@ -138,20 +138,20 @@ def test_merge_refuses_integer_tensors():
 TOKENS, HEADS = 7, 19
 
 
-def split_parts(splits, tokens=TOKENS, heads=HEADS, dim=512, seed=0, scale=3.0):
-    """Fresh random float32 ``parts [S, T, H, D]`` and ``part_lse [S, T, H]`` (no zeros, no ties)."""
+def random_parts(splits, tokens=TOKENS, heads=HEADS, dim=512, seed=0, scale=3.0):
+    """Fresh random float32 ``part_out [S, T, H, D]`` and ``part_lse [S, T, H]`` (no zeros, no ties)."""
     g = torch.Generator().manual_seed(seed)
-    parts_ = torch.randn(splits, tokens, heads, dim, generator=g).to(DEVICE)
+    part_out = torch.randn(splits, tokens, heads, dim, generator=g).to(DEVICE)
     part_lse = (torch.randn(splits, tokens, heads, generator=g) * scale).to(DEVICE)
-    return parts_, part_lse
+    return part_out, part_lse
 
 
-def ref_merge_parts(parts_, part_lse):
+def ref_merge_parts(part_out, part_lse):
     """The float64 reference: L = logsumexp_s lse_s, out = sum_s exp(lse_s - L) * parts_s (empty parts ignored)."""
-    return merge_many(list(zip(parts_.unbind(0), part_lse.unbind(0))))
+    return merge_many(list(zip(part_out.unbind(0), part_lse.unbind(0))))
 
 
-def results(tokens, heads, dim, dtype, strided):
+def nan_outputs(tokens, heads, dim, dtype, strided):
     """NaN-filled ``out [T, H, D]`` and ``lse_out [T, H]``, and the NaN margin a strided view leaves around them.
 
     Strided: out is a [H, T, D + 24] tensor, transposed and sliced to D columns from 8 (last dim contiguous, the
@@ -167,10 +167,10 @@ def results(tokens, heads, dim, dtype, strided):
 
 def check_merge_parts(merge, splits, dim, dtype, strided, seed=0) -> None:
     """``merge`` against the float64 reference on fresh parts: every element written, nothing outside the view."""
-    parts_, part_lse = split_parts(splits, dim=dim, seed=seed)
-    out, lse, margin = results(TOKENS, HEADS, dim, dtype, strided)
-    merge(parts_, part_lse, out, lse)
-    ref_out, ref_lse = ref_merge_parts(parts_, part_lse)
+    part_out, part_lse = random_parts(splits, dim=dim, seed=seed)
+    out, lse, margin = nan_outputs(TOKENS, HEADS, dim, dtype, strided)
+    merge(part_out, part_lse, out, lse)
+    ref_out, ref_lse = ref_merge_parts(part_out, part_lse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "left unwritten or NaN"
     assert all(bool(torch.isnan(m).all()) for m in margin), "wrote outside the view"
     assert torch.allclose(lse.double(), ref_lse, atol=2e-6, rtol=1e-6)
@@ -193,13 +193,13 @@ def test_merge_parts_follows_the_float64_reference(splits, dim, dtype, strided):
 def test_merge_parts_rescales_across_steps_without_overflow():
     """lse near +1000 rising over 17 parts (a later step holds a new max: the running sums must be rescaled) and
     near -1000 falling (the max in the first step): unshifted exps would overflow or underflow to 0."""
-    parts_, part_lse = split_parts(17, tokens=4, heads=8, dim=100, seed=5, scale=0.3)
+    part_out, part_lse = random_parts(17, tokens=4, heads=8, dim=100, seed=5, scale=0.3)
     ramp = torch.arange(17, device=DEVICE)[:, None, None] * 0.7
     rising = (torch.arange(4, device=DEVICE) % 2 == 0)[None, :, None]
     part_lse = part_lse + torch.where(rising, 1000 + ramp, -1000 - ramp)
     out, lse = torch.empty(4, 8, 100, device=DEVICE), torch.empty(4, 8, device=DEVICE)
-    merge_parts(parts_, part_lse, out, lse)
-    ref_out, ref_lse = ref_merge_parts(parts_, part_lse)
+    merge_parts(part_out, part_lse, out, lse)
+    ref_out, ref_lse = ref_merge_parts(part_out, part_lse)
     assert torch.allclose(out.double(), ref_out, atol=2e-6, rtol=1e-5)
     assert torch.allclose(lse.double(), ref_lse, atol=0, rtol=1e-7)
 
@@ -211,37 +211,37 @@ def poisoned_parts(splits=9, tokens=6, heads=3, dim=100, seed=11):
     (1, 0) all -inf, (1, 1) all +inf, (1, 2) all -inf or +inf, each holding NaN; (2, 0), (2, 1) a NaN lse in the
     first step and in the second; (2, 2) a NaN lse beside only empty parts; (3, 0) one NaN value (column 7) and
     (3, 1) a row of NaN values, both of a part with a finite lse. The other rows are clean."""
-    parts_, part_lse = split_parts(splits, tokens, heads, dim, seed=seed)
+    part_out, part_lse = random_parts(splits, tokens, heads, dim, seed=seed)
     nan = float("nan")
-    clean_parts, clean_lse = parts_.clone(), part_lse.clone()  # what the reference merges (it refuses NaN)
-    part_lse[[3, 8], 0, 0], parts_[[3, 8], 0, 0] = -INF, nan
-    part_lse[[0, 8], 0, 1], parts_[[0, 8], 0, 1] = INF, nan
+    clean_parts, clean_lse = part_out.clone(), part_lse.clone()  # what the reference merges (it refuses NaN)
+    part_lse[[3, 8], 0, 0], part_out[[3, 8], 0, 0] = -INF, nan
+    part_lse[[0, 8], 0, 1], part_out[[0, 8], 0, 1] = INF, nan
     part_lse[:, 1, 0], part_lse[:, 1, 1] = -INF, INF
     part_lse[:, 1, 2] = torch.where(torch.arange(splits, device=DEVICE) % 2 == 0, INF, -INF)
-    parts_[:, 1] = nan
+    part_out[:, 1] = nan
     part_lse[2, 2, 0] = part_lse[8, 2, 1] = nan
     part_lse[:, 2, 2], part_lse[4, 2, 2] = -INF, nan
-    parts_[8, 3, 0, 7] = parts_[1, 3, 1] = nan
+    part_out[8, 3, 0, 7] = part_out[1, 3, 1] = nan
     clean_lse[[3, 8], 0, 0], clean_lse[[0, 8], 0, 1], clean_lse[:, 1] = -INF, INF, -INF
     expect_nan = torch.zeros(tokens, heads, dim, dtype=torch.bool, device=DEVICE)
     expect_nan[2, :], expect_nan[3, 0, 7], expect_nan[3, 1] = True, True, True
-    return parts_, part_lse, (clean_parts, clean_lse), expect_nan
+    return part_out, part_lse, (clean_parts, clean_lse), expect_nan
 
 
 def check_poisoned(merge, dtype=torch.float32) -> None:
     """``merge`` on ``poisoned_parts``: NaN exactly where expected, elsewhere the reference of the clean parts."""
-    parts_, part_lse, clean, expect_nan = poisoned_parts()
-    out, lse, _ = results(*parts_.shape[1:], dtype, strided=False)
-    merge(parts_, part_lse, out, lse)
+    part_out, part_lse, clean, expect_nan = poisoned_parts()
+    out, lse, _ = nan_outputs(*part_out.shape[1:], dtype, strided=False)
+    merge(part_out, part_lse, out, lse)
     ref_out, ref_lse = ref_merge_parts(*clean)
     assert torch.equal(torch.isnan(out), expect_nan), "NaN where a part is empty, or a NaN part merged to a number"
     assert bool(torch.isnan(lse[2]).all()), "a NaN lse must give lse NaN"
     assert bool((out[1] == 0).all()) and bool(torch.isneginf(lse[1]).all()), "all empty: out 0, lse -inf"
-    assert not torch.isnan(lse[[0, 1, 3, 4, 5]]).any()
+    rows = [0, 1, 3, 4, 5]  # the tokens without a NaN lse
+    assert not torch.isnan(lse[rows]).any()
     keep = ~expect_nan
     tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -8)
     assert torch.allclose(out.double()[keep], ref_out[keep], **tol)
-    rows = [0, 1, 3, 4, 5]
     assert torch.equal(torch.isneginf(lse[rows]), torch.isneginf(ref_lse[rows]))
     finite = torch.isfinite(ref_lse[rows])
     assert torch.allclose(lse[rows].double()[finite], ref_lse[rows][finite], atol=2e-6, rtol=1e-6)
@@ -254,21 +254,21 @@ def test_merge_parts_keeps_the_empty_and_nan_conventions(dtype):
     check_poisoned(merge_parts, dtype)
 
 
-def mean_of_parts(parts_, part_lse, out, lse_out):
+def mean_of_parts(part_out, part_lse, out, lse_out):
     """Planted bug: the plain mean of the live parts (their lse ignored), with the right lse."""
     lse = torch.where(torch.isposinf(part_lse), -INF, part_lse)
     live = (~torch.isneginf(lse))[..., None]
     count = live.sum(0).clamp(min=1)
-    out.copy_(torch.where(live, parts_, 0.0).sum(0) / count)
+    out.copy_(torch.where(live, part_out, 0.0).sum(0) / count)
     lse_out.copy_(torch.logsumexp(lse, 0))
 
 
-def unguarded_merge_parts(parts_, part_lse, out, lse_out):
+def unguarded_merge_parts(part_out, part_lse, out, lse_out):
     """Planted bug: the weighted merge without the empty guard (vLLM's formula: NaN for an all-empty row)."""
     lse = torch.where(torch.isposinf(part_lse), -INF, part_lse)
     m = lse.max(0).values
     w = torch.exp(lse - m)[..., None]
-    out.copy_(torch.where(w > 0, w * parts_, 0.0).sum(0) / w.sum(0))
+    out.copy_(torch.where(w > 0, w * part_out, 0.0).sum(0) / w.sum(0))
     lse_out.copy_(m + torch.log(w.sum(0)[..., 0]))
 
 
@@ -313,9 +313,9 @@ def not_contiguous(x):
 def test_merge_parts_refuses_bad_input(bad, message):
     """Wrong ranks or shapes, an lse_out not float32, non-contiguous parts or out, integer tensors: each was read or
     written in the wrong place, or as other numbers. Refused before anything is written."""
-    parts_, part_lse = split_parts(3, tokens=4, heads=2, dim=16)
-    out, lse_out, _ = results(4, 2, 16, torch.float32, strided=False)
-    args = bad(parts_, part_lse, out, lse_out)
+    part_out, part_lse = random_parts(3, tokens=4, heads=2, dim=16)
+    out, lse_out, _ = nan_outputs(4, 2, 16, torch.float32, strided=False)
+    args = bad(part_out, part_lse, out, lse_out)
     with pytest.raises(ValueError, match=message):
         merge_parts(*args)
     assert bool(torch.isnan(out).all() and torch.isnan(lse_out).all()), "wrote before refusing"
@@ -324,18 +324,19 @@ def test_merge_parts_refuses_bad_input(bad, message):
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 def test_merge_parts_of_no_parts_gives_empty_rows(strided):
     """S = 0: no row saw a key, so out 0 and lse -inf, not whatever out held before."""
-    parts_, part_lse = split_parts(0, dim=100)
-    out, lse, margin = results(TOKENS, HEADS, 100, torch.bfloat16, strided)
+    part_out, part_lse = random_parts(0, dim=100)
+    out, lse, margin = nan_outputs(TOKENS, HEADS, 100, torch.bfloat16, strided)
     out.copy_(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).abs() + 1)  # garbage, not only NaN
-    merge_parts(parts_, part_lse, out, lse)
+    merge_parts(part_out, part_lse, out, lse)
     assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
     assert all(bool(torch.isnan(m).all()) for m in margin), "wrote outside the view"
 
 
 @pytest.mark.parametrize("splits", [0, 3])
 @pytest.mark.parametrize("tokens, heads", [(0, 4), (4, 0), (0, 0)])
-def test_merge_parts_of_no_rows_returns(splits, tokens, heads):
+def test_merge_parts_of_no_rows_returns_without_a_launch(monkeypatch, splits, tokens, heads):
     """T*H = 0: nothing to merge or write; must return, not launch an empty grid or raise."""
-    parts_, part_lse = split_parts(splits, tokens=tokens, heads=heads, dim=64)
+    monkeypatch.setattr("impls.triton.merge._merge_parts_kernel", None)  # launching it fails
+    part_out, part_lse = random_parts(splits, tokens=tokens, heads=heads, dim=64)
     out, lse = torch.empty(tokens, heads, 64, device=DEVICE), torch.empty(tokens, heads, device=DEVICE)
-    assert merge_parts(parts_, part_lse, out, lse) is None
+    merge_parts(part_out, part_lse, out, lse)

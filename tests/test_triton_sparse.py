@@ -131,13 +131,10 @@ def test_top_k_0_gives_the_references_empty_rows(transform):
 
 
 @pytest.mark.parametrize("config", [INTERPRETER_CONFIG, WGMMA_CONFIG], ids=["triton", "gluon"])
-def test_top_k_0_launches_no_kernel(monkeypatch, config):
+def test_top_k_0_launches_no_kernel(monkeypatch, gluon_stand_in, config):
     """The Gluon kernel (stood in for here: it needs a Hopper GPU) indexes a token's list up to ``topk - 1``, -1 at
     top-k 0, and was launched on empty lists: ``sparse_mqa`` writes their empty rows itself, on either kernel's path,
     and launches neither."""
-    stand_in = GluonStandIn()
-    monkeypatch.setattr(common, "has_wgmma", lambda device: True)
-    monkeypatch.setattr(sparse_kernel, "_sparse_kernel_wgmma", stand_in)
     monkeypatch.setattr(sparse_kernel, "_sparse_kernel", None)  # launching it fails
     p = build_problem(sparse("paged", layout="fp8_ds_mla", num_heads=64, seed=13), DEVICE)
     tokens, heads = p.q.shape[:2]
@@ -145,7 +142,7 @@ def test_top_k_0_launches_no_kernel(monkeypatch, config):
     lse = torch.full((tokens, heads), float("nan"), device=DEVICE)
     sparse_mqa(p.q, p.sparse_indices[:, :0], p.cache.rows(), LAYOUT_CODES["fp8_ds_mla"], p.scale, 1.0, out, lse,
                config)
-    assert not stand_in.grids, "the Gluon kernel was launched on empty index lists"
+    assert not gluon_stand_in.grids, "the Gluon kernel was launched on empty index lists"
     assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
 
 
@@ -320,8 +317,9 @@ def test_e4m3_layouts_are_refused_on_gpus_before_compute_capability_8_9(monkeypa
 
 class GluonStandIn:
     """``sparse_wgmma``'s kernel where there is no Hopper GPU: records each launch's grid and computes the launch's
-    tokens, piece by piece (``out[piece]``, ``lse[piece]``: the views ``sparse_mqa`` passes), with the Triton kernel,
-    so that the judge sees which tokens and pieces the launches covered."""
+    tokens, piece by piece, with the Triton kernel, so that the judge sees which tokens and pieces the launches
+    covered. As the kernel does, it reads its tensors through their pointers and the strides passed beside them (a
+    piece's out and lse ``s_os`` and ``s_ls`` past the one before), not through the tensors' own shapes and strides."""
 
     def __init__(self) -> None:
         self.grids = []
@@ -331,38 +329,48 @@ class GluonStandIn:
                    chunk, s_os, s_ls, PER_KEY, num_warps):
             self.grids.append(grid)
             layout = LAYOUT_CODES["fp8_ds_mla_pow2" if PER_KEY else "fp8_ds_mla"]
+            tokens = grid[1]
+            queries = q.as_strided((tokens, heads, q.shape[-1]), (s_qt, s_qh, 1))
+            lists = idx.as_strided((tokens, topk), (s_it, 1))
             for piece in range(grid[2]):
-                sparse_mqa(q, idx[:, piece * chunk:piece * chunk + chunk], rows, layout, qk_scale / LOG2E, 1.0,
-                           out[piece], lse[piece], replace(INTERPRETER_CONFIG, num_splits=1))
+                piece_out = out.as_strided((tokens, heads, 512), (s_ot, s_oh, 1), out.storage_offset() + piece * s_os)
+                piece_lse = lse.as_strided((tokens, heads), (s_lt, s_lh), lse.storage_offset() + piece * s_ls)
+                sparse_mqa(queries, lists[:, piece * chunk:piece * chunk + chunk], rows[:num_rows], layout,
+                           qk_scale / LOG2E, 1.0, piece_out, piece_lse, replace(INTERPRETER_CONFIG, num_splits=1))
         return launch
 
 
-def test_the_gluon_kernel_is_launched_within_cudas_grid_limit(monkeypatch):
-    """Its tokens go on the grid's second dimension, which CUDA caps at 65535: one launch of every token failed on a
-    sparse prefill of more tokens. Launches of at most TOKENS_PER_LAUNCH tokens (lowered here) cover them all."""
-    limit, stand_in = 2, GluonStandIn()
+@pytest.fixture
+def gluon_stand_in(monkeypatch) -> GluonStandIn:
+    """A ``GluonStandIn`` in the Gluon kernel's place, on a device said to be a Hopper GPU."""
+    stand_in = GluonStandIn()
     monkeypatch.setattr(common, "has_wgmma", lambda device: True)
     monkeypatch.setattr(sparse_kernel, "_sparse_kernel_wgmma", stand_in)
+    return stand_in
+
+
+def test_the_gluon_kernel_is_launched_within_cudas_grid_limit(monkeypatch, gluon_stand_in):
+    """Its tokens go on the grid's second dimension, which CUDA caps at 65535: one launch of every token failed on a
+    sparse prefill of more tokens. Launches of at most TOKENS_PER_LAUNCH tokens (lowered here) cover them all."""
+    limit = 2
     monkeypatch.setattr(sparse_kernel, "TOKENS_PER_LAUNCH", limit, raising=False)
     problem = build_problem(sparse("paged", "sparse_prefill", "fp8_ds_mla", num_heads=80, seed=5), DEVICE)
     verdict = judge(TritonSparse(WGMMA_CONFIG), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
-    assert stand_in.grids and max(grid[1] for grid in stand_in.grids) <= limit, stand_in.grids
-    assert {grid[0] for grid in stand_in.grids} == {2}  # 80 heads: two 64-head blocks
+    grids = gluon_stand_in.grids
+    assert grids and max(grid[1] for grid in grids) <= limit, grids
+    assert {grid[0] for grid in grids} == {2}  # 80 heads: two 64-head blocks
 
 
 @pytest.mark.parametrize("splits", [2, 3])
-def test_the_gluon_kernels_pieces_are_launched_and_merged(monkeypatch, splits):
+def test_the_gluon_kernels_pieces_are_launched_and_merged(gluon_stand_in, splits):
     """Cut lists through the Gluon kernel's launch (stood in for): a grid of ``splits`` pieces, each piece's partial
     in the workspace views passed to it (3: the last past the list's end), merged by LSE."""
-    stand_in = GluonStandIn()
-    monkeypatch.setattr(common, "has_wgmma", lambda device: True)
-    monkeypatch.setattr(sparse_kernel, "_sparse_kernel_wgmma", stand_in)
     problem = build_problem(sparse("paged", "sparse_decode", "fp8_ds_mla", num_heads=80, topk=128, kv_lens=LISTS,
                                    seed=6), DEVICE)
     verdict = judge(TritonSparse(replace(WGMMA_CONFIG, num_splits=splits)), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
-    assert {grid for grid in stand_in.grids} == {(2, 3, splits)}
+    assert set(gluon_stand_in.grids) == {(2, 3, splits)}
 
 
 # ---- the Gluon kernel (Hopper) ------------------------------------------------------------------------------------
@@ -492,7 +500,8 @@ def split_config(problem, splits: int | None) -> SparseConfig:
 
 
 # top-k 128 over requests of 150, 33 and 5 keys: with 32- or 64-index steps, 3 pieces leave the last one past the
-# list's end and 5 several; the shorter requests' later pieces see no key (their lists end in -1 padding).
+# list's end, and 5 the last one (32, the interpreter's) or three (64); the shorter requests' later pieces see no key
+# (their lists end in -1 padding).
 LISTS = (150, 33, 5)
 
 
@@ -550,12 +559,16 @@ def test_piece_counts_the_kernel_cannot_run_are_refused_by_the_config(fields, me
         SparseConfig(**fields)
 
 
-def test_a_workspace_unlike_the_split_partials_is_refused_and_none_is_allocated_by_sparse_mqa():
+def test_a_workspace_unlike_the_pieces_partials_is_refused_and_a_missing_one_is_allocated():
+    """The kernel writes the workspace as contiguous float32 ``[S, T, H, 512]`` and ``[S, T, H]`` on q's device: one
+    of other pieces, dtype, shape, layout (head-major) or device is refused; none given, ``sparse_mqa`` allocates it."""
     p = build_problem(sparse("paged", topk=128, kv_lens=LISTS, seed=5), DEVICE)
     config = split_config(p, 3)
     rows, code = p.cache.rows(), LAYOUT_CODES["bf16"]
     parts, part_lse = split_workspace(p.q, p.sparse_indices, config)
-    for bad in [(parts[:2], part_lse[:2]), (parts.double(), part_lse), (parts, part_lse[..., :1]), parts]:
+    head_major = parts.transpose(1, 2).contiguous().transpose(1, 2)
+    for bad in [(parts[:2], part_lse[:2]), (parts.double(), part_lse), (parts, part_lse[..., :1]), parts,
+                (head_major, part_lse), (parts, part_lse.to("meta"))]:
         with pytest.raises(ValueError, match=r"sparse_mqa: the workspace must be contiguous float32 \[3, "):
             sparse_mqa(p.q, p.sparse_indices, rows, code, p.scale, config=config, workspace=bad)
     given = sparse_mqa(p.q, p.sparse_indices, rows, code, p.scale, config=config, workspace=(parts, part_lse))
@@ -578,8 +591,7 @@ class PiecesAveraged(TritonSparse):
 
     def run(self, plan):
         out, lse = super().run(plan)
-        parts, part_lse = plan.workspace
-        out.copy_(parts.mean(0))
+        out.copy_(plan.workspace[0].mean(0))
         return out, lse
 
 

@@ -1,4 +1,5 @@
-"""Merging partial attentions by their LSE, in Triton: ``merge_attn_states`` and the DCP rescale.
+"""Merging partial attentions by their LSE, in Triton: ``merge_attn_states`` (two parts), ``merge_parts`` (the
+split-KV merge of ``S`` parts at once) and the DCP rescale.
 
 Conventions (MLA_FACTS.md): lse is the natural log, ``[T, H]``; an lse of +inf (FlashMLA's empty row) counts
 as -inf; a row whose parts are all empty gives out 0 and lse -inf, never NaN. A part whose weight is 0 adds
@@ -168,7 +169,8 @@ def merge_parts(parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
         out.zero_()
         lse_out.fill_(float("-inf"))
         return
-    block_r, block_d = (128, min(128, triton.next_power_of_2(dim))) if INTERPRETING else (16, 64)
+    # the columns are a grid dimension: on a GPU 64 a program, so that few rows still make many programs
+    block_r, block_d = _tiles(dim) if INTERPRETING else (16, 64)
     block_s = min(triton.next_power_of_2(splits), 8)
     with common.on_device(out.device):
         _merge_parts_kernel[(triton.cdiv(rows, block_r), triton.cdiv(dim, block_d))](

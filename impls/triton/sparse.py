@@ -39,7 +39,7 @@ class SparsePlan:
     config: SparseConfig
     layout: int                         # kernel constexpr of the row source's layout
     buffer: torch.Tensor | None = None  # RAGGED: [N, bytes_per_token] the requests' tokens, in order
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # the split partials (split_workspace)
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # the cut lists' partials (split_workspace)
 
 
 class _TritonSparseBase(Impl):

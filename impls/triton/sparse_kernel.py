@@ -49,7 +49,7 @@ WGMMA_TILE = (64, 64, 8)  # sparse_wgmma's heads per program, indices per step, 
 # sparse_wgmma's tokens per launch: its grid's second dimension, which CUDA caps at 65535, rounded down to a multiple
 # of 4 so that every launch's int32 index rows start 16-byte aligned as the first launch's do
 TOKENS_PER_LAUNCH = 65532
-MAX_SPLITS = 65535  # the split kernel's grid's third dimension
+MAX_SPLITS = 65535  # pieces a list may be cut into: both kernels' grids' third dimension, which CUDA caps
 LAYOUT_NAMES = {code: name for name, code in LAYOUT_CODES.items()}
 
 
@@ -157,11 +157,12 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, PARTS, PART_LSE, H, topk, chunk, num_r
                    qk_scale, s_qt, s_qh, s_it, s_ot, s_oh, s_lt, s_lh,
                    LAYOUT: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr):
-    """One program: ``BLOCK_H`` heads of token ``program_id(0)`` over indices ``[split * chunk, split * chunk +
-    chunk)`` of its list, ``split = program_id(2)``. ``SPLIT``: write the normalized partial and its lse into the
-    contiguous ``PARTS`` ``[S, T, H, 512]`` float32 and ``PART_LSE`` ``[S, T, H]`` for ``merge_parts``."""
+    """One program: ``BLOCK_H`` heads of token ``program_id(0)`` over indices ``[piece * chunk, piece * chunk +
+    chunk)`` of its list, ``piece = program_id(2)``. ``SPLIT`` (the lists are cut): write the normalized partial and
+    its lse into the contiguous ``PARTS`` ``[S, T, H, 512]`` float32 and ``PART_LSE`` ``[S, T, H]`` for
+    ``merge_parts``; else the output into ``OUT`` and ``LSE``."""
     t = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(2)
+    piece = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     offs = tl.arange(0, 128)
@@ -177,7 +178,7 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, PARTS, PART_LSE, H, topk, chunk, num_r
     acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for n0 in range(split * chunk, tl.minimum(topk, split * chunk + chunk), BLOCK_N):
+    for n0 in range(piece * chunk, tl.minimum(topk, piece * chunk + chunk), BLOCK_N):
         rows, valid = _index_rows(IDX + t * s_it, n0, topk, num_rows, BLOCK_N)
         k0, c0 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 0, LAYOUT, q0.dtype)
         k1, c1 = load_nope_tile(SRC, rows, valid, row_bytes, tensor_scale, 1, LAYOUT, q0.dtype)
@@ -207,7 +208,7 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, PARTS, PART_LSE, H, topk, chunk, num_r
     inv_l = (1.0 / tl.where(live, l_i, 1.0))[:, None]
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     if SPLIT:
-        part = (split * tl.num_programs(0) + t) * H + heads  # (split, token, head) of the contiguous workspace
+        part = (piece * tl.num_programs(0) + t) * H + heads  # (piece, token, head) of the contiguous workspace
         o_rows = PARTS + part[:, None] * 512 + offs[None, :]
         lse_at = PART_LSE + part
         o_dt = tl.float32
@@ -243,8 +244,8 @@ def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: 
 
 def split_workspace(q: torch.Tensor, indices: torch.Tensor,
                     config: SparseConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The split partials ``sparse_mqa`` writes and merges, ``([S, T, H, 512], [S, T, H])`` float32; None where the
-    lists are not split. A plan allocates it so that its run allocates nothing (CUDA graphs)."""
+    """The pieces' partials ``sparse_mqa`` writes and merges, ``([S, T, H, 512], [S, T, H])`` float32; None where the
+    lists are not cut. A plan allocates it so that its run allocates nothing (CUDA graphs)."""
     splits, _ = index_splits(q.shape[0], q.shape[1], indices.shape[1], config, common.sm_count(q.device))
     if splits == 1:
         return None
@@ -307,7 +308,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[T, H, 576]`` attends ``rows[indices[t]]``; ``rows`` is the uint8 ``[num_rows, bytes_per_token]``
     source (``PagedCache.rows()``, or a gathered bf16 buffer viewed as bytes) in the layout ``layout_code``.
-    ``workspace``: ``split_workspace``'s, where the lists are split (allocated here when not given).
+    ``workspace``: ``split_workspace``'s, where the lists are cut into pieces (allocated here when not given).
 
     Returns ``out`` ``[T, H, 512]`` (q's dtype unless given) and ``lse`` ``[T, H]`` float32, natural log.
     """
@@ -328,7 +329,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
         lse.fill_(float("-inf"))
         return out, lse
     with common.on_device(q.device):
-        parts, part_lse = workspace if splits > 1 else (out, lse)  # unread where not split
+        parts, part_lse = workspace if splits > 1 else (out, lse)  # unread where the lists are whole
         if config.wgmma:
             # a piece's out and lse: the workspace's next [T, H, 512] and [T, H] (one piece: out and lse themselves)
             piece_strides = (parts.stride(0), part_lse.stride(0)) if splits > 1 else (0, 0)

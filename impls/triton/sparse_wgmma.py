@@ -1,4 +1,5 @@
-"""Sparse top-k attention over an ``fp8_ds_mla`` cache in Gluon, for Hopper: 64 heads of one token per program.
+"""Sparse top-k attention over an ``fp8_ds_mla`` cache in Gluon, for Hopper: 64 heads of one token per program,
+over its whole index list or one piece of it (``sparse_kernel.index_splits``; ``merge_parts`` merges the pieces).
 
 The Triton kernel (``sparse_kernel``) reads these layouts exactly but spends its step in a serial chain Triton
 does not let it shorten (NOTES.md, part 2): every product waited for, the score tile computed by both warpgroups,
@@ -7,7 +8,7 @@ each FP8 tile passed through float32. Here, per step of 64 indices:
 - the rows' bytes are copied with ``cp.async`` (masked: invalid indices become zeros): the 512 e4m3 codes into
   one buffer, the four float32 scales and the 64 bf16 rope values into two stages; the copies of step ``j + 1``
   are issued as soon as step ``j``'s codes are decoded, and run behind its products, and its rows were requested
-  into L2 at the start of step ``j`` (the token's index list at the program's start);
+  into L2 at the start of step ``j`` (the program's indices at its start);
 - the codes are decoded once, e4m3 -> float16 (one instruction per two values, exact), into a swizzled buffer
   both products read;
 - warpgroup ``w`` computes the scores of keys ``[32 w, 32 w + 32)``: the rope product in bf16 and the four
@@ -124,7 +125,7 @@ def _word_order(x):
 
 @gluon.jit
 def _indices(idx_row, first, topk, LAYOUT: gl.constexpr):
-    """Indices ``first .. first + 64`` of the token's list (-1 past top-k), along the keys of ``LAYOUT``."""
+    """Indices ``first .. first + 64`` of the program's list (-1 past its ``topk``), along the keys of ``LAYOUT``."""
     offs = first + gl.arange(0, KEYS, layout=LAYOUT)
     return gl.load(idx_row + offs, mask=offs < topk, other=-1)
 
@@ -385,7 +386,7 @@ def _sparse_kernel_wgmma(q, stride_qt, stride_qh, idx, stride_it, rows, num_rows
     topk = gl.maximum(gl.minimum(chunk, topk - piece * chunk), 0)
     out += piece.to(gl.int64) * stride_os
     lse += piece.to(gl.int64) * stride_ls
-    for first in range(0, topk, 32 * 256):  # the token's index list into L2: every later read of it is short
+    for first in range(0, topk, 32 * 256):  # the piece's index list into L2: every later read of it is short
         at = gl.minimum(first + gl.arange(0, 256, layout=gl.BlockedLayout([1], [32], [8], [0])) * 32, topk - 1)
         _prefetch_l2(idx_row + at)
 
