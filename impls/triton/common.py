@@ -59,14 +59,19 @@ def misplaced(device: torch.device, where: str, **tensors: torch.Tensor) -> list
             if tensor.device != device]
 
 
+def check_placed(device: torch.device, where: str, **tensors: torch.Tensor) -> None:
+    """ValueError joining ``misplaced``'s messages, where any tensor is off ``device``."""
+    if wrong := misplaced(device, where, **tensors):
+        raise ValueError("; ".join(wrong))
+
+
 def check_token_slots(problem) -> None:
     """ValueError unless ``meta.token_slots`` (the ragged paths' gather) and the cache are on the problem's device,
     where the gather runs, and the slots are one per key, each a slot of the cache: the gather reads a slot outside
     it as another token's row (or past the cache), and skips the rows a short list lacks. Reads the slots' range
     on the host."""
     meta = problem.meta
-    if wrong := misplaced(problem.device, "the problem", token_slots=meta.token_slots, cache=problem.cache.data):
-        raise ValueError("; ".join(wrong))
+    check_placed(problem.device, "the problem", token_slots=meta.token_slots, cache=problem.cache.data)
     check_slots("token_slots", meta.token_slots, sum(meta.kv_lens))
     check_slots_in_cache("token_slots", meta.token_slots, problem.cache.num_slots)
 

@@ -852,8 +852,7 @@ def _check_batch(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, 
         raise ValueError("q must have at least one head")
     if not cache.data.is_contiguous():
         raise ValueError("the cache's data must be contiguous [num_blocks, page_size, bytes_per_token]")
-    if wrong := common.misplaced(q.device, "q", cache=cache.data, block_table=block_table):
-        raise ValueError("; ".join(wrong))
+    common.check_placed(q.device, "q", cache=cache.data, block_table=block_table)
     check_block_table(block_table, kv_lens, cache.page_size, cache.num_blocks)
     if block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from impls.triton.cache_ops import triton_unavailable
-from impls.triton.common import misplaced
+from impls.triton.common import check_placed
 from impls.triton.prefill_kernel import PrefillConfig, check_mha_inputs, default_config, mha_prefill
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem
@@ -23,8 +23,7 @@ def check_problem(problem: Problem, cu_seqlens_k: torch.Tensor, key_lens: Sequen
     shorter tensor (it corrupted the heap) or another request's. Devices: the plan's outputs are on the problem's,
     the other inputs must be on q's (``check_mha_inputs``)."""
     meta = problem.meta
-    if wrong := misplaced(problem.device, "the problem", q=problem.q):
-        raise ValueError("; ".join(wrong))
+    check_placed(problem.device, "the problem", q=problem.q)
     check_mha_inputs(problem.q, problem.k_nope, problem.k_pe, problem.v, meta.query_start_loc, cu_seqlens_k,
                      problem.scale)
     for name, tensor, rows in (("q", problem.q, sum(meta.q_lens)), ("k_nope", problem.k_nope, sum(key_lens))):
