@@ -373,6 +373,17 @@ def test_the_gluon_kernels_pieces_are_launched_and_merged(gluon_stand_in, splits
     assert set(gluon_stand_in.grids) == {(2, 3, splits)}
 
 
+def test_the_gluon_kernel_cuts_few_tokens_lists_by_default(monkeypatch, gluon_stand_in):
+    """Its default config cuts lists too (3 tokens x 2 head blocks on a 132-SM plan: as many 128-index pieces as
+    top-k 256 holds), through the plan's workspace."""
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    problem = build_problem(sparse("paged", "sparse_decode", "fp8_ds_mla", num_heads=80, topk=2 * MIN_SPLIT_INDICES,
+                                   kv_lens=(300, 200, 40), seed=7), DEVICE)
+    verdict = judge(TritonSparse(WGMMA_CONFIG), problem)
+    assert verdict.status == "passed", verdict.violations or verdict.message
+    assert set(gluon_stand_in.grids) == {(2, 3, 2)}
+
+
 # ---- the Gluon kernel (Hopper) ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_ds_mla_pow2"])
@@ -531,10 +542,10 @@ def test_few_tokens_on_a_large_gpu_are_cut_by_default_and_pass_the_judge(monkeyp
     assert verdict.status == "passed", verdict.violations or verdict.message
 
 
-def test_the_lists_are_cut_to_fill_the_gpu_in_whole_steps_and_no_empty_piece():
+def test_the_lists_are_cut_to_fill_one_wave_in_whole_steps_and_no_empty_piece():
     one = SparseConfig(block_h=16, block_n=64, num_warps=4)
     assert index_splits(1, 16, 2048, one, 132) == (2048 // MIN_SPLIT_INDICES, MIN_SPLIT_INDICES)  # no piece shorter
-    assert index_splits(64, 16, 2048, one, 132) == (3, 704)  # 192 programs for 132 multiprocessors
+    assert index_splits(64, 16, 2048, one, 132) == (2, 1024)  # whole waves: 3 pieces would spill into a second
     assert index_splits(32, 16, 2048, replace(one, programs_per_sm=2), 132) == (8, 256)  # 256 for 264
     assert index_splits(132, 16, 2048, one, 132)[0] == 1    # the tokens fill the GPU alone
     assert index_splits(32, 128, 2048, one, 132)[0] == 1    # so do their head blocks
@@ -544,7 +555,8 @@ def test_the_lists_are_cut_to_fill_the_gpu_in_whole_steps_and_no_empty_piece():
         assert chunk % one.block_n == 0 and splits * chunk >= topk, (tokens, heads, topk)
         assert splits == 1 or (splits - 1) * chunk < topk, "a piece past the list's end"
     assert index_splits(4, 16, 100, replace(one, num_splits=5), 132) == (5, 64)  # forced: pieces 2-4 empty
-    assert index_splits(1, 64, 2048, WGMMA_CONFIG, 132)[0] == 1  # the Gluon kernel walks a whole list
+    assert index_splits(32, 128, 2048, WGMMA_CONFIG, 132) == (2, 1024)  # the Gluon kernel's 64-head blocks
+    assert index_splits(64, 128, 2048, WGMMA_CONFIG, 132)[0] == 1  # 128 programs already, 256 would be 2 waves
 
 
 @pytest.mark.parametrize("fields, message", [

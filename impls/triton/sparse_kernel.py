@@ -63,7 +63,7 @@ class SparseConfig:
     wgmma: bool = False     # the Gluon kernel (sparse_wgmma): Hopper, fp8_ds_mla layouts, bf16 queries
     # pieces each token's index list is cut into, one program each, merged by LSE (None: ``index_splits`` chooses)
     num_splits: int | None = None
-    programs_per_sm: int = 1  # programs a multiprocessor runs at once (index_splits fills the GPU with as many)
+    programs_per_sm: int = 1  # programs a multiprocessor is given in one wave of pieces (``index_splits``)
 
     def __post_init__(self) -> None:
         """Tiles Triton cannot build fail only at the first launch, and some only on a GPU (the interpreter runs a
@@ -102,16 +102,16 @@ def default_config(device: torch.device, heads: int, layout_code: int = 0,
         # 64-head blocks (fewer heads would pad them); H200, 128 heads b128 top-k 2048: 0.505 -> 0.334 ms. Power-of-
         # two scales since their one scale per key (H100: 0.341 -> 0.305 ms; NOTES.md, part 2, session 30).
         return WGMMA_CONFIG
-    # programs_per_sm, H100, 16 heads, top-k 2048 (NOTES.md, session 64): bf16's two stages of keys in shared memory
-    # leave room for one program (b64 75 us at 1, 88 at 2; b128 123 at 1, 141 at 2); the scaled layouts' register-
-    # staged tiles for two (b32 72 us at 2, 87 at 1).
+    # programs_per_sm, 16 heads, top-k 2048, pieces in whole waves (NOTES.md, session 65): two for bf16 (H100 b64 4 /
+    # 3 pieces 74 / 75 us, b128 2 / 1 122 / 133), one for the scaled layouts (H200 fp8_ds_mla b32 4 / 8 pieces 65 /
+    # 72 us, b64 2 / 4 115 / 125, b128 1 / 2 214 / 223); pow2 with the scaled ones (not measured apart).
     if layout_code in SCALED_CODES:  # one program per token reads each key once; 64-key steps: fewer loop trips
-        best = SparseConfig(128, 64, 8, 1, programs_per_sm=2)
+        best = SparseConfig(128, 64, 8, 1)
     elif layout_code == 0:
-        best = SparseConfig(32, 64, 4, 2)
+        best = SparseConfig(32, 64, 4, 2, programs_per_sm=2)
     else:  # power-of-two fp8 dequantized in registers: wide head blocks amortize the decode (BH32 was 4.6x slower);
         # one stage of 128 keys with the next step's rows prefetched: 404 (BN64 s2) -> 331 us (NOTES.md, round 7)
-        best = SparseConfig(64, 128, 8, 1, prefetch=True, programs_per_sm=2)
+        best = SparseConfig(64, 128, 8, 1, prefetch=True)
     return replace(best, block_h=min(best.block_h, max(16, triton.next_power_of_2(heads))))
 
 
@@ -226,16 +226,20 @@ def _sparse_kernel(Q, IDX, SRC, OUT, LSE, PARTS, PART_LSE, H, topk, chunk, num_r
 def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: int) -> tuple[int, int]:
     """``(splits, chunk)``: each token's index list is cut into ``splits`` pieces of ``chunk`` indices (a multiple of
     the step), one program each, merged by LSE (flash-decoding over the top-k list), so that a few tokens still fill
-    the GPU: ``config.programs_per_sm`` programs per multiprocessor, no piece under ``MIN_SPLIT_INDICES``. One
-    piece wherever the tokens fill the GPU alone, and by default for the Gluon kernel; ``config.num_splits`` forces the
-    count (pieces past the list's end are then empty)."""
+    the GPU: the most pieces that keep every program in one wave of ``config.programs_per_sm`` per multiprocessor,
+    none under ``MIN_SPLIT_INDICES``. One piece wherever the tokens fill that wave alone; ``config.num_splits``
+    forces the count (pieces past the list's end are then empty).
+
+    A count that spills into a second wave costs a whole piece's time, so the count is rounded down to whole waves:
+    H100, 128 heads (the Gluon kernel), fp8_ds_mla, top-k 2048, b32: 1 / 2 / 3 pieces 154 / 91 / 135 us (NOTES.md,
+    session 65)."""
     if config.num_splits is not None:
         splits = config.num_splits
-    elif config.wgmma or not tokens or not heads or not topk:  # the Gluon kernel's pieces: selectable, not measured
+    elif not tokens or not heads or not topk:
         splits = 1
     else:
         programs = tokens * triton.cdiv(heads, config.block_h)
-        splits = min(triton.cdiv(config.programs_per_sm * sms, programs), triton.cdiv(topk, MIN_SPLIT_INDICES))
+        splits = max(1, min(config.programs_per_sm * sms // programs, triton.cdiv(topk, MIN_SPLIT_INDICES)))
     chunk = triton.cdiv(triton.cdiv(max(topk, 1), splits), config.block_n) * config.block_n
     if config.num_splits is None:
         splits = triton.cdiv(max(topk, 1), chunk)  # no piece left empty by rounding the chunk up
