@@ -39,7 +39,7 @@ from mla_bench.costs import cost
 from mla_bench.layouts import LATENT_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import write_cache
 from mla_bench.metadata import PagedMetadata
-from mla_bench.metadata.reference import flat_token_slots
+from mla_bench.metadata.reference import assign_blocks, flat_token_slots
 from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import Impl, resolve
 from mla_bench.workload import Mode, Workload
@@ -93,10 +93,8 @@ def timing_problem(shape: Shape, device: torch.device, seed: int) -> Problem:
     workload = shape.workload(seed)
     gen = torch.Generator().manual_seed(seed)
     meta = PagedMetadata.build(workload.q_lens, workload.kv_lens, shape.page_size, gen)
-    if shape.sequential:
-        width = meta.block_table.shape[1]
-        meta.block_table = torch.arange(shape.batch * width, dtype=torch.int32).reshape(shape.batch, width)
-        meta.num_blocks = shape.batch * width
+    if shape.sequential:  # request after request takes the next pages; the spares are the last ones
+        meta.block_table = assign_blocks(list(workload.kv_lens), shape.page_size, torch.arange(meta.num_blocks))
         meta.token_slots = flat_token_slots(meta.block_table, list(workload.kv_lens), shape.page_size)
     meta = meta.to(device)
     layout = get_layout(shape.layout)

@@ -188,7 +188,7 @@ BUILDERS: tuple[Builder, ...] = (
             lambda c: torch.tensor(reference.cumulative(c.kv_lens), dtype=torch.int32)),
     Builder("block table",
             lambda c: fast.block_table_from_pool(c.on_device("seq_lens"), c.page_size, c.on_device("pool"),
-                                                 c.sizes.max_pages),
+                                                 c.sizes.table_width),
             lambda c: reference.assign_blocks(c.kv_lens, c.page_size, c.pool)),
     Builder("slot mapping",
             lambda c: fast.slot_mapping(c.on_device("query_start_loc"), c.on_device("seq_lens"),

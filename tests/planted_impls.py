@@ -18,7 +18,7 @@ import torch
 
 from impls.torch_eager import TorchEager
 from mla_bench.layouts import NOPE_DIM
-from mla_bench.metadata.reference import cumulative
+from mla_bench.metadata.reference import blocks_needed, cumulative
 from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode
 
@@ -27,9 +27,13 @@ SPARSE = Capabilities(modes=frozenset({Mode.SPARSE_DECODE, Mode.SPARSE_PREFILL})
                       dtypes=frozenset({"bfloat16", "float32"}), index_transforms=frozenset({"paged"}))
 
 
-def _softmax_rows(q: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` ``[H, 576]`` over ``keys`` ``[N, 576]`` in float32: ``(out [H, 512], lse [H])``."""
+def _softmax_rows(q: torch.Tensor, keys: torch.Tensor, scale: float,
+                  seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[H, 576]`` over ``keys`` ``[N, 576]`` in float32: ``(out [H, 512], lse [H])``; the keys where
+    ``seen`` (``[N]`` bool, when given) is False get score -inf, weight 0."""
     scores = (q.float() @ keys.float().T) * scale
+    if seen is not None:
+        scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[:, None])
     return probs @ keys[:, :NOPE_DIM].float(), lse
@@ -60,6 +64,14 @@ class PlainDecode(Impl):
         """The cached latent rows at ``slots``, ``[N, 576]``."""
         return problem.cache.rows().view(torch.bfloat16)[slots]
 
+    def slots(self, block_table: torch.Tensor, b: int, positions: torch.Tensor, page: int) -> torch.Tensor:
+        """Cache slots of request ``b``'s token ``positions``, through its row of the (host) block table."""
+        return block_table[b].long()[positions // page] * page + positions % page
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, scale: float):
+        """One query row ``[H, 576]`` over the keys it sees (``seen``: ``[N]`` bool)."""
+        return _softmax_rows(q, keys[seen], scale)
+
     def run(self, p):
         out = torch.zeros(p.q.shape[0], p.q.shape[1], NOPE_DIM, dtype=p.q.dtype, device=p.q.device)
         lse = torch.full(p.q.shape[:2], float("-inf"), device=p.q.device)
@@ -69,12 +81,11 @@ class PlainDecode(Impl):
             if kv_len == 0:
                 continue
             positions, offset = self.positions(p, b)
-            page = p.meta.page_size
-            slots = block_table[b].long()[positions // page] * page + positions % page
+            slots = self.slots(block_table, b, positions, p.meta.page_size)
             keys = self.keys(p, slots.to(p.cache.data.device))
             for i in range(self.rows_of(p, b)):
                 seen = (positions <= offset + i).to(keys.device)
-                o, l = _softmax_rows(p.q[starts[b] + i], keys[seen], self.softmax_scale(p))
+                o, l = self.attend(p.q[starts[b] + i], keys, seen, self.softmax_scale(p))
                 out[starts[b] + i], lse[starts[b] + i] = o.to(out.dtype), l
         return out, lse
 
@@ -108,6 +119,26 @@ class ReadsPastSeqLen(PlainDecode):
         kv_len, q_len, page = problem.meta.kv_lens[b], problem.meta.q_lens[b], problem.meta.page_size
         padded = -(-kv_len // page) * page
         return torch.arange(padded), padded - q_len
+
+
+class ReadsOnePagePast(PlainDecode):
+    """A page loop that runs one page too far: it loads ``blocks_needed(kv_len) + 1`` pages of keys, reading the
+    block table as a kernel does (row ``b`` at ``b * stride(0)``, the column unbounded), and masks the keys past each
+    query's frontier in its scores only: they weigh 0, but their values still enter ``P @ V``. Over a spare
+    (poisoned) page 0 * NaN is NaN; over a real page (another request's) the answer is right."""
+
+    name = "planted_reads_one_page_past"
+
+    def positions(self, problem, b):
+        kv_len, q_len, page = problem.meta.kv_lens[b], problem.meta.q_lens[b], problem.meta.page_size
+        return torch.arange((blocks_needed(kv_len, page) + 1) * page), kv_len - q_len
+
+    def slots(self, block_table, b, positions, page):
+        entries = block_table.reshape(-1)[b * block_table.stride(0) + positions // page]
+        return entries.long() * page + positions % page
+
+    def attend(self, q, keys, seen, scale):
+        return _softmax_rows(q, keys, scale, seen)
 
 
 class LastQueryLenAsMax(PlainDecode):
@@ -293,9 +324,9 @@ class SlowerTorchEager(TorchEager):
         return super().run(plan)
 
 
-PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, LastQueryLenAsMax, MishandlesInvalidIndex,
-                WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim, CausalOffByOne, NaNForEmptyRequest,
-                FP8ScaleIgnored]
+PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, ReadsOnePagePast, LastQueryLenAsMax,
+                MishandlesInvalidIndex, WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim,
+                CausalOffByOne, NaNForEmptyRequest, FP8ScaleIgnored]
 
 
 class RaisesWithoutMessage(PlainDecode):

@@ -112,6 +112,20 @@ def test_an_impl_writing_into_its_inputs_fails_naming_them_and_they_are_restored
     assert judge(planted.PlainDecode(), problem).status == "passed"
 
 
+def test_a_kernel_reading_one_page_past_each_request_is_flagged_on_a_uniform_batch_of_whole_pages():
+    """Every row full before the block table's spare column (width 2 = the pages each request needs): requests 0
+    and 1 read the next row's first page (real keys, weighted 0: their rows were right, to float32 rounding) and the
+    last request read past the table's end, an IndexError in torch (an ``error`` verdict; on a GPU, whatever lies
+    past the tensor). Now the entry past each request's last page is a spare (NaN) page, which the masked keys' 0
+    weights do not hide."""
+    problem = build_problem(Workload(mode="decode", q_lens=(1, 2, 1), kv_lens=(32, 32, 32), page_size=16,
+                                     seed=random.randint(1, 10 ** 6)))
+    assert judge(planted.PlainDecode(), problem).status == "passed"
+    verdict = judge(planted.ReadsOnePagePast(), problem)
+    assert verdict.status == "failed" and "NaN/Inf positions differ" in "; ".join(verdict.violations), \
+        (verdict.violations, verdict.message[-500:])
+
+
 class ChangesInPlan(planted.PlainDecode):
     """Right answers, but ``plan`` changes the problem with ``change(problem)`` first."""
 
@@ -132,7 +146,7 @@ def _widen_block_table(p):
 @pytest.mark.parametrize("change, name", [
     (lambda p: setattr(p, "scale", p.scale * 576 ** -0.5 / 192 ** -0.5), "scale (rebound)"),  # 1/sqrt(576) as run reads
     (lambda p: setattr(p.meta, "kv_lens", tuple(n // 2 for n in p.meta.kv_lens)), "meta.kv_lens (rebound)"),
-    (_widen_block_table, "meta.block_table (now torch.int64 [3, 4] in place, was torch.int32 [3, 4])"),
+    (_widen_block_table, "meta.block_table (now torch.int64 [3, 5] in place, was torch.int32 [3, 5])"),
     (lambda p: p.meta.seq_lens.unsqueeze_(0), "meta.seq_lens (now torch.int32 [1, 3] in place, was torch.int32 [3])"),
 ])
 def test_a_plan_that_changes_a_field_or_a_tensors_layout_fails_naming_it_and_the_next_impl_sees_it_undone(

@@ -80,6 +80,21 @@ def test_reference_block_allocation_draws_distinct_pages_and_pads_with_spares():
     assert set(table[0, 2:].tolist() + table[1].tolist()) <= spares
 
 
+@pytest.mark.parametrize("kv_lens, page_size", [([32, 32, 32], 16), ([5, 0, 9], 4), ([0, 0], 16), ([7], 1)])
+def test_reference_block_table_has_a_spare_column_past_the_longest_request(kv_lens, page_size):
+    """Width = the most pages a request needs + 1, every entry past a request's last page a spare page: in a uniform
+    batch of whole pages the width was the pages needed, so a kernel reading one block past the last page read past
+    the row (the next row's first page, or out of the table for the last row), not poison."""
+    table, num_blocks = reference.allocate_block_table(kv_lens, page_size, torch.Generator().manual_seed(1))
+    pages = [reference.blocks_needed(n, page_size) for n in kv_lens]
+    assert table.shape == (len(kv_lens), max(pages) + 1) and num_blocks == sum(pages) + 2
+    owned = {int(page) for row, n in zip(table, pages) for page in row[:n]}
+    padding = {int(page) for row, n in zip(table, pages) for page in row[n:]}
+    assert len(owned) == sum(pages) and padding <= set(range(num_blocks)) - owned
+    pool = torch.tensor([4, 0, 2, 5, 1, 3])  # two requests of one page and two: spares 5, 1, 3 in that order
+    assert reference.assign_blocks([16, 32], 16, pool).tolist() == [[4, 1, 3], [0, 2, 5]]  # spare (b + j) % 3
+
+
 # ---- fast == reference --------------------------------------------------------------------------------------------
 @pytest.fixture
 def one_thread():
@@ -115,7 +130,7 @@ def test_fast_builders_read_nothing_on_the_host():
     meta = torch.device("meta")
     lengths = torch.empty(2, 7, dtype=torch.int32, device=meta)
     table = torch.empty(7, 5, dtype=torch.int32, device=meta)
-    sizes = fast.HostSizes(num_tokens=20, num_pages=13, num_kv_tokens=300, max_pages=5, max_kv_len=70)
+    sizes = fast.HostSizes(num_tokens=20, num_pages=13, num_kv_tokens=300, table_width=5, max_kv_len=70)
     step = fast.build_step(lengths, table, 16, sizes)
     assert step["kv_indices"].shape == (13,) and step["token_slots"].shape == (300,)
     topk = torch.empty(20, 8, dtype=torch.int32, device=meta)
@@ -131,7 +146,7 @@ def test_fast_builders_read_nothing_on_the_host():
 
 def test_host_sizes_come_from_the_host_lengths():
     sizes = fast.HostSizes.of([1, 3, 0], [17, 64, 0], 16)
-    assert sizes == fast.HostSizes(num_tokens=4, num_pages=6, num_kv_tokens=81, max_pages=4, max_kv_len=64)
+    assert sizes == fast.HostSizes(num_tokens=4, num_pages=6, num_kv_tokens=81, table_width=5, max_kv_len=64)
 
 
 def test_fast_step_equals_the_reference_step():

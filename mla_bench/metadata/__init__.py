@@ -29,7 +29,7 @@ class PagedMetadata:
     query_start_loc: torch.Tensor  # [B+1] int32 (qo_indptr)
     kv_start_loc: torch.Tensor     # [B+1] int32 (cu_seqlens_k)
     seq_lens: torch.Tensor         # [B] int32
-    block_table: torch.Tensor      # [B, max_blocks] int32, padding entries point at spare poisoned pages
+    block_table: torch.Tensor      # [B, max pages + 1] int32, padding entries point at spare poisoned pages
     token_slots: torch.Tensor      # [sum(kv_lens)] int64
 
     @classmethod

@@ -22,7 +22,7 @@ import torch
 
 from mla_bench.errors import describe
 from mla_bench.lengths import check_page_size
-from mla_bench.metadata.reference import blocks_needed, check_dcp, check_dcp_rank
+from mla_bench.metadata.reference import blocks_needed, check_dcp, check_dcp_rank, table_width
 
 _TWO_DIMENSIONAL = ("block_table", "topk_indices")
 _NOT_PER_REQUEST = ("topk_indices", "pool")  # inputs whose first dimension is not the batch
@@ -35,14 +35,14 @@ class HostSizes:
     num_tokens: int     # new tokens of the step (sum of q_lens)
     num_pages: int      # pages the requests own (length of FlashInfer's kv_indices)
     num_kv_tokens: int  # cached tokens (length of the flattened token page table)
-    max_pages: int      # pages of the longest request (block table width needed), at least 1
+    table_width: int    # block table columns: the longest request's pages + 1 spare (reference.table_width)
     max_kv_len: int     # width of the token page table
 
     @classmethod
     def of(cls, q_lens: list[int], kv_lens: list[int], page_size: int) -> "HostSizes":
         pages = [blocks_needed(n, page_size) for n in kv_lens]
         return cls(num_tokens=sum(q_lens), num_pages=sum(pages), num_kv_tokens=sum(kv_lens),
-                   max_pages=max(max(pages, default=0), 1), max_kv_len=max(kv_lens, default=0))
+                   table_width=table_width(kv_lens, page_size), max_kv_len=max(kv_lens, default=0))
 
 
 def check_inputs(page_size: int | None = None, **inputs: torch.Tensor) -> None:
@@ -104,7 +104,8 @@ def owners(starts: torch.Tensor, count: int) -> torch.Tensor:
 
 def block_table_from_pool(seq_lens: torch.Tensor, page_size: int, pool: torch.Tensor, width: int) -> torch.Tensor:
     """``reference.assign_blocks``: request after request takes its pages from the front of ``pool``; entries past a
-    request's pages point at spare pages. ``width`` (>= the most pages a request needs) comes from the host."""
+    request's pages point at spare pages. ``width`` (>= the most pages a request needs) comes from the host;
+    ``HostSizes.table_width`` gives the reference's (one spare column past the longest request)."""
     check_inputs(page_size, seq_lens=seq_lens, pool=pool)
     needed = _pages_per_request(seq_lens.long(), page_size)
     starts = torch.cumsum(needed, 0) - needed

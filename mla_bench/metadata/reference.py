@@ -1,7 +1,8 @@
 """Reference builders of paged metadata: plain loops over requests, obviously right.
 
 Conventions (vLLM / FlashInfer): ``query_start_loc`` (``qo_indptr``) ``[B+1]``, ``seq_lens`` ``[B]``,
-block table ``[B, max_blocks]`` int32, slot = ``block * page_size + offset``, token page table
+block table ``[B, width]`` int32 (any width with room for every request: engines pad theirs, and the bench's
+have a spare column), slot = ``block * page_size + offset``, token page table
 ``page_table_1[b, j] = block_table[b, j // ps] * ps + j % ps``. The new tokens of a step are the last ``q_len``
 positions of each request (``kv_len - q_len + i``). Slots are int64; a slot of -1 means "no token" (padding, or
 a token another DCP rank holds).
@@ -37,6 +38,8 @@ def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Ge
 
     The pool holds ``spare_blocks`` pages no request owns; block-table entries past a request's last page
     point at one of them, so a kernel that reads beyond ``seq_len`` reads poison, not another request's data.
+    The table is ``table_width`` wide, one spare column past the longest request's pages: a kernel that reads
+    one block past any request's last page reads poison, not past its row (engines pad their tables too).
     Whatever the draw, pages 0 and ``num_blocks - 1`` are spares (a kernel that reads page ``j`` for block ``j``, a
     zeroed entry, or slot -1 as the cache's last slot reads poison) and no request's pages are consecutive
     ascending (a kernel that reads ``block_table[b, 0] + j`` fails).
@@ -59,16 +62,24 @@ def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Ge
     return assign_blocks(kv_lens, page_size, pool), num_blocks
 
 
+def table_width(kv_lens: list[int], page_size: int) -> int:
+    """Columns of the bench's block tables: the most pages any request needs, plus one spare column (so that even
+    the longest request has an entry past its last page, pointing at a spare page)."""
+    return max((blocks_needed(n, page_size) for n in kv_lens), default=0) + 1
+
+
 def assign_blocks(kv_lens: list[int], page_size: int, pool: torch.Tensor) -> torch.Tensor:
     """The block table when request after request takes its pages from the front of ``pool`` (a permutation of
     the block ids); entry ``j`` past request ``b``'s last page is spare page ``(b + j) % spares`` of the pages
-    left over. Width: the most pages any request needs (at least 1)."""
+    left over. Width: ``table_width``, the most pages any request needs plus one, so that a kernel reading one
+    block past the longest request's last page reads a spare (poisoned) page, not past the row: the next row's
+    first page, or out of the table's bounds for the last row."""
     needed = [blocks_needed(n, page_size) for n in check_kv_lens(kv_lens)]
     pool = pool.tolist()
     if len(pool) <= sum(needed):
         raise ValueError(f"a pool of {len(pool)} blocks leaves no spare page after the {sum(needed)} the requests need")
     spare = pool[sum(needed):]
-    width = max(max(needed, default=0), 1)
+    width = table_width(kv_lens, page_size)
     rows, start = [], 0
     for b, n in enumerate(needed):
         rows.append(pool[start:start + n] + [spare[(b + j) % len(spare)] for j in range(n, width)])
