@@ -349,17 +349,21 @@ def gluon_stand_in(monkeypatch) -> GluonStandIn:
     return stand_in
 
 
-def test_the_gluon_kernel_is_launched_within_cudas_grid_limit(monkeypatch, gluon_stand_in):
+@pytest.mark.parametrize("sms, pieces", [(4, 1), (132, 2)])
+def test_the_gluon_kernel_is_launched_within_cudas_grid_limit(monkeypatch, gluon_stand_in, sms, pieces):
     """Its tokens go on the grid's second dimension, which CUDA caps at 65535: one launch of every token failed on a
-    sparse prefill of more tokens. Launches of at most TOKENS_PER_LAUNCH tokens (lowered here) cover them all."""
+    sparse prefill of more tokens. Launches of at most TOKENS_PER_LAUNCH tokens (lowered here) cover them all, whole
+    lists or (8 tokens x 2 head blocks on 132 SMs) pieces, each launch writing its tokens' rows of the workspace."""
     limit = 2
     monkeypatch.setattr(sparse_kernel, "TOKENS_PER_LAUNCH", limit, raising=False)
-    problem = build_problem(sparse("paged", "sparse_prefill", "fp8_ds_mla", num_heads=80, seed=5), DEVICE)
+    monkeypatch.setattr(common, "sm_count", lambda device: sms)
+    problem = build_problem(sparse("paged", "sparse_prefill", "fp8_ds_mla", num_heads=80, topk=2 * MIN_SPLIT_INDICES,
+                                   kv_lens=(300, 200, 40), seed=5), DEVICE)
     verdict = judge(TritonSparse(WGMMA_CONFIG), problem)
     assert verdict.status == "passed", verdict.violations or verdict.message
     grids = gluon_stand_in.grids
     assert grids and max(grid[1] for grid in grids) <= limit, grids
-    assert {grid[0] for grid in grids} == {2}  # 80 heads: two 64-head blocks
+    assert {grid[0] for grid in grids} == {2} and {grid[2] for grid in grids} == {pieces}  # two 64-head blocks
 
 
 @pytest.mark.parametrize("splits", [2, 3])
@@ -557,6 +561,14 @@ def test_the_lists_are_cut_to_fill_one_wave_in_whole_steps_and_no_empty_piece():
     assert index_splits(4, 16, 100, replace(one, num_splits=5), 132) == (5, 64)  # forced: pieces 2-4 empty
     assert index_splits(32, 128, 2048, WGMMA_CONFIG, 132) == (2, 1024)  # the Gluon kernel's 64-head blocks
     assert index_splits(64, 128, 2048, WGMMA_CONFIG, 132)[0] == 1  # 128 programs already, 256 would be 2 waves
+
+
+def test_the_default_wave_is_one_program_per_multiprocessor_and_two_for_bf16():
+    """The counts measured best (NOTES.md, session 65): bf16 two, the scaled layouts, pow2 and the Gluon kernel one."""
+    gpu = torch.device("cuda")
+    for layout, programs in (("bf16", 2), ("fp8_ds_mla", 1), ("fp8_e4m3", 1), ("fp8_ds_mla_pow2", 1)):
+        for heads, hopper in ((16, False), (128, True)):
+            assert default_config(gpu, heads, LAYOUT_CODES[layout], hopper=hopper).programs_per_sm == programs, layout
 
 
 @pytest.mark.parametrize("fields, message", [

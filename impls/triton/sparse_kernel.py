@@ -18,9 +18,8 @@ cache exactly, whatever its scales, instead of rounding dequantized keys to bf16
 Few tokens would leave most of the GPU idle (one program per token and head block, each walking its whole list: at
 16 heads, batch 1, top-k 2048 that is one program for 99 us on an H100). So each list is cut into pieces, one
 program each, that write normalized partials and their lse into a workspace the plan allocates; ``merge_parts``
-combines them by LSE (flash-decoding over the top-k list; ``index_splits`` chooses the pieces). The Gluon kernel
-takes pieces too, where ``SparseConfig.num_splits`` asks for them; by default it walks whole lists (its pieces are
-not measured yet: NOTES.md, session 64).
+combines them by LSE (flash-decoding over the top-k list; ``index_splits`` chooses the pieces, for the Gluon kernel
+too: NOTES.md, session 65).
 
 On Hopper, 64-head blocks of ``fp8_ds_mla`` and ``fp8_ds_mla_pow2`` with bf16 queries run ``sparse_wgmma``'s Gluon
 kernel instead (``SparseConfig.wgmma``): same arguments and results, the serial chain of this kernel's step shortened
@@ -227,7 +226,7 @@ def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: 
     """``(splits, chunk)``: each token's index list is cut into ``splits`` pieces of ``chunk`` indices (a multiple of
     the step), one program each, merged by LSE (flash-decoding over the top-k list), so that a few tokens still fill
     the GPU: the most pieces that keep every program in one wave of ``config.programs_per_sm`` per multiprocessor,
-    none under ``MIN_SPLIT_INDICES``. One piece wherever the tokens fill that wave alone; ``config.num_splits``
+    at most one per ``MIN_SPLIT_INDICES`` of the list. One piece wherever the tokens fill that wave alone; ``config.num_splits``
     forces the count (pieces past the list's end are then empty).
 
     A count that spills into a second wave costs a whole piece's time, so the count is rounded down to whole waves:
