@@ -26,6 +26,16 @@ def _as_neginf_if_posinf(lse):
 
 
 @triton.jit
+def _merged_lse(m_safe, total):
+    """``(live, safe_total, lse)`` of a merge from its shifted maximum and its summed weights: a row whose weights are
+    all 0 (no part saw a key) is not live, divides by 1 and gets lse -inf; a NaN total stays live (``!= 0``, not
+    ``> 0``), so NaN reaches out and lse."""
+    live = total != 0
+    safe_total = tl.where(live, total, 1.0)
+    return live, safe_total, tl.where(live, m_safe + tl.log(safe_total), float("-inf"))
+
+
+@triton.jit
 def _merge_kernel(out_ptr, lse_out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, R, H, D,
                   s_ot, s_oh, s_lot, s_loh, s_at, s_ah, s_lat, s_lah, s_bt, s_bh, s_lbt, s_lbh,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
@@ -39,12 +49,9 @@ def _merge_kernel(out_ptr, lse_out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, R, H
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     wa = tl.exp(la - m_safe)
     wb = tl.exp(lb - m_safe)
-    total = wa + wb
-    live = total != 0  # not > 0: a NaN row is not an empty one
-    safe_total = tl.where(live, total, 1.0)
+    _, safe_total, lse = _merged_lse(m_safe, wa + wb)
     ca = (wa / safe_total)[:, None]
     cb = (wb / safe_total)[:, None]
-    lse = tl.where(live, m_safe + tl.log(safe_total), float("-inf"))
     for d0 in range(0, D, BLOCK_D):
         offs = d0 + tl.arange(0, BLOCK_D)
         mask = h_ok[:, None] & (offs < D)[None, :]
@@ -135,15 +142,12 @@ def _merge_parts_kernel(out_ptr, lse_out_ptr, parts_ptr, part_lse_ptr, S, R, H, 
         total = total * alpha + tl.sum(w, 0)
         acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, w[:, :, None] * o, 0.0), 0)
         m = m_new
-    live = total != 0  # not > 0: a NaN row is not an empty one
-    safe_total = tl.where(live, total, 1.0)
+    _, safe_total, merged_lse = _merged_lse(tl.where(m == float("-inf"), 0.0, m), total)
     merged = cast(acc / safe_total[:, None], out_ptr.dtype.element_ty, INTERP)
     tl.store(out_ptr + (t * s_ot + heads * s_oh)[:, None] + cols[None, :], merged,
              mask=r_ok[:, None] & (cols < D)[None, :])
     if tl.program_id(1) == 0:
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        tl.store(lse_out_ptr + t * s_lt + heads * s_lh, tl.where(live, m_safe + tl.log(safe_total), float("-inf")),
-                 mask=r_ok)
+        tl.store(lse_out_ptr + t * s_lt + heads * s_lh, merged_lse, mask=r_ok)
 
 
 def merge_parts(parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor) -> None:
@@ -193,9 +197,7 @@ def _rescale_kernel(out_ptr, lse_total_ptr, part_ptr, all_lse_ptr, rank, world, 
     lses = _as_neginf_if_posinf(lses)
     m = tl.max(lses, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lses - m_safe[None, :]), axis=0)
-    live = total != 0  # not > 0: a NaN row is not an empty one
-    lse_total = tl.where(live, m_safe + tl.log(tl.where(live, total, 1.0)), float("-inf"))
+    live, _, lse_total = _merged_lse(m_safe, tl.sum(tl.exp(lses - m_safe[None, :]), axis=0))
     own = tl.load(all_lse_ptr + rank * s_lw + t * s_lt + heads * s_lh, mask=h_ok, other=float("-inf"))
     own = _as_neginf_if_posinf(own.to(tl.float32))
     weight = tl.where(live, tl.exp(own - tl.where(live, lse_total, 0.0)), 0.0)[:, None]
