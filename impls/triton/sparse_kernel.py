@@ -226,8 +226,8 @@ def index_splits(tokens: int, heads: int, topk: int, config: SparseConfig, sms: 
     """``(splits, chunk)``: each token's index list is cut into ``splits`` pieces of ``chunk`` indices (a multiple of
     the step), one program each, merged by LSE (flash-decoding over the top-k list), so that a few tokens still fill
     the GPU: the most pieces that keep every program in one wave of ``config.programs_per_sm`` per multiprocessor,
-    at most one per ``MIN_SPLIT_INDICES`` of the list. One piece wherever the tokens fill that wave alone; ``config.num_splits``
-    forces the count (pieces past the list's end are then empty).
+    at most one per ``MIN_SPLIT_INDICES`` of the list. One piece wherever the tokens fill that wave alone;
+    ``config.num_splits`` forces the count (pieces past the list's end are then empty).
 
     A count that spills into a second wave costs a whole piece's time, so the count is rounded down to whole waves:
     H100, 128 heads (the Gluon kernel), fp8_ds_mla, top-k 2048, b32: 1 / 2 / 3 pieces 154 / 91 / 135 us (NOTES.md,
