@@ -1,1 +1,1 @@
-"""Results files, plots, console tables, the HTML report and the regression gate."""
+"""Console tables, plots, the HTML report, run comparison and the regression gate (run files: mla_bench.results)."""
