@@ -250,11 +250,13 @@ def split_workspace(q: torch.Tensor, indices: torch.Tensor,
     """The pieces' partials ``sparse_mqa`` writes and merges, ``([S, T, H, 512], [S, T, H])`` float32; None where the
     lists are not cut. A plan allocates it so that its run allocates nothing (CUDA graphs)."""
     splits, _ = index_splits(q.shape[0], q.shape[1], indices.shape[1], config, common.sm_count(q.device))
-    if splits == 1:
-        return None
-    shape = (splits, q.shape[0], q.shape[1])
-    return (torch.empty(*shape, NOPE_DIM, dtype=torch.float32, device=q.device),
-            torch.empty(shape, dtype=torch.float32, device=q.device))
+    return _allocate_parts((splits, q.shape[0], q.shape[1]), q.device) if splits > 1 else None
+
+
+def _allocate_parts(shape: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partials ``[S, T, H, 512]`` and their lse ``[S, T, H]`` for pieces ``shape`` = ``(S, T, H)``."""
+    return (torch.empty(*shape, NOPE_DIM, dtype=torch.float32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device))
 
 
 def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, query_dtype: torch.dtype) -> None:
@@ -322,7 +324,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
     config = config or default_config(q.device, heads, layout_code, q.dtype)
     splits, chunk = index_splits(tokens, heads, indices.shape[1], config, common.sm_count(q.device))
     if splits > 1:
-        workspace = split_workspace(q, indices, config) if workspace is None else workspace
+        workspace = _allocate_parts((splits, tokens, heads), q.device) if workspace is None else workspace
         _check_workspace(workspace, (splits, tokens, heads), q.device)
     check_e4m3(q.device, LAYOUT_NAMES[layout_code], "sparse_mqa")
     check_wgmma(config, q.device, layout_code, q.dtype)
