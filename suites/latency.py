@@ -1,15 +1,16 @@
 """Latency: plan time and run time of every impl on every workload of the sweep, on a CUDA device.
 
-Per (impl, workload): enough independent input sets (``input_set``: seeds ``seed, seed+1, ...``) to exceed several
-times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says ``cold_l2: false`` in its
-details) and at most as many as fit in ``MEMORY_FRACTION`` of the free device memory (``sets_that_fit``), are built
-and planned (plan time measured on the host, per set), then ``run`` is timed over the rotating
-sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about ``WINDOW_MS`` of launches, the
-host kept ahead of the GPU (``host_behind`` in the details counts samples where it could not be). Metrics: median,
-IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan, GB/s and TFLOP/s
-(``mla_bench.costs``; a sparse workload's bytes count the distinct tokens input set 0's top-k indices select)
-and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the same run (yielded once
-per device as the ``ceilings`` result).
+Per workload, independent input sets (``input_set``: seeds ``seed, seed+1, ...``) are built when an impl first asks
+for them and shared by every impl timed on the workload (``InputSets``), then dropped. Per (impl, workload): enough
+sets to exceed several times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says
+``cold_l2: false`` in its details) and at most as many as fit in ``MEMORY_FRACTION`` of the device memory free before
+the workload's sets existed (``sets_that_fit``), are planned (plan time measured on the host, per set), then ``run``
+is timed over the rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about
+``WINDOW_MS`` of launches, the host kept ahead of the GPU (``host_behind`` in the details counts samples where it
+could not be). Metrics: median, IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan,
+GB/s and TFLOP/s (``mla_bench.costs``; a sparse workload's bytes count the distinct tokens input set 0's top-k indices
+select) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the same run (yielded
+once per device as the ``ceilings`` result).
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
 (``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
 """
@@ -17,7 +18,7 @@ On CPU there is no latency: each impl gets one ``unsupported`` result saying so.
 from __future__ import annotations
 
 import traceback
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -60,9 +61,12 @@ class LatencySuite:
         yield Result(self.name, timing.CEILINGS_CHECK, "passed", label=ceilings.device_name, metrics=ceilings.metrics())
         for workload in self.workloads(ctx):
             ctx.progress(workload.label)
+            sets = InputSets(workload, ctx.device)
             for impl in impls:
-                yield time_impl(impl, workload, ctx.device, ceilings)
-                torch.cuda.empty_cache()
+                yield time_impl(impl, workload, ctx.device, ceilings, sets)
+                torch.cuda.empty_cache()  # the impl's plans
+            del sets
+            torch.cuda.empty_cache()  # the workload's input sets
 
 
 def input_set(workload: Workload, i: int) -> Workload:
@@ -70,16 +74,51 @@ def input_set(workload: Workload, i: int) -> Workload:
     return workload.replace(seed=derive_seed(workload.seed, i))
 
 
+def free_memory(device: torch.device) -> int:
+    """The bytes free on ``device`` (the driver's count, not the caching allocator's)."""
+    return torch.cuda.mem_get_info(device)[0]
+
+
+class InputSets:
+    """The input sets of one workload on one device, built when first asked for and shared by every impl timed on the
+    workload: ``problem(i)`` builds every set up to ``i`` not built yet, in order. ``free``: the device bytes free when
+    it was made, before any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated
+    while building it). Runs of different impls read the same tensors: a plan must not write into its problem's.
+    ``free_bytes`` and ``allocated`` probe the device's memory (injectable, for a test without a GPU)."""
+
+    def __init__(self, workload: Workload, device: torch.device,
+                 free_bytes: Callable[[torch.device], int] = free_memory,
+                 allocated: Callable[[torch.device], int] = torch.cuda.memory_allocated):
+        self.workload, self.device, self.allocated = workload, device, allocated
+        self.free = free_bytes(device)
+        self._problems: list[Problem] = []
+        self._bytes: list[int] = []
+
+    def problem(self, i: int) -> Problem:
+        while len(self._problems) <= i:
+            before = self.allocated(self.device)
+            self._problems.append(build_problem(input_set(self.workload, len(self._problems)), self.device))
+            self._bytes.append(self.allocated(self.device) - before)
+        return self._problems[i]
+
+    def problem_bytes(self, i: int) -> int:
+        self.problem(i)
+        return self._bytes[i]
+
+
 def sets_that_fit(work_bytes: int, set_bytes: int, free: int, l2_bytes: int) -> int:
     """Input sets to rotate: enough for a cold L2 by the ``work_bytes`` a launch reads (``timing.sets_for_cold_l2``),
-    but no more than fit in ``MEMORY_FRACTION`` of ``free`` device bytes at ``set_bytes`` each: what one set holds, the
-    inputs its plan keeps (the whole paged cache, unread pages too, queries, weights) and the plan's own buffers. At
-    128 heads the weights alone are 32 MiB, about 95 times what a one-request decode of 64 keys reads."""
+    but no more than fit in ``MEMORY_FRACTION`` of ``free`` device bytes at ``set_bytes`` each: what one set holds, its
+    problem (the whole paged cache, unread pages too, queries, weights: kept alive by ``InputSets`` while the impls of
+    the workload are timed) and its plan's own buffers. At 128 heads the weights alone are 32 MiB, about 95 times what
+    a one-request decode of 64 keys reads."""
     return timing.sets_for_cold_l2(work_bytes, l2_bytes, limit=max(1, int(MEMORY_FRACTION * free // max(1, set_bytes))))
 
 
-def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: timing.Ceilings) -> Result:
-    """One latency Result of ``impl`` on ``workload``."""
+def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: timing.Ceilings,
+              sets: InputSets | None = None) -> Result:
+    """One latency Result of ``impl`` on ``workload``, over the input sets of ``sets`` (shared with the other impls
+    timed on the workload; made here when not given)."""
     def result(status: str, **fields) -> Result:
         return Result("latency", "latency", status, impl=impl.name, workload=workload.to_dict(),
                       label=workload.label, **fields)
@@ -89,23 +128,24 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         return result("unsupported", message=f"{impl.name}: unsupported {reason}")
     if workload.mode is Mode.DCP:
         return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
-    free, _ = torch.cuda.mem_get_info(device)
+    inputs = sets if sets is not None else InputSets(workload, device)
     plans, plan_ms = [], []
 
-    def add_set(i: int) -> Problem:
-        problem = build_problem(input_set(workload, i), device)
+    def add_plan(i: int) -> None:
+        problem = inputs.problem(i)
         plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
-        return problem
 
     try:
-        before = torch.cuda.memory_allocated(device)
-        work = cost(workload, add_set(0).topk_indices)  # sparse: the tokens set 0's indices select
-        # measured, not derived from shapes: what a set keeps depends on the impl (which inputs its plan references,
-        # which buffers it allocates); set 0's problem is dropped by now, so this is what each set keeps
-        set_bytes = torch.cuda.memory_allocated(device) - before
-        sets = sets_that_fit(work.bytes, set_bytes, free, ceilings.l2_bytes)
-        for i in range(1, sets):
-            add_set(i)
+        problem0 = inputs.problem(0)
+        before = inputs.allocated(device)
+        add_plan(0)
+        work = cost(workload, problem0.topk_indices)  # sparse: the tokens set 0's indices select
+        # measured, not derived from shapes: what a set keeps depends on the impl (which buffers its plan allocates,
+        # whether it copies inputs); both the shared problem and the plan stay resident while timing
+        set_bytes = inputs.problem_bytes(0) + inputs.allocated(device) - before
+        count = sets_that_fit(work.bytes, set_bytes, inputs.free, ceilings.l2_bytes)
+        for i in range(1, count):
+            add_plan(i)
         stats = timing.time_rotation([lambda plan=plan: impl.run(plan) for plan in plans], device,
                                      target_ms=WINDOW_MS, max_iters=MAX_ITERS)
     except UnsupportedConfig as exc:
@@ -118,9 +158,9 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
                "gbps": work.gbps(stats.median), "tflops": work.tflops(stats.median),
                "copy_fraction": work.gbps(stats.median) / ceilings.copy_gbps,
                "matmul_fraction": work.tflops(stats.median) / ceilings.matmul_tflops,
-               "input_sets": sets, "iterations": stats.count}
+               "input_sets": count, "iterations": stats.count}
     return result("passed", metrics=metrics,
                   details={"timer": stats.method, "fallback": stats.fallback, "host_behind": stats.host_behind,
                            "device": ceilings.device_name,
-                           "set_bytes": set_bytes, "rotation_bytes": sets * work.bytes, "l2_bytes": ceilings.l2_bytes,
-                           "cold_l2": timing.rotation_is_cold(sets, work.bytes, ceilings.l2_bytes)})
+                           "set_bytes": set_bytes, "rotation_bytes": count * work.bytes, "l2_bytes": ceilings.l2_bytes,
+                           "cold_l2": timing.rotation_is_cold(count, work.bytes, ceilings.l2_bytes)})

@@ -1,5 +1,6 @@
 """What a measurement is held against: the latency suite's input sets against the free device memory (by what a
-set holds, not by what a launch reads), and a DCP row of W ranks against W GPUs' ceilings."""
+set holds, not by what a launch reads; the sets of a workload built once, shared by its impls), and a DCP row of W
+ranks against W GPUs' ceilings."""
 
 from __future__ import annotations
 
@@ -42,6 +43,49 @@ def test_the_latency_suite_measures_what_a_set_holds_on_the_device():
     result = latency.time_impl(TorchEager(), workload, device, timing.measure_ceilings(device))
     assert result.status == "passed", result.message
     assert result.details["set_bytes"] >= problem.w_uk.nbytes + problem.w_uv.nbytes + problem.cache.data.nbytes
+
+
+def _count_builds(monkeypatch) -> list[int]:
+    """The seeds ``latency.build_problem`` is called with, in order."""
+    seeds: list[int] = []
+
+    def counting(workload: Workload, device):
+        seeds.append(workload.seed)
+        return build_problem(workload, device)
+    monkeypatch.setattr(latency, "build_problem", counting)
+    return seeds
+
+
+def test_the_input_sets_of_a_workload_are_built_once_in_order_when_first_asked_for(monkeypatch):
+    """The latency run built every set again for every impl: 821 sets where 398 would do on the H100 baseline.
+    Asking for set 3 builds sets 0 to 3 from their own seeds; asking again, for it or one before, builds nothing."""
+    seeds, frees = _count_builds(monkeypatch), iter([7 << 30, 1 << 30])
+    workload = Workload.uniform(Mode.DECODE, 1, 1, 64, seed=11)
+    sets = latency.InputSets(workload, torch.device("cpu"), free_bytes=lambda device: next(frees),
+                             allocated=lambda device: 500 * len(seeds) * (len(seeds) + 1))  # set i: 1000 * (i + 1)
+    assert seeds == [] and sets.free == 7 << 30  # probed when made, before any set
+    third = sets.problem(3)
+    expected = [latency.input_set(workload, i).seed for i in range(4)]
+    assert seeds == expected and len(set(expected)) == 4 and third.workload.seed == expected[3]
+    assert sets.problem(3) is third and sets.problem(1).workload.seed == expected[1]
+    assert [sets.problem_bytes(i) for i in range(4)] == [1000, 2000, 3000, 4000]
+    assert seeds == expected and sets.free == 7 << 30  # nothing built again, free not probed again
+
+
+@pytest.mark.gpu
+def test_impls_timed_on_one_workload_share_its_input_sets(monkeypatch):
+    """Two impls on one InputSets: each set is built once, and what a set holds counts its shared problem, which
+    stays resident while the second impl is timed."""
+    from impls.torch_eager import TorchEager
+    device = torch.device("cuda")
+    seeds = _count_builds(monkeypatch)
+    workload = Workload.uniform(Mode.DECODE, 1, 1, 64)
+    ceilings, sets = timing.measure_ceilings(device), latency.InputSets(workload, device)
+    first, second = (latency.time_impl(TorchEager(), workload, device, ceilings, sets) for _ in range(2))
+    assert first.status == second.status == "passed", (first.message, second.message)
+    count = max(first.metrics["input_sets"], second.metrics["input_sets"])
+    assert count > 1 and seeds == [latency.input_set(workload, i).seed for i in range(count)]
+    assert sets.problem_bytes(0) > 0 and second.details["set_bytes"] >= sets.problem_bytes(0)
 
 
 def test_a_dcp_row_of_w_ranks_is_a_fraction_of_w_gpus_ceilings(monkeypatch):
