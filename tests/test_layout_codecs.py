@@ -13,7 +13,7 @@ import torch
 from mla_bench.layouts import LAYOUTS, LATENT_DIM, NOPE_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.layouts.formats import (E2M1_MAGNITUDES, FLT_MIN, ceil_log2, e2m1_decode, e2m1_encode, e4m3_decode,
-                                       e4m3_encode, pack_nibbles, unpack_nibbles)
+                                       e4m3_encode, finite_amax, pack_nibbles, unpack_nibbles)
 
 EXPECTED_BYTES = {"bf16": 1152, "fp8_e4m3": 576, "fp8_ds_mla": 656, "fp8_ds_mla_pow2": 656, "fp4_mx16": 324,
                   "mxfp4_nsa": 400, "nvfp4": 416}
@@ -80,6 +80,19 @@ def test_nibbles_pack_even_element_low():
     packed = pack_nibbles(codes)
     assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)
     assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_finite_amax_is_the_largest_finite_magnitude_whatever_nan_or_infinity_lies_beside_it(dtype):
+    """The per-layer scales start from it: a NaN or an infinity must neither become nor hide the maximum."""
+    x = random_latent(64, seed=11).to(dtype)
+    peak = float(x.float().abs().max())
+    assert finite_amax(x) == peak and finite_amax(-x) == peak
+    x[3, 7], x[9, 500], x[20, 570] = float("nan"), float("inf"), -float("inf")
+    masked = x.float().abs()
+    assert finite_amax(x) == float(masked[torch.isfinite(masked)].max()) > 0
+    assert finite_amax(torch.full((2, 8), float("nan"), dtype=dtype)) == 0.0
+    assert finite_amax(torch.empty(0, LATENT_DIM, dtype=dtype)) == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

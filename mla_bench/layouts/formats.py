@@ -8,6 +8,8 @@ same bytes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 E4M3_MAX = 448.0
@@ -19,6 +21,17 @@ E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 UE8M0_NAN = 0xFF
 E4M3_NAN = 0x7F  # the one NaN code the codecs write (a NaN's sign is not portable across devices)
 BF16_NAN = 0x7FC0  # likewise for bfloat16 (torch on CPU writes 0x7FC0, CUDA's cvt 0x7FFF)
+
+
+def finite_amax(values: torch.Tensor) -> float:
+    """The largest ``|value|`` over the finite values, in float32 (0.0 when none is finite). One ``amax`` pass
+    when every value is finite (a NaN or an infinity makes it non-finite); only then a mask. Selecting the finite
+    values copied a 75M-value cache, and ``isfinite`` alone took 0.4 s of a build on this CPU."""
+    magnitude = values.float().abs()
+    if not magnitude.numel():
+        return 0.0
+    amax = float(magnitude.amax())
+    return amax if math.isfinite(amax) else float(torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax())
 
 
 def e4m3_encode(values: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
 from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, FLT_MIN, SLACK, UE8M0_NAN, bf16_bytes,
                                        bf16_error_bound, bf16_from_bytes, ceil_log2, e2m1_decode, e2m1_encode,
-                                       e2m1_error_bound, e4m3_decode, e4m3_encode, pack_nibbles, ue8m0_decode,
-                                       unpack_nibbles)
+                                       e2m1_error_bound, e4m3_decode, e4m3_encode, finite_amax, pack_nibbles,
+                                       ue8m0_decode, unpack_nibbles)
 
 
 def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +121,7 @@ class NVFP4Layout(CacheLayout):
         """``amax / (6 * 448)`` over the nope values, so the largest block scale is e4m3's largest value; floored at
         FLT_MIN like ``fp8_e4m3``'s: below amax ~3.2e-35 it is subnormal in float32 (0 below ~1.9e-42), a scale the
         layout refuses."""
-        nope = x[:, :NOPE_DIM].float().abs()
-        finite = nope[torch.isfinite(nope)]
-        amax = float(finite.max()) if finite.numel() else 0.0
+        amax = finite_amax(x[:, :NOPE_DIM])
         return max(float(torch.tensor(amax, dtype=torch.float32) / (E2M1_MAX * E4M3_MAX)), FLT_MIN) if amax > 0 else 1.0
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:

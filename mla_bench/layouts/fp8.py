@@ -7,7 +7,7 @@ import torch
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
 from mla_bench.layouts.formats import (E4M3_MAX, E4M3_NAN, FLT_MIN, SLACK, bf16_bytes, bf16_error_bound,
                                        bf16_from_bytes, ceil_log2, e4m3_decode, e4m3_encode, e4m3_error_bound,
-                                       f32_bytes, f32_from_bytes)
+                                       f32_bytes, f32_from_bytes, finite_amax)
 
 DS_MLA_TILE = 128
 DS_MLA_TILES = NOPE_DIM // DS_MLA_TILE
@@ -26,8 +26,7 @@ class FP8PerTensorLayout(CacheLayout):
     fields = (("kv_c e4m3", 0, NOPE_DIM), ("k_pe e4m3", NOPE_DIM, LATENT_DIM))
 
     def _fit_tensor_scale(self, x: torch.Tensor) -> float:
-        finite = x.float().abs()[torch.isfinite(x)]
-        amax = float(finite.max()) if finite.numel() else 0.0
+        amax = finite_amax(x)
         return max(float(torch.tensor(amax, dtype=torch.float32) / E4M3_MAX), FLT_MIN)
 
     def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
