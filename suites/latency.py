@@ -10,13 +10,15 @@ is timed over the rotating sets with CUDA events around CUDA-graph replays (``ml
 could not be). Metrics: median, IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan,
 GB/s and TFLOP/s (``mla_bench.costs``; a sparse workload's bytes count the distinct tokens input set 0's top-k indices
 select) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the same run (yielded
-once per device as the ``ceilings`` result).
+once per device as the ``ceilings`` result). The details also say what the row cost the run (``wall_s``, of which
+``build_s`` built the sets it was first to ask for).
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
 (``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
 """
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Callable, Iterator
 
@@ -83,8 +85,9 @@ class InputSets:
     """The input sets of one workload on one device, built when first asked for and shared by every impl timed on the
     workload: ``problem(i)`` builds every set up to ``i`` not built yet, in order. ``free``: the device bytes free when
     it was made, before any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated
-    while building it). Runs of different impls read the same tensors: a plan must not write into its problem's.
-    ``free_bytes`` and ``allocated`` probe the device's memory (injectable, for a test without a GPU)."""
+    while building it); ``build_s``: the seconds spent building so far (drawn on the host, then copied). Runs of
+    different impls read the same tensors: a plan must not write into its problem's. ``free_bytes`` and ``allocated``
+    probe the device's memory (injectable, for a test without a GPU)."""
 
     def __init__(self, workload: Workload, device: torch.device,
                  free_bytes: Callable[[torch.device], int] = free_memory,
@@ -93,11 +96,13 @@ class InputSets:
         self.free = free_bytes(device)
         self._problems: list[Problem] = []
         self._bytes: list[int] = []
+        self.build_s = 0.0
 
     def problem(self, i: int) -> Problem:
         while len(self._problems) <= i:
-            before = self.allocated(self.device)
+            before, start = self.allocated(self.device), time.perf_counter()
             self._problems.append(build_problem(input_set(self.workload, len(self._problems)), self.device))
+            self.build_s += time.perf_counter() - start
             self._bytes.append(self.allocated(self.device) - before)
         return self._problems[i]
 
@@ -128,7 +133,9 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         return result("unsupported", message=f"{impl.name}: unsupported {reason}")
     if workload.mode is Mode.DCP:
         return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
+    started = time.perf_counter()
     inputs = sets if sets is not None else InputSets(workload, device)
+    built_before = inputs.build_s
     plans, plan_ms = [], []
 
     def add_plan(i: int) -> None:
@@ -163,4 +170,7 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
                   details={"timer": stats.method, "fallback": stats.fallback, "host_behind": stats.host_behind,
                            "device": ceilings.device_name,
                            "set_bytes": set_bytes, "rotation_bytes": count * work.bytes, "l2_bytes": ceilings.l2_bytes,
-                           "cold_l2": timing.rotation_is_cold(count, work.bytes, ceilings.l2_bytes)})
+                           "cold_l2": timing.rotation_is_cold(count, work.bytes, ceilings.l2_bytes),
+                           # what the row cost the run: the sets it was first to ask for, plans (a first compile
+                           # included), graph captures and the timing itself
+                           "build_s": inputs.build_s - built_before, "wall_s": time.perf_counter() - started})

@@ -70,6 +70,8 @@ def test_the_input_sets_of_a_workload_are_built_once_in_order_when_first_asked_f
     assert sets.problem(3) is third and sets.problem(1).workload.seed == expected[1]
     assert [sets.problem_bytes(i) for i in range(4)] == [1000, 2000, 3000, 4000]
     assert seeds == expected and sets.free == 7 << 30  # nothing built again, free not probed again
+    built_s = sets.build_s
+    assert built_s > 0 and sets.problem(2) is not None and sets.build_s == built_s
 
 
 @pytest.mark.gpu
@@ -86,6 +88,7 @@ def test_impls_timed_on_one_workload_share_its_input_sets(monkeypatch):
     count = max(first.metrics["input_sets"], second.metrics["input_sets"])
     assert count > 1 and seeds == [latency.input_set(workload, i).seed for i in range(count)]
     assert sets.problem_bytes(0) > 0 and second.details["set_bytes"] >= sets.problem_bytes(0)
+    assert 0 < first.details["build_s"] <= first.details["wall_s"] and second.details["build_s"] == 0.0
 
 
 def test_a_dcp_row_of_w_ranks_is_a_fraction_of_w_gpus_ceilings(monkeypatch):
