@@ -18,6 +18,7 @@ Per mode:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -60,6 +61,13 @@ class Problem:
     def out_dim(self) -> int:
         """Output width per head: 512 (latent) on absorbed paths, 128 (v) on MHA paths."""
         return self.dims.kv_lora_rank if self.workload.mode.absorbed else self.dims.v_head_dim
+
+    def copy(self) -> "Problem":
+        """The same inputs at new addresses: every tensor copied on its own device (views keep sharing their copied
+        storage), the cache's layout object shared. The latency suite's input sets past the first: a launch must not
+        find the previous set's bytes in L2, which takes other addresses, not other values."""
+        layout = self.cache.layout if self.cache is not None else None
+        return copy.deepcopy(self, {id(layout): layout} if layout is not None else None)
 
 
 def build_problem(workload: Workload, device: torch.device | str = "cpu") -> Problem:

@@ -1,6 +1,6 @@
 """GPU timing: CUDA events around CUDA-graph replays, warm-up, cold L2, median and IQR; device ceilings.
 
-``time_rotation(fns)`` times a list of callables, one per independent input set, replayed round robin so each
+``time_rotation(fns)`` times a list of callables, one per input set at its own addresses, replayed round robin so each
 launch finds the L2 cold (the sets together should exceed several times the L2 size: ``sets_for_cold_l2``).
 Each callable is captured in a CUDA graph; if one cannot be captured (it syncs, or allocates in a way capture
 refuses) every set is timed as plain launches between events, and the stats say which timer and why. With
@@ -117,10 +117,10 @@ def l2_cache_bytes(device: torch.device) -> int:
 
 
 def sets_for_cold_l2(bytes_per_set: int, l2_bytes: int, limit: int = MAX_SETS) -> int:
-    """How many independent input sets make the rotation exceed ``COLD_L2_FACTOR`` times the L2 size, at most
-    ``limit`` and never more than ``MAX_SETS``. Every set is drawn, planned and captured, so a workload of a few
-    hundred KB would need thousands (the tiny sweep's decode on an H100: 15,000 sets, 132 s for one impl); at the
-    cap such a workload is timed with its inputs partly in L2, which ``rotation_is_cold`` reports."""
+    """How many input sets (each at its own addresses) make the rotation exceed ``COLD_L2_FACTOR`` times the L2
+    size, at most ``limit`` and never more than ``MAX_SETS``. Every set is made, planned and captured, so a workload
+    of a few hundred KB would need thousands (the tiny sweep's decode on an H100: 15,000 sets, 132 s for one impl); at
+    the cap such a workload is timed with its inputs partly in L2, which ``rotation_is_cold`` reports."""
     return max(1, min(limit, MAX_SETS, math.ceil(COLD_L2_FACTOR * l2_bytes / max(1, bytes_per_set))))
 
 

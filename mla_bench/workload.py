@@ -58,8 +58,8 @@ SEED_LIMIT = 2 ** 32  # torch's CPU generator keeps a seed's low 32 bits: s and 
 
 def derive_seed(seed: int, offset: int, stride: int = 1) -> int:
     """``seed * stride + offset`` wrapped into [0, 2**32): one of a family of seeds drawn from a workload's seed
-    (latency's input sets, the DCP shards' page tables). The generator kept only the low 32 bits of the plain sum
-    before, so every family keeps its inputs. Offsets below 2**32 give distinct seeds, hence distinct inputs; a
+    (the DCP shards' page tables, the roundtrip suite's values). The generator kept only the low 32 bits of the plain
+    sum before, so every family keeps its inputs. Offsets below 2**32 give distinct seeds, hence distinct inputs; a
     ``stride`` keeps consecutive seeds' families apart (offsets below it never reach the next seed's)."""
     return (seed * stride + offset) % SEED_LIMIT
 

@@ -1,7 +1,8 @@
 """Latency: plan time and run time of every impl on every workload of the sweep, on a CUDA device.
 
-Per workload, independent input sets (``input_set``: seeds ``seed, seed+1, ...``) are built when an impl first asks
-for them and shared by every impl timed on the workload (``InputSets``), then dropped. Per (impl, workload): enough
+Per workload, input sets are made when an impl first asks for them and shared by every impl timed on the workload
+(``InputSets``), then dropped: set 0 is the workload's problem, every other set a copy of it at new addresses
+(``Problem.copy``; a cold L2 takes other addresses, not other values). Per (impl, workload): enough
 sets to exceed several times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says
 ``cold_l2: false`` in its details) and at most as many as fit in ``MEMORY_FRACTION`` of the device memory free before
 the workload's sets existed (``sets_that_fit``), are planned (plan time measured on the host, per set), then ``run``
@@ -11,7 +12,7 @@ could not be). Metrics: median, IQR and spread (of the medians of consecutive sl
 GB/s and TFLOP/s (``mla_bench.costs``; a sparse workload's bytes count the distinct tokens input set 0's top-k indices
 select) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the same run (yielded
 once per device as the ``ceilings`` result). The details also say what the row cost the run (``wall_s``, of which
-``build_s`` built the sets it was first to ask for).
+``build_s`` made the sets it was first to ask for).
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
 (``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
 """
@@ -30,7 +31,7 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import Impl
 from mla_bench.results import Result
-from mla_bench.workload import Mode, Workload, derive_seed
+from mla_bench.workload import Mode, Workload
 from suites import sweeps
 from suites.base import RunContext, load_impls, refusal
 
@@ -71,23 +72,20 @@ class LatencySuite:
             torch.cuda.empty_cache()  # the workload's input sets
 
 
-def input_set(workload: Workload, i: int) -> Workload:
-    """The workload of input set ``i``: seed ``seed + i``, wrapped into [0, 2**32) (set 0 is the workload itself)."""
-    return workload.replace(seed=derive_seed(workload.seed, i))
-
-
 def free_memory(device: torch.device) -> int:
     """The bytes free on ``device`` (the driver's count, not the caching allocator's)."""
     return torch.cuda.mem_get_info(device)[0]
 
 
 class InputSets:
-    """The input sets of one workload on one device, built when first asked for and shared by every impl timed on the
-    workload: ``problem(i)`` builds every set up to ``i`` not built yet, in order. ``free``: the device bytes free when
-    it was made, before any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated
-    while building it); ``build_s``: the seconds spent building so far (drawn on the host, then copied). Runs of
-    different impls read the same tensors: a plan must not write into its problem's. ``free_bytes`` and ``allocated``
-    probe the device's memory (injectable, for a test without a GPU)."""
+    """The input sets of one workload on one device, made when first asked for and shared by every impl timed on the
+    workload: ``problem(i)`` makes every set up to ``i`` not made yet, in order: set 0 built from the workload (drawn
+    on the host, then moved: 0.9-9.9 s a set of issue 5's b32-b128 rows on the H100 machine's host, session 66), the
+    others copies of it (``Problem.copy``, device copies). ``free``: the device bytes free when it was made, before
+    any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated while making it);
+    ``build_s``: the seconds spent making sets so far. Runs of different impls read the same tensors: a plan must not
+    write into its problem's. ``free_bytes`` and ``allocated`` probe the device's memory (injectable, for a test
+    without a GPU)."""
 
     def __init__(self, workload: Workload, device: torch.device,
                  free_bytes: Callable[[torch.device], int] = free_memory,
@@ -101,7 +99,8 @@ class InputSets:
     def problem(self, i: int) -> Problem:
         while len(self._problems) <= i:
             before, start = self.allocated(self.device), time.perf_counter()
-            self._problems.append(build_problem(input_set(self.workload, len(self._problems)), self.device))
+            self._problems.append(self._problems[0].copy() if self._problems else
+                                  build_problem(self.workload, self.device))
             self.build_s += time.perf_counter() - start
             self._bytes.append(self.allocated(self.device) - before)
         return self._problems[i]

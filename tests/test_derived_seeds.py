@@ -1,6 +1,6 @@
-"""Seeds derived from a workload's seed (latency's input sets, the DCP shards' page tables) stay in the range
-a Workload takes: ``seed + i`` and ``seed * 1009 + rank + 1`` left it for the largest seeds (which failed ``--suite
-latency`` and every DCP shard). They wrap at 2**32, where the generator's own truncation put them before.
+"""Seeds derived from a workload's seed (the DCP shards' page tables, the roundtrip suite's values) stay in the
+range a Workload takes: ``seed * 1009 + rank + 1`` left it for the largest seeds (which failed every DCP shard). They
+wrap at 2**32, where the generator's own truncation put them before.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from impls.triton.dcp.shard import build_shard, local_count, synthetic_shard
 from mla_bench.metadata.reference import allocate_block_table
 from mla_bench.problem import build_problem
 from mla_bench.workload import SEED_LIMIT, Workload, derive_seed
-from suites.latency import input_set
 
 
 def dcp_workload(seed: int, world: int) -> Workload:
@@ -32,20 +31,9 @@ def test_derived_seeds_are_distinct_and_in_range():
     assert len(draws) == len(seeds)  # distinct seeds, distinct inputs (the generator keeps 32 bits of a seed)
 
 
-def test_latency_input_sets_of_the_largest_seeds_build():
-    seed = SEED_LIMIT - 1 - random.randrange(3)
-    workload = Workload(mode="decode", q_lens=(1,), kv_lens=(random.randint(1, 90),), seed=seed)
-    sets = [input_set(workload, i) for i in range(5)]
-    assert sets[0] == workload
-    assert [s.seed for s in sets] == [(workload.seed + i) % SEED_LIMIT for i in range(5)]
-    assert build_problem(sets[-1]).q.shape == (1, 4, 576)
-
-
 def test_seed_zero_keeps_the_inputs_of_the_baselines():
-    """The baselines were measured with seed 0: latency's sets keep seeds 0, 1, 2, ... and shard r's pages the
-    permutation of seed r + 1 (seed * 1009 + r + 1 for any seed, whose low 32 bits the generator kept before the
-    wrap at 2**32 kept the same)."""
-    assert [input_set(Workload(mode="decode", q_lens=(1,), kv_lens=(8,)), i).seed for i in range(4)] == [0, 1, 2, 3]
+    """The baselines were measured with seed 0: shard r's pages keep the permutation of seed r + 1 (seed * 1009 +
+    r + 1 for any seed, whose low 32 bits the generator kept before the wrap at 2**32 kept the same)."""
     for seed in (0, random.randrange(SEED_LIMIT)):
         world = random.randint(2, 4)
         problem = build_problem(dcp_workload(seed, world))

@@ -9,7 +9,7 @@ import torch
 
 from mla_bench import timing
 from mla_bench.costs import cost
-from mla_bench.problem import build_problem
+from mla_bench.problem import Problem, build_problem
 from mla_bench.workload import Mode, Workload
 from suites import bench_paths, latency
 
@@ -45,49 +45,86 @@ def test_the_latency_suite_measures_what_a_set_holds_on_the_device():
     assert result.details["set_bytes"] >= problem.w_uk.nbytes + problem.w_uv.nbytes + problem.cache.data.nbytes
 
 
-def _count_builds(monkeypatch) -> list[int]:
-    """The seeds ``latency.build_problem`` is called with, in order."""
-    seeds: list[int] = []
+def _count_builds(monkeypatch) -> list[Workload]:
+    """The workloads ``latency.build_problem`` is called with, in order."""
+    built: list[Workload] = []
 
     def counting(workload: Workload, device):
-        seeds.append(workload.seed)
+        built.append(workload)
         return build_problem(workload, device)
     monkeypatch.setattr(latency, "build_problem", counting)
-    return seeds
+    return built
 
 
-def test_the_input_sets_of_a_workload_are_built_once_in_order_when_first_asked_for(monkeypatch):
-    """The latency run built every set again for every impl: 821 sets where 398 would do on the H100 baseline.
-    Asking for set 3 builds sets 0 to 3 from their own seeds; asking again, for it or one before, builds nothing."""
-    seeds, frees = _count_builds(monkeypatch), iter([7 << 30, 1 << 30])
+def _tensors(problem) -> dict[str, torch.Tensor]:
+    """Every tensor a problem holds, by a name saying where."""
+    fields = {name: getattr(problem, name) for name in ("kv", "w_uk", "w_uv", "q", "k_nope", "k_pe", "v",
+                                                       "topk_indices", "sparse_indices")}
+    fields.update({f"meta.{name}": getattr(problem.meta, name) for name in ("query_start_loc", "kv_start_loc",
+                                                                           "seq_lens", "block_table", "token_slots")})
+    if problem.cache is not None:
+        fields["cache.data"] = problem.cache.data
+    return {name: tensor for name, tensor in fields.items() if tensor is not None}
+
+
+@pytest.mark.parametrize("mode, fields", [(Mode.DECODE, {"layout": "fp8_ds_mla"}),
+                                          (Mode.SPARSE_DECODE, {"layout": "fp8_ds_mla", "topk": 8}),
+                                          (Mode.PREFILL, {}), (Mode.CHUNKED_PREFILL, {"chunk_size": 16})])
+def test_a_copied_problem_holds_the_same_values_at_new_addresses(mode, fields):
+    """The latency suite's sets past the first are copies: a launch on one must read none of another's bytes (else
+    the rotation leaves them in L2), and must read the same inputs."""
+    q_len = 1 if mode in (Mode.DECODE, Mode.SPARSE_DECODE) else 3
+    workload = Workload.uniform(mode, 2, q_len, 40 if mode is not Mode.PREFILL else q_len, page_size=16, **fields)
+    problem = build_problem(workload)
+    copied = problem.copy()
+    tensors, copies = _tensors(problem), _tensors(copied)
+    assert tensors.keys() == copies.keys() and len(tensors) >= 9
+    for name, tensor in tensors.items():
+        assert torch.equal(copies[name], tensor), name
+        assert copies[name].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(), name
+    assert copied.workload == workload and copied.scale == problem.scale and copied.meta.kv_lens == problem.meta.kv_lens
+    if problem.cache is not None:
+        assert copied.cache.layout is problem.cache.layout and copied.cache.tensor_scale == problem.cache.tensor_scale
+
+
+def test_the_input_sets_of_a_workload_are_made_once_in_order_when_first_asked_for(monkeypatch):
+    """The latency run built every set again for every impl (821 sets where 398 would do on the H100 baseline), each
+    from its own seed: 0.9-9.9 s a set on the H100 machine's host. Set 0 is built from the workload, the others
+    copied from it; asking again, for a set or one before it, makes nothing."""
+    built, frees = _count_builds(monkeypatch), iter([7 << 30, 1 << 30])
     workload = Workload.uniform(Mode.DECODE, 1, 1, 64, seed=11)
+    made = []
     sets = latency.InputSets(workload, torch.device("cpu"), free_bytes=lambda device: next(frees),
-                             allocated=lambda device: 500 * len(seeds) * (len(seeds) + 1))  # set i: 1000 * (i + 1)
-    assert seeds == [] and sets.free == 7 << 30  # probed when made, before any set
+                             allocated=lambda device: 1000 * len(made))
+    assert built == [] and sets.free == 7 << 30  # probed when made, before any set
+    real_copy = Problem.copy
+    monkeypatch.setattr(Problem, "copy", lambda self: made.append(1) or real_copy(self))
+    made.append(1)  # the build below counts as a thousand bytes too
     third = sets.problem(3)
-    expected = [latency.input_set(workload, i).seed for i in range(4)]
-    assert seeds == expected and len(set(expected)) == 4 and third.workload.seed == expected[3]
-    assert sets.problem(3) is third and sets.problem(1).workload.seed == expected[1]
-    assert [sets.problem_bytes(i) for i in range(4)] == [1000, 2000, 3000, 4000]
-    assert seeds == expected and sets.free == 7 << 30  # nothing built again, free not probed again
-    built_s = sets.build_s
-    assert built_s > 0 and sets.problem(2) is not None and sets.build_s == built_s
+    assert built == [workload] and len(made) == 4
+    first = sets.problem(0)
+    assert third is not first and torch.equal(third.q, first.q) and third.q.data_ptr() != first.q.data_ptr()
+    assert sets.problem(3) is third and [sets.problem_bytes(i) for i in range(4)] == [0, 1000, 1000, 1000]
+    assert built == [workload] and len(made) == 4 and sets.free == 7 << 30  # nothing made again, free not probed
+    made_s = sets.build_s
+    assert made_s > 0 and sets.problem(2) is not None and sets.build_s == made_s
 
 
 @pytest.mark.gpu
 def test_impls_timed_on_one_workload_share_its_input_sets(monkeypatch):
-    """Two impls on one InputSets: each set is built once, and what a set holds counts its shared problem, which
+    """Two impls on one InputSets: the workload is built once, and what a set holds counts its shared problem, which
     stays resident while the second impl is timed."""
     from impls.torch_eager import TorchEager
     device = torch.device("cuda")
-    seeds = _count_builds(monkeypatch)
+    built = _count_builds(monkeypatch)
     workload = Workload.uniform(Mode.DECODE, 1, 1, 64)
     ceilings, sets = timing.measure_ceilings(device), latency.InputSets(workload, device)
     first, second = (latency.time_impl(TorchEager(), workload, device, ceilings, sets) for _ in range(2))
     assert first.status == second.status == "passed", (first.message, second.message)
     count = max(first.metrics["input_sets"], second.metrics["input_sets"])
-    assert count > 1 and seeds == [latency.input_set(workload, i).seed for i in range(count)]
-    assert sets.problem_bytes(0) > 0 and second.details["set_bytes"] >= sets.problem_bytes(0)
+    assert count > 1 and built == [workload]
+    assert all(sets.problem_bytes(i) == sets.problem_bytes(0) > 0 for i in range(count))
+    assert second.details["set_bytes"] >= sets.problem_bytes(0)
     assert 0 < first.details["build_s"] <= first.details["wall_s"] and second.details["build_s"] == 0.0
 
 
