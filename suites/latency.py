@@ -5,14 +5,15 @@ Per workload, input sets are made when an impl first asks for them and shared by
 (``Problem.copy``; a cold L2 takes other addresses, not other values). Per (impl, workload): enough
 sets to exceed several times the L2 size, at most ``timing.MAX_SETS`` (a workload too small for that says
 ``cold_l2: false`` in its details) and at most as many as fit in ``MEMORY_FRACTION`` of the device memory free before
-the workload's sets existed (``sets_that_fit``), are planned (plan time measured on the host, per set), then ``run``
+the workload's sets existed (``sets_that_fit``; sets an earlier impl made past that count stay resident beside, so
+up to twice the share can be held), are planned (plan time measured on the host, per set), then ``run``
 is timed over the rotating sets with CUDA events around CUDA-graph replays (``mla_bench.timing``), for about
 ``WINDOW_MS`` of launches, the host kept ahead of the GPU (``host_behind`` in the details counts samples where it
 could not be). Metrics: median, IQR and spread (of the medians of consecutive slices) of run, median and IQR of plan,
 GB/s and TFLOP/s (``mla_bench.costs``; a sparse workload's bytes count the distinct tokens input set 0's top-k indices
 select) and each as a fraction of the device's copy bandwidth and bf16 matmul rate measured in the same run (yielded
 once per device as the ``ceilings`` result). The details also say what the row cost the run (``wall_s``, of which
-``build_s`` made the sets it was first to ask for).
+``build_s`` made the sets it was first to ask for), an impl's error or refusal in ``plan`` included.
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
 (``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
 """
@@ -81,11 +82,11 @@ class InputSets:
     """The input sets of one workload on one device, made when first asked for and shared by every impl timed on the
     workload: ``problem(i)`` makes every set up to ``i`` not made yet, in order: set 0 built from the workload (drawn
     on the host, then moved: 0.9-9.9 s a set of issue 5's b32-b128 rows on the H100 machine's host, session 66), the
-    others copies of it (``Problem.copy``, device copies). ``free``: the device bytes free when it was made, before
-    any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated while making it);
-    ``build_s``: the seconds spent making sets so far. Runs of different impls read the same tensors: a plan must not
-    write into its problem's. ``free_bytes`` and ``allocated`` probe the device's memory (injectable, for a test
-    without a GPU)."""
+    others copies of it (``Problem.copy``: each tensor copied where it lives). ``free``: the device bytes free when it
+    was made, before any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated
+    while making it); ``build_s``: the seconds spent making sets so far. Runs of different impls read the same
+    tensors: a plan must not write into its problem's. ``free_bytes`` and ``allocated`` probe the device's memory
+    (injectable, for a test without a GPU)."""
 
     def __init__(self, workload: Workload, device: torch.device,
                  free_bytes: Callable[[torch.device], int] = free_memory,
@@ -141,6 +142,11 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         problem = inputs.problem(i)
         plan_ms.append(timing.time_host(lambda: plans.append(impl.plan(problem)), device))
 
+    def spent() -> dict[str, float]:
+        """What the row cost the run, also where it fails: the sets it was first to ask for, plans (a first compile
+        included), graph captures and the timing itself."""
+        return {"build_s": inputs.build_s - built_before, "wall_s": time.perf_counter() - started}
+
     try:
         problem0 = inputs.problem(0)
         before = inputs.allocated(device)
@@ -156,9 +162,9 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
                                      target_ms=WINDOW_MS, max_iters=MAX_ITERS)
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
-        return result(status, message=message)
+        return result(status, message=message, details=spent())
     except Exception:  # noqa: BLE001 - an impl's crash is its result
-        return result("error", message=traceback.format_exc())
+        return result("error", message=traceback.format_exc(), details=spent())
     plan = timing.TimingStats.of(plan_ms, method="host")
     metrics = {**stats.metrics("run_ms"), **plan.metrics("plan_ms"), "bytes": work.bytes, "flops": work.flops,
                "gbps": work.gbps(stats.median), "tflops": work.tflops(stats.median),
@@ -169,7 +175,4 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
                   details={"timer": stats.method, "fallback": stats.fallback, "host_behind": stats.host_behind,
                            "device": ceilings.device_name,
                            "set_bytes": set_bytes, "rotation_bytes": count * work.bytes, "l2_bytes": ceilings.l2_bytes,
-                           "cold_l2": timing.rotation_is_cold(count, work.bytes, ceilings.l2_bytes),
-                           # what the row cost the run: the sets it was first to ask for, plans (a first compile
-                           # included), graph captures and the timing itself
-                           "build_s": inputs.build_s - built_before, "wall_s": time.perf_counter() - started})
+                           "cold_l2": timing.rotation_is_cold(count, work.bytes, ceilings.l2_bytes), **spent()})

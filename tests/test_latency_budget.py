@@ -4,12 +4,15 @@ ranks against W GPUs' ceilings."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from mla_bench import timing
 from mla_bench.costs import cost
 from mla_bench.problem import Problem, build_problem
+from mla_bench.registry import Capabilities, Impl
 from mla_bench.workload import Mode, Workload
 from suites import bench_paths, latency
 
@@ -56,15 +59,20 @@ def _count_builds(monkeypatch) -> list[Workload]:
     return built
 
 
-def _tensors(problem) -> dict[str, torch.Tensor]:
-    """Every tensor a problem holds, by a name saying where."""
-    fields = {name: getattr(problem, name) for name in ("kv", "w_uk", "w_uv", "q", "k_nope", "k_pe", "v",
-                                                       "topk_indices", "sparse_indices")}
-    fields.update({f"meta.{name}": getattr(problem.meta, name) for name in ("query_start_loc", "kv_start_loc",
-                                                                           "seq_lens", "block_table", "token_slots")})
-    if problem.cache is not None:
-        fields["cache.data"] = problem.cache.data
-    return {name: tensor for name, tensor in fields.items() if tensor is not None}
+def _tensors(value, name: str = "problem") -> dict[str, torch.Tensor]:
+    """Every tensor ``value`` holds, through dataclass fields, lists, tuples and dicts, by a name saying where (a
+    field added to Problem, PagedMetadata or PagedCache is walked too)."""
+    if isinstance(value, torch.Tensor):
+        return {name: value}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [(f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"[{i}]", item) for i, item in enumerate(value)]
+    elif isinstance(value, dict):
+        items = [(f"[{key!r}]", item) for key, item in value.items()]
+    else:
+        return {}
+    return {path: tensor for suffix, item in items for path, tensor in _tensors(item, name + suffix).items()}
 
 
 @pytest.mark.parametrize("mode, fields", [(Mode.DECODE, {"layout": "fp8_ds_mla"}),
@@ -81,7 +89,8 @@ def test_a_copied_problem_holds_the_same_values_at_new_addresses(mode, fields):
     assert tensors.keys() == copies.keys() and len(tensors) >= 9
     for name, tensor in tensors.items():
         assert torch.equal(copies[name], tensor), name
-        assert copies[name].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(), name
+    storages = [{t.untyped_storage().data_ptr() for t in group.values()} for group in (tensors, copies)]
+    assert not storages[0] & storages[1]  # no copied tensor shares an original's storage, whichever field
     assert copied.workload == workload and copied.scale == problem.scale and copied.meta.kv_lens == problem.meta.kv_lens
     if problem.cache is not None:
         assert copied.cache.layout is problem.cache.layout and copied.cache.tensor_scale == problem.cache.tensor_scale
@@ -90,24 +99,78 @@ def test_a_copied_problem_holds_the_same_values_at_new_addresses(mode, fields):
 def test_the_input_sets_of_a_workload_are_made_once_in_order_when_first_asked_for(monkeypatch):
     """The latency run built every set again for every impl (821 sets where 398 would do on the H100 baseline), each
     from its own seed: 0.9-9.9 s a set on the H100 machine's host. Set 0 is built from the workload, the others
-    copied from it; asking again, for a set or one before it, makes nothing."""
+    copied from it; asking again, for a set or one before it, makes nothing. A build reads as 5000 bytes, a copy as
+    1000: each set's bytes are what making it allocated, in its own place."""
     built, frees = _count_builds(monkeypatch), iter([7 << 30, 1 << 30])
     workload = Workload.uniform(Mode.DECODE, 1, 1, 64, seed=11)
-    made = []
+    copied = []
     sets = latency.InputSets(workload, torch.device("cpu"), free_bytes=lambda device: next(frees),
-                             allocated=lambda device: 1000 * len(made))
+                             allocated=lambda device: 5000 * len(built) + 1000 * len(copied))
     assert built == [] and sets.free == 7 << 30  # probed when made, before any set
     real_copy = Problem.copy
-    monkeypatch.setattr(Problem, "copy", lambda self: made.append(1) or real_copy(self))
-    made.append(1)  # the build below counts as a thousand bytes too
+    monkeypatch.setattr(Problem, "copy", lambda self: copied.append(self) or real_copy(self))
     third = sets.problem(3)
-    assert built == [workload] and len(made) == 4
     first = sets.problem(0)
+    assert built == [workload] and len(copied) == 3 and all(source is first for source in copied)
     assert third is not first and torch.equal(third.q, first.q) and third.q.data_ptr() != first.q.data_ptr()
-    assert sets.problem(3) is third and [sets.problem_bytes(i) for i in range(4)] == [0, 1000, 1000, 1000]
-    assert built == [workload] and len(made) == 4 and sets.free == 7 << 30  # nothing made again, free not probed
+    assert sets.problem(3) is third and [sets.problem_bytes(i) for i in range(4)] == [5000, 1000, 1000, 1000]
+    assert built == [workload] and len(copied) == 3 and sets.free == 7 << 30  # nothing made again, free not probed
     made_s = sets.build_s
     assert made_s > 0 and sets.problem(2) is not None and sets.build_s == made_s
+
+
+class _Planned(Impl):
+    """A CPU impl for ``time_impl`` without a GPU: its plan 'allocates' ``plan_bytes`` (appended to ``ledger``, which
+    the test's ``allocated`` sums), records the problem it was given, and raises on the set numbered ``fail_at``."""
+    name = "planned"
+    capabilities = Capabilities(modes=frozenset({Mode.DECODE}), devices=frozenset({"cpu"}))
+
+    def __init__(self, ledger: list[int], plan_bytes: int, fail_at: int | None = None) -> None:
+        self.ledger, self.plan_bytes, self.fail_at, self.problems = ledger, plan_bytes, fail_at, []
+
+    def plan(self, problem):
+        if len(self.problems) == self.fail_at:
+            raise RuntimeError("planted: plan fails")
+        self.problems.append(problem)
+        self.ledger.append(self.plan_bytes)
+        return problem
+
+    def run(self, plan):
+        return plan.q, plan.q
+
+
+def test_impls_timed_on_one_workload_share_its_sets_and_budget_by_what_they_hold(monkeypatch):
+    """``time_impl`` on a CPU (the timers stubbed): a second impl, and one after an impl that failed in its plan,
+    makes no set the first made; each impl rotates over distinct problems at distinct addresses, the shared ones;
+    ``set_bytes`` is the shared problem's bytes plus the impl's own plan, and the count stops at what fits in
+    MEMORY_FRACTION of the memory free before the sets (10,000 bytes: 3 sets of a 1000-byte problem, 1 of a problem
+    and a 2000-byte plan); ``build_s`` goes to the impl that made the sets, the failed one's row too."""
+    built, copied, plans = _count_builds(monkeypatch), [], []
+    real_copy = Problem.copy
+    monkeypatch.setattr(Problem, "copy", lambda self: copied.append(1) or real_copy(self))
+    monkeypatch.setattr(timing, "time_host", lambda fn, device: fn() or 0.5)
+    monkeypatch.setattr(timing, "time_rotation",
+                        lambda fns, device, **kw: [fn() for fn in fns] and timing.TimingStats.of([0.01] * len(fns)))
+    device, workload = torch.device("cpu"), Workload.uniform(Mode.DECODE, 1, 1, 64)
+    sets = latency.InputSets(workload, device, free_bytes=lambda device: 10_000,
+                             allocated=lambda device: 1000 * (len(built) + len(copied)) + sum(plans))
+    work = cost(workload)
+    ceilings = timing.Ceilings("cpu", copy_gbps=1.0, matmul_tflops=1.0, l2_bytes=work.bytes)  # 4 sets for a cold L2
+    failing, small, large = _Planned(plans, 0, fail_at=2), _Planned(plans, 0), _Planned(plans, 2000)
+    failed = latency.time_impl(failing, workload, device, ceilings, sets)
+    assert failed.status == "error" and "planted" in failed.message and (len(built), len(copied)) == (1, 2)
+    assert 0 < failed.details["build_s"] <= failed.details["wall_s"]  # the sets it made are on its row
+    first = latency.time_impl(small, workload, device, ceilings, sets)
+    plans.clear()  # the plans of an impl are dropped once it is timed
+    second = latency.time_impl(large, workload, device, ceilings, sets)
+    assert first.status == second.status == "passed", (first.message, second.message)
+    assert built == [workload] and len(copied) == 2  # the failed impl's sets served both
+    assert first.metrics["input_sets"] == 3 and first.details["set_bytes"] == 1000 and not first.details["cold_l2"]
+    assert second.metrics["input_sets"] == 1 and second.details["set_bytes"] == 3000
+    assert first.details["build_s"] == second.details["build_s"] == 0.0
+    assert 0 <= first.details["build_s"] <= first.details["wall_s"]
+    assert [id(p) for p in small.problems] == [id(sets.problem(i)) for i in range(3)]
+    assert len({p.cache.data.data_ptr() for p in small.problems}) == 3 and large.problems[0] is small.problems[0]
 
 
 @pytest.mark.gpu
