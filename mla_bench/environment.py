@@ -1,4 +1,6 @@
-"""Where a run ran: GPU, driver, CUDA, torch, triton, python, platform and the bench's git commit.
+"""Where a run ran: GPU, driver, CUDA, torch, triton, python, platform, the bench's git commit and a digest of its
+sources (``source_digest``: which code ran, also where the checkout's git metadata is missing or stale, as in a copy of
+a working tree taken to another machine).
 
 No hostname and no user names: a results file may be shared. ``gpu`` is what the gate compares before it
 compares latencies (only runs on the same GPU model are comparable): the model of every device that ran part of
@@ -7,6 +9,7 @@ the run, so a run over several models (``--devices``) names them all and compare
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -47,9 +50,26 @@ def collect(device: torch.device, devices: list[Device]) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "mla_bench": mla_bench.__version__,
+        "source_digest": source_digest(PROJECT_ROOT),
     }
     env.update(_git())
     return env
+
+
+SOURCE_PACKAGES = ("mla_bench", "impls", "suites", "reference")  # the code a result depends on (not the tests)
+
+
+def source_digest(root: Path) -> str:
+    """SHA-256 (hex, first 16 digits) of the ``*.py`` files of ``SOURCE_PACKAGES`` under ``root``, each file's path
+    relative to ``root`` and its bytes, in path order: equal for the same code whatever its git state, different when
+    any source file is added, removed, renamed or changed."""
+    digest = hashlib.sha256()
+    files = sorted(path for package in SOURCE_PACKAGES for path in (root / package).rglob("*.py"))
+    for path in files:
+        data = path.read_bytes()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
 
 
 def _joined(values: Iterable[str | None]) -> str | None:
