@@ -13,7 +13,8 @@ import torch
 from mla_bench.layouts import LAYOUTS, LATENT_DIM, NOPE_DIM, PagedCache, get_layout
 from mla_bench.layouts.ops import gather_cache, write_cache
 from mla_bench.layouts.formats import (E2M1_MAGNITUDES, FLT_MIN, ceil_log2, e2m1_decode, e2m1_encode, e4m3_decode,
-                                       e4m3_encode, finite_amax, pack_nibbles, unpack_nibbles)
+                                       e4m3_encode, all_finite, finite_amax, pack_nibbles,
+                                       unpack_nibbles)
 
 EXPECTED_BYTES = {"bf16": 1152, "fp8_e4m3": 576, "fp8_ds_mla": 656, "fp8_ds_mla_pow2": 656, "fp4_mx16": 324,
                   "mxfp4_nsa": 400, "nvfp4": 416}
@@ -80,6 +81,18 @@ def test_nibbles_pack_even_element_low():
     packed = pack_nibbles(codes)
     assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)
     assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_finds_one_nan_or_infinity_anywhere(dtype):
+    """The codecs' refusal of NaN/Inf input rests on it: one bad value, wherever it lies in a large tensor."""
+    x = random_latent(257, seed=12).to(dtype)
+    assert all_finite(x) and all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for _ in range(3):
+            y = x.clone()
+            y[random.randrange(y.shape[0]), random.randrange(LATENT_DIM)] = bad
+            assert not all_finite(y), (bad, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_bench.errors import describe
-from mla_bench.layouts.formats import FLT_MIN
+from mla_bench.layouts.formats import FLT_MIN, all_finite
 from mla_bench.lengths import check_page_size
 
 LATENT_DIM = 576  # kv_c (512) + k_pe (64), the cache entry of every MLA model the bench targets
@@ -92,13 +92,12 @@ class CacheLayout(ABC):
         if x.dim() != 2 or x.shape[1] != LATENT_DIM:
             raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
         self.check_dtype(x)
-        if not propagate_nonfinite:
+        if not propagate_nonfinite and not all_finite(x):
             bad = ~torch.isfinite(x)
-            if bool(bad.any()):
-                token, column = (int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"layout {self.name}: {int(bad.sum())} NaN/Inf input values (first at token {token}, "
-                                 f"column {column}); pass propagate_nonfinite=True to encode them as NaN")
-        if x.dtype == torch.float64:
+            token, column = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"layout {self.name}: {int(bad.sum())} NaN/Inf input values (first at token {token}, "
+                             f"column {column}); pass propagate_nonfinite=True to encode them as NaN")
+        if x.dtype == torch.float64 and not all_finite(x.float()):
             overflow = torch.isfinite(x) & ~torch.isfinite(x.float())
             if bool(overflow.any()):
                 token, column = (int(i) for i in overflow.nonzero()[0])

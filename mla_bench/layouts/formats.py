@@ -8,8 +8,6 @@ same bytes.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 E4M3_MAX = 448.0
@@ -23,15 +21,26 @@ E4M3_NAN = 0x7F  # the one NaN code the codecs write (a NaN's sign is not portab
 BF16_NAN = 0x7FC0  # likewise for bfloat16 (torch on CPU writes 0x7FC0, CUDA's cvt 0x7FFF)
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN and no infinity among ``values`` (True when empty). One ``aminmax`` pass, which carries a NaN or an
+    infinity to its ends: 3 ms on a 75M-value bf16 cache on this CPU, where ``isfinite(...).all()`` took 170 ms."""
+    if not values.numel():
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def finite_amax(values: torch.Tensor) -> float:
-    """The largest ``|value|`` over the finite values, in float32 (0.0 when none is finite). One ``amax`` pass
-    when every value is finite (a NaN or an infinity makes it non-finite); only then a mask. Selecting the finite
-    values copied a 75M-value cache, and ``isfinite`` alone took 0.4 s of a build on this CPU."""
-    magnitude = values.float().abs()
-    if not magnitude.numel():
+    """The largest ``|value|`` over the values finite in float32 (0.0 when none is), as a float32 number: from
+    ``aminmax`` when every value is finite, else through a mask. Selecting the finite values copied the whole cache."""
+    if values.dtype == torch.float64:
+        values = values.float()  # a float64 value beyond float32's range counts as an infinity, as the codecs see it
+    if not values.numel():
         return 0.0
-    amax = float(magnitude.amax())
-    return amax if math.isfinite(amax) else float(torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax())
+    if all_finite(values):
+        return float(torch.stack(torch.aminmax(values)).abs().amax().float())
+    magnitude = values.float().abs()
+    return float(torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax())
 
 
 def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
