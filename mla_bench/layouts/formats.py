@@ -49,7 +49,7 @@ def e4m3_encode(values: torch.Tensor) -> torch.Tensor:
     mark it NaN themselves (an overflowing quotient of finite inputs saturates, as in the engines)."""
     values = values.float()
     encoded = values.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.where(torch.isnan(values), E4M3_NAN, encoded).to(torch.uint8)
+    return encoded if all_finite(values) else torch.where(torch.isnan(values), E4M3_NAN, encoded).to(torch.uint8)
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
