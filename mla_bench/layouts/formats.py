@@ -21,24 +21,30 @@ E4M3_NAN = 0x7F  # the one NaN code the codecs write (a NaN's sign is not portab
 BF16_NAN = 0x7FC0  # likewise for bfloat16 (torch on CPU writes 0x7FC0, CUDA's cvt 0x7FFF)
 
 
+def _ends_if_finite(values: torch.Tensor) -> torch.Tensor | None:
+    """``[min, max]`` of non-empty ``values`` when none is NaN or infinite, else None: one ``aminmax`` pass, which
+    carries a NaN or an infinity to its ends (3 ms on a 75M-value bf16 cache on this CPU, where
+    ``isfinite(...).all()`` took 170 ms)."""
+    ends = torch.stack(torch.aminmax(values))
+    return ends if bool(torch.isfinite(ends).all()) else None
+
+
 def all_finite(values: torch.Tensor) -> bool:
-    """No NaN and no infinity among ``values`` (True when empty). One ``aminmax`` pass, which carries a NaN or an
-    infinity to its ends: 3 ms on a 75M-value bf16 cache on this CPU, where ``isfinite(...).all()`` took 170 ms."""
-    if not values.numel():
-        return True
-    low, high = torch.aminmax(values)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
+    """No NaN and no infinity among ``values`` (True when empty)."""
+    return not values.numel() or _ends_if_finite(values) is not None
 
 
 def finite_amax(values: torch.Tensor) -> float:
-    """The largest ``|value|`` over the values finite in float32 (0.0 when none is), as a float32 number: from
-    ``aminmax`` when every value is finite, else through a mask. Selecting the finite values copied the whole cache."""
+    """The largest ``|value|`` over the values finite in float32 (0.0 when none is), as a float32 number: from the
+    ends of ``values`` when every value is finite, else through a mask. Selecting the finite values copied the whole
+    cache."""
     if values.dtype == torch.float64:
         values = values.float()  # a float64 value beyond float32's range counts as an infinity, as the codecs see it
     if not values.numel():
         return 0.0
-    if all_finite(values):
-        return float(torch.stack(torch.aminmax(values)).abs().amax().float())
+    ends = _ends_if_finite(values)
+    if ends is not None:
+        return float(ends.abs().amax().float())
     magnitude = values.float().abs()
     return float(torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax())
 
