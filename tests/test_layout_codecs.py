@@ -16,6 +16,9 @@ from mla_bench.layouts.formats import (E2M1_MAGNITUDES, FLT_MIN, ceil_log2, e2m1
                                        e4m3_encode, all_finite, finite_amax, pack_nibbles,
                                        unpack_nibbles)
 
+# The codecs run where the problem lives (CUDA in every GPU suite); their non-finite handling rests on reductions
+# whose NaN propagation is the device's own, so those tests run on each.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPECTED_BYTES = {"bf16": 1152, "fp8_e4m3": 576, "fp8_ds_mla": 656, "fp8_ds_mla_pow2": 656, "fp4_mx16": 324,
                   "mxfp4_nsa": 400, "nvfp4": 416}
 
@@ -83,10 +86,11 @@ def test_nibbles_pack_even_element_low():
     assert torch.equal(unpack_nibbles(packed), codes)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_all_finite_finds_one_nan_or_infinity_anywhere(dtype):
+def test_all_finite_finds_one_nan_or_infinity_anywhere(dtype, device):
     """The codecs' refusal of NaN/Inf input rests on it: one bad value, wherever it lies in a large tensor."""
-    x = random_latent(257, seed=12).to(dtype)
+    x = random_latent(257, seed=12).to(device, dtype)
     assert all_finite(x) and all_finite(x[:0])
     for bad in (float("nan"), float("inf"), -float("inf")):
         for _ in range(3):
@@ -95,17 +99,18 @@ def test_all_finite_finds_one_nan_or_infinity_anywhere(dtype):
             assert not all_finite(y), (bad, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_finite_amax_is_the_largest_finite_magnitude_whatever_nan_or_infinity_lies_beside_it(dtype):
+def test_finite_amax_is_the_largest_finite_magnitude_whatever_nan_or_infinity_lies_beside_it(dtype, device):
     """The per-layer scales start from it: a NaN or an infinity must neither become nor hide the maximum."""
-    x = random_latent(64, seed=11).to(dtype)
+    x = random_latent(64, seed=11).to(device, dtype)
     peak = float(x.float().abs().max())
     assert finite_amax(x) == peak and finite_amax(-x) == peak
     x[3, 7], x[9, 500], x[20, 570] = float("nan"), float("inf"), -float("inf")
     masked = x.float().abs()
     assert finite_amax(x) == float(masked[torch.isfinite(masked)].max()) > 0
-    assert finite_amax(torch.full((2, 8), float("nan"), dtype=dtype)) == 0.0
-    assert finite_amax(torch.empty(0, LATENT_DIM, dtype=dtype)) == 0.0
+    assert finite_amax(torch.full((2, 8), float("nan"), dtype=dtype, device=device)) == 0.0
+    assert finite_amax(torch.empty(0, LATENT_DIM, dtype=dtype, device=device)) == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -140,10 +145,11 @@ def test_an_unwritten_slot_decodes_to_nan_in_every_value(name):
     assert bool(torch.isnan(gather_cache(cache, torch.arange(cache.num_slots))).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_nonfinite_inputs_are_refused_by_default_and_propagate_on_request(name):
+def test_nonfinite_inputs_are_refused_by_default_and_propagate_on_request(name, device):
     layout = get_layout(name)
-    x = random_latent(4, seed=3)
+    x = random_latent(4, seed=3).to(device)
     scale = layout.fit_tensor_scale(x)
     x[2, 5] = float("nan")
     x[3, 530] = float("inf")
@@ -154,18 +160,38 @@ def test_nonfinite_inputs_are_refused_by_default_and_propagate_on_request(name):
     assert torch.isfinite(decoded[:2]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_nonfinite_inputs_encode_to_device_independent_bytes(name):
-    """A NaN's sign and payload differ between devices; the codecs write one canonical pattern for each."""
+def test_nonfinite_inputs_encode_to_device_independent_bytes(name, device):
+    """A NaN's sign and payload differ between devices; the codecs write one canonical pattern for each, the same
+    bytes on every device as on the CPU."""
     layout = get_layout(name)
     positive = random_latent(2, seed=8).float()
     scale = layout.fit_tensor_scale(positive)
     positive[:, 3] = positive[:, 540] = float("nan")
     negative = positive.clone()
     negative[:, 3] = negative[:, 540] = -float("nan")
-    encoded = layout.quantize(positive, scale, propagate_nonfinite=True)
-    assert torch.equal(layout.quantize(negative, scale, propagate_nonfinite=True), encoded)
+    on_cpu = layout.quantize(positive, scale, propagate_nonfinite=True)
+    encoded = layout.quantize(positive.to(device), scale, propagate_nonfinite=True)
+    assert encoded.device.type == device and torch.equal(encoded.cpu(), on_cpu)
+    assert torch.equal(layout.quantize(negative.to(device), scale, propagate_nonfinite=True), encoded)
     assert torch.isnan(layout.dequantize(encoded, scale)[:, [3, 540]]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_codec_writes_the_same_bytes_on_the_gpu_as_on_the_cpu(name):
+    """The GPU suites build their caches on the GPU; a scale computed another way there (CUDA's torch multiplies by
+    the reciprocal of a Python-number divisor) would make the cache differ from the one the engines and our Triton
+    writer produce, which are checked against the codecs on the CPU."""
+    layout = get_layout(name)
+    values = random_latent(512, seed=21).float() * torch.logspace(-6, 6, 512)[:, None]
+    scale = layout.fit_tensor_scale(values)
+    on_cpu = layout.quantize(values, scale)
+    on_gpu = layout.quantize(values.cuda(), scale)
+    assert on_gpu.is_cuda
+    differ = (on_gpu.cpu() != on_cpu).any(dim=1)
+    assert not differ.any(), f"{name}: {int(differ.sum())} of {len(values)} tokens encode differently on the GPU"
 
 
 def test_overflowing_quotients_of_finite_values_saturate_instead_of_becoming_nan():

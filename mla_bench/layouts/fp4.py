@@ -21,8 +21,8 @@ import torch
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
 from mla_bench.layouts.formats import (E2M1_MAX, E4M3_MAX, E4M3_NAN, FLT_MIN, SLACK, UE8M0_NAN, bf16_bytes,
                                        bf16_error_bound, bf16_from_bytes, ceil_log2, e2m1_decode, e2m1_encode,
-                                       e2m1_error_bound, e4m3_decode, e4m3_encode, finite_amax, pack_nibbles,
-                                       ue8m0_decode, unpack_nibbles)
+                                       div_rn, e2m1_error_bound, e4m3_decode, e4m3_encode, finite_amax,
+                                       pack_nibbles, ue8m0_decode, unpack_nibbles)
 
 
 def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,10 @@ def mx_encode(values: torch.Tensor, block: int, floor_after_divide: bool) -> tup
     """
     blocks = values.float().reshape(values.shape[0], values.shape[1] // block, block)  # no -1 anywhere: N may be 0
     amax = blocks.abs().amax(dim=-1)
-    target = torch.clamp(amax / E2M1_MAX, min=1e-10) if floor_after_divide else torch.clamp(amax, min=1e-12) / E2M1_MAX
+    if floor_after_divide:
+        target = torch.clamp(div_rn(amax, E2M1_MAX), min=1e-10)
+    else:
+        target = div_rn(torch.clamp(amax, min=1e-12), E2M1_MAX)
     exponent = ceil_log2(target)
     finite = torch.isfinite(amax)
     codes = e2m1_encode(blocks, torch.exp2(exponent.float())[..., None], ties="away")

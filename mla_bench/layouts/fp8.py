@@ -7,7 +7,7 @@ import torch
 from mla_bench.layouts.base import LATENT_DIM, NOPE_DIM, ROPE_DIM, CacheLayout
 from mla_bench.layouts.formats import (E4M3_MAX, E4M3_NAN, FLT_MIN, SLACK, bf16_bytes, bf16_error_bound,
                                        bf16_from_bytes, ceil_log2, e4m3_decode, e4m3_encode, e4m3_error_bound,
-                                       f32_bytes, f32_from_bytes, finite_amax)
+                                       f32_bytes, f32_from_bytes, div_rn, finite_amax)
 
 DS_MLA_TILE = 128
 DS_MLA_TILES = NOPE_DIM // DS_MLA_TILE
@@ -73,9 +73,9 @@ class FP8DSMLALayout(CacheLayout):
         tiles = x[:, :NOPE_DIM].float().reshape(-1, DS_MLA_TILES, DS_MLA_TILE)
         amax = tiles.abs().amax(dim=-1)
         if self.pow2:
-            scale = torch.exp2(ceil_log2(torch.clamp(amax / E4M3_MAX, min=POW2_SCALE_FLOOR)).float())
+            scale = torch.exp2(ceil_log2(torch.clamp(div_rn(amax, E4M3_MAX), min=POW2_SCALE_FLOOR)).float())
         else:
-            scale = torch.clamp(amax / E4M3_MAX, min=FLT_MIN)
+            scale = torch.clamp(div_rn(amax, E4M3_MAX), min=FLT_MIN)
         scale = torch.where(torch.isfinite(amax), scale, float("nan"))
         codes = e4m3_encode(tiles / scale[..., None]).reshape(-1, NOPE_DIM)
         return torch.cat([codes, f32_bytes(scale), bf16_bytes(x[:, NOPE_DIM:])], dim=1)
