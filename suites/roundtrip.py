@@ -14,6 +14,10 @@ Checks (one Result each):
   the block scale: a floor twice too high breaks the bound), NaN/Inf refused by default and, when propagated,
   NaN/Inf over exactly the scale blocks that hold them; a per-layer scale fitted to zeros, subnormals (amax down to
   1e-44) or NaN/Inf-holding values is one the layout takes, NaN/Inf ignored;
+- ``device codec`` per layout, on a GPU only: the codec there writes the bytes it writes on the host and fits the same
+  per-layer scale (fp32 and bf16 inputs of wide range with the tile probes and the MX floors, and NaN/Inf
+  propagated). The GPU suites build their caches on the GPU, where torch divides by a Python number as a
+  multiplication by its reciprocal (one bit off the quotient for about half of all values);
 - ``triton write`` per layout: the Triton write kernel's bytes equal the reference codec's, for fp32 / bf16 /
   fp16 and strided (rows 600 apart) inputs spread over several pages, with slot -1 padding skipped and the rest of
   the poisoned cache untouched (slot 0 and the last slot, where a mishandled -1 lands, are never written); a NaN
@@ -89,6 +93,8 @@ class RoundtripSuite:
             ctx.progress(f"roundtrip codec {layout.name}")
             yield _guarded("codec bounds", layout.name, lambda: check_codec_bounds(layout, ctx.seed))
             yield _guarded("edge inputs", layout.name, lambda: check_edge_inputs(layout, ctx.seed))
+            if ctx.device.type != "cpu":
+                yield _guarded("device codec", layout.name, lambda: check_device_codec(layout, ctx.device, ctx.seed))
         write, gather, unavailable = self._cache_ops(ctx.device)
         names = {"write": f"{'given' if self.write else 'triton'} write",
                  "gather": f"{'given' if self.gather else 'triton'} gather"}
@@ -313,6 +319,32 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
     if not torch.equal(decoded[~expect_nonfinite], clean[~expect_nonfinite]):
         problems.append("propagated NaN/Inf changed values outside their scale blocks")
     return problems, {"problems": len(problems)}
+
+
+def check_device_codec(layout: CacheLayout, device: torch.device, seed: int) -> tuple[list[str], dict]:
+    """The codec on ``device`` against the codec on the host: the same per-layer scale, the same bytes."""
+    problems, differing = [], 0
+    values = _with_tile_probes(latent_values(256, seed))
+    values[7] = _at_mx_floors()
+    nonfinite = values.clone()
+    nonfinite[3, 5], nonfinite[9, NOPE_DIM + 18], nonfinite[11, 300] = float("nan"), float("inf"), -float("inf")
+    for name, x, propagate in (("fp32", values, False), ("bf16", values.bfloat16(), False),
+                               ("NaN/Inf", nonfinite, True)):
+        scale = layout.fit_tensor_scale(x)
+        fitted_there = layout.fit_tensor_scale(x.to(device))
+        if fitted_there != scale:
+            problems.append(f"{name} inputs: the per-layer scale fitted on {device} is {fitted_there!r}, on the host "
+                            f"{scale!r}")
+        on_host = layout.quantize(x, scale, propagate_nonfinite=propagate)
+        wrong = layout.quantize(x.to(device), scale, propagate_nonfinite=propagate).cpu() != on_host
+        tokens = wrong.any(dim=1)
+        differing += int(tokens.sum())
+        if bool(tokens.any()):
+            fields = [field for field, start, end in layout.fields or (("bytes", 0, layout.bytes_per_token),)
+                      if bool(wrong[:, start:end].any())]
+            problems.append(f"{name} inputs: {int(tokens.sum())} of {len(x)} tokens encode differently on {device} "
+                            f"than on the host, first token {int(tokens.nonzero()[0])}, in {', '.join(fields)}")
+    return problems, {"differing_tokens": differing}
 
 
 # ---- cache ops ------------------------------------------------------------------------------------------------------

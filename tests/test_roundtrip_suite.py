@@ -21,11 +21,11 @@ from impls.torch_eager import TorchEager
 from impls.triton.cache_ops import gather_cache_triton, write_cache_triton
 from suites.base import RunContext
 from suites.capability import capability_table, cells, names_combination, print_capability_matrix, run_matrix
-from suites.roundtrip import RoundtripSuite, check_gather
+from suites.roundtrip import RoundtripSuite, check_device_codec, check_gather
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CHECKS = {"codec bounds", "edge inputs", "triton write", "triton gather", "conversions", "paged vs ragged",
-          "capability", "capability matrix"}
+          "capability", "capability matrix"} | ({"device codec"} if DEVICE.type == "cuda" else set())
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,14 @@ class PlantedDSMLA(FP8DSMLALayout):
         super().__init__(pow2=self.planted_pow2)
         self.name = self.planted_name
 
+    def _with_tile_scales(self, x, scale_of_amax):
+        """The token's bytes with its codes and tile scales from ``scale_of_amax(amax)``, over each 128-column tile."""
+        raw = super()._encode(x, None)
+        tiles = x[:, :NOPE_DIM].float().reshape(-1, 4, 128)
+        scale = scale_of_amax(tiles.abs().amax(dim=-1))
+        codes = e4m3_encode(tiles / scale[..., None]).reshape(-1, NOPE_DIM)
+        return torch.cat([codes, f32_bytes(scale), raw[:, NOPE_DIM + 16:]], dim=1)
+
 
 class NoScaleFloor(PlantedDSMLA):
     """SGLang's fast path: tile scale amax / 448 with no floor, so an all-zero tile gets 0/0 = NaN."""
@@ -85,11 +93,7 @@ class NoScaleFloor(PlantedDSMLA):
     planted_name = "planted_no_scale_floor"
 
     def _encode(self, x, tensor_scale):
-        raw = super()._encode(x, tensor_scale)
-        tiles = x[:, :NOPE_DIM].float().reshape(-1, 4, 128)
-        scale = tiles.abs().amax(dim=-1) / 448
-        codes = e4m3_encode(tiles / scale[..., None]).reshape(-1, NOPE_DIM)
-        return torch.cat([codes, f32_bytes(scale), raw[:, NOPE_DIM + 16:]], dim=1)
+        return self._with_tile_scales(x, lambda amax: amax / 448)
 
 
 class TruncatedRope(PlantedDSMLA):
@@ -150,11 +154,7 @@ class TileScaleOver240(PlantedDSMLA):
     planted_name = "planted_tile_scale_over_240"
 
     def _encode(self, x, tensor_scale):
-        raw = super()._encode(x, tensor_scale)
-        tiles = x[:, :NOPE_DIM].float().reshape(-1, 4, 128)
-        scale = (tiles.abs().amax(dim=-1) / 240).clamp(min=FLT_MIN)
-        codes = e4m3_encode(tiles / scale[..., None]).reshape(-1, NOPE_DIM)
-        return torch.cat([codes, f32_bytes(scale), raw[:, NOPE_DIM + 16:]], dim=1)
+        return self._with_tile_scales(x, lambda amax: (amax / 240).clamp(min=FLT_MIN))
 
 
 class TensorScaleOver240(FP8PerTensorLayout):
@@ -263,6 +263,52 @@ def test_planted_codec_bugs_are_flagged(layout, check, says):
     assert says in flagged[0].message, f"seed {seed}: {flagged[0].message[:300]}"
     # the Triton kernels do not claim a layout they do not implement
     assert {r.status for r in results if r.check.startswith("triton")} == {"unsupported"}
+
+
+class TileScaleByReciprocal(PlantedDSMLA):
+    """Tile scales ``amax * (1 / 448)``: what ``amax / 448`` on a GPU tensor computes in torch (a Python-number divisor
+    becomes a multiplication by its reciprocal), one bit off the quotient for about half of all values. It encodes
+    so on every ``encodes_by_reciprocal``-th call, so that on one device it stands in for a codec run on two."""
+
+    planted_name = "planted_tile_scale_by_reciprocal"
+
+    def __init__(self, encodes_by_reciprocal: int) -> None:
+        super().__init__()
+        self.every, self.calls = encodes_by_reciprocal, 0
+
+    def _encode(self, x, tensor_scale):
+        self.calls += 1
+        if self.calls % self.every:
+            return super()._encode(x, tensor_scale)
+        return self._with_tile_scales(x, lambda amax: torch.where(
+            torch.isfinite(amax), (amax * (1 / E4M3_MAX)).clamp(min=FLT_MIN), float("nan")))
+
+
+def test_a_codec_encoding_differently_in_its_second_place_is_flagged_by_field():
+    """The device check encodes each input on the host, then on the device: here both are the CPU, and the planted
+    codec's second encoding of each input rounds its tile scales the other way, as CUDA's torch would."""
+    seed = random.randrange(2 ** 32)
+    problems, metrics = check_device_codec(TileScaleByReciprocal(encodes_by_reciprocal=2), torch.device("cpu"), seed)
+    assert len(problems) == 3 and metrics["differing_tokens"] > 100, f"seed {seed}: {problems}"
+    assert all("tokens encode differently on cpu than on the host" in p for p in problems), problems
+    assert "tile scales fp32" in problems[0] and "rope bf16" not in problems[0], problems[0]
+    assert check_device_codec(get_layout("fp8_ds_mla"), torch.device("cpu"), seed) == ([], {"differing_tokens": 0})
+
+
+@pytest.mark.gpu
+def test_a_codec_dividing_by_a_python_number_is_flagged_on_the_gpu():
+    """The bug ``formats.div_rn`` fixed (session 67): ``amax / 448`` on the GPU, in every encoding there."""
+    class DividingByAPythonNumber(PlantedDSMLA):
+        planted_name = "planted_division_by_a_python_number"
+
+        def _encode(self, x, tensor_scale):
+            return self._with_tile_scales(x, lambda amax: torch.where(
+                torch.isfinite(amax), (amax / E4M3_MAX).clamp(min=FLT_MIN), float("nan")))
+
+    layout = DividingByAPythonNumber()
+    results = [r for r in _run(random.randrange(2 ** 32), layouts={layout.name: layout}) if r.check == "device codec"]
+    assert len(results) == 1 and results[0].status == "failed", results
+    assert "tokens encode differently on cuda" in results[0].message and "tile scales fp32" in results[0].message
 
 
 # ---- planted cache ops (write / gather kernels): each given alone, the other op is the Triton one -----------------
