@@ -141,7 +141,20 @@ def test_fast_builders_read_nothing_on_the_host():
     assert fast.dcp_local_lens(seq, 1, 2, 4).shape == (7,)
     assert fast.token_page_table(seq, table, 16, 70).shape == (7, 70)
     pool = torch.empty(40, dtype=torch.int64, device=meta)
-    assert fast.block_table_from_pool(seq, 16, pool, 5).shape == (7, 5)
+    assert fast.block_table_from_pool(seq, 16, pool, sizes).shape == (7, 5)
+
+
+def test_a_pool_without_a_spare_page_is_refused_on_the_host_as_the_reference_refuses_it():
+    """The spare entries take a remainder by the pool's spare pages: by zero, undefined on CUDA rather than an error."""
+    kv_lens = [17, 64, 0]
+    sizes = fast.HostSizes.of([1, 1, 1], kv_lens, 16)
+    seq = torch.tensor(kv_lens, dtype=torch.int32)
+    with pytest.raises(ValueError, match="a pool of 6 blocks leaves no spare page after the 6 the requests need"):
+        reference.assign_blocks(kv_lens, 16, torch.randperm(6))
+    with pytest.raises(ValueError, match="a pool of 6 blocks leaves no spare page after the 6 the requests need"):
+        fast.block_table_from_pool(seq, 16, torch.randperm(6), sizes)
+    table = fast.block_table_from_pool(seq, 16, torch.randperm(7), sizes)
+    assert table.shape == (3, sizes.table_width) and int(table.max()) < 7
 
 
 def test_host_sizes_come_from_the_host_lengths():

@@ -102,15 +102,19 @@ def owners(starts: torch.Tensor, count: int) -> torch.Tensor:
     return torch.searchsorted(starts[1:].contiguous(), rows, right=True)
 
 
-def block_table_from_pool(seq_lens: torch.Tensor, page_size: int, pool: torch.Tensor, width: int) -> torch.Tensor:
+def block_table_from_pool(seq_lens: torch.Tensor, page_size: int, pool: torch.Tensor, sizes: HostSizes) -> torch.Tensor:
     """``reference.assign_blocks``: request after request takes its pages from the front of ``pool``; entries past a
-    request's pages point at spare pages. ``width`` (>= the most pages a request needs) comes from the host;
-    ``HostSizes.table_width`` gives the reference's (one spare column past the longest request)."""
+    request's pages point at spare pages. The host's ``sizes`` give the width (one spare column past the longest
+    request) and the pages the requests own, which must leave ``pool`` a spare page: checked on the host, since on
+    CUDA the spare entries' remainder by no spare page would be undefined, not an error."""
     check_inputs(page_size, seq_lens=seq_lens, pool=pool)
+    if pool.shape[0] <= sizes.num_pages:
+        raise ValueError(f"a pool of {pool.shape[0]} blocks leaves no spare page after the {sizes.num_pages} the "
+                         f"requests need")
     needed = _pages_per_request(seq_lens.long(), page_size)
     starts = torch.cumsum(needed, 0) - needed
     total = needed.sum()
-    column = torch.arange(width, device=pool.device)[None, :]
+    column = torch.arange(sizes.table_width, device=pool.device)[None, :]
     request = torch.arange(seq_lens.shape[0], device=pool.device)[:, None]
     spare = total + (request + column) % (pool.shape[0] - total)
     return pool[torch.where(column < needed[:, None], starts[:, None] + column, spare)].to(torch.int32)
