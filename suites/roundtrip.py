@@ -16,7 +16,8 @@ Checks (one Result each):
   1e-44) or NaN/Inf-holding values is one the layout takes, NaN/Inf ignored;
 - ``device codec`` per layout, on a GPU only: the codec there writes the bytes it writes on the host and fits the same
   per-layer scale (fp32 and bf16 inputs of wide range with the tile probes and the MX floors, and NaN/Inf
-  propagated). The GPU suites build their caches on the GPU, where torch divides by a Python number as a
+  propagated). The codecs run where their values live (``write_cache`` into a GPU cache, the bench scripts' caches
+  drawn on the GPU; ``build_problem`` encodes on the host), and there torch divides by a Python number as a
   multiplication by its reciprocal (one bit off the quotient for about half of all values);
 - ``triton write`` per layout: the Triton write kernel's bytes equal the reference codec's, for fp32 / bf16 /
   fp16 and strided (rows 600 apart) inputs spread over several pages, with slot -1 padding skipped and the rest of

@@ -16,8 +16,8 @@ from mla_bench.layouts.formats import (E2M1_MAGNITUDES, FLT_MIN, ceil_log2, e2m1
                                        e4m3_encode, all_finite, finite_amax, pack_nibbles,
                                        unpack_nibbles)
 
-# The codecs run where the problem lives (CUDA in every GPU suite); their non-finite handling rests on reductions
-# whose NaN propagation is the device's own, so those tests run on each.
+# The codecs run where their values live (``write_cache`` into a GPU cache, the bench scripts' caches drawn on the GPU);
+# their non-finite handling rests on reductions whose NaN propagation is the device's own, so those tests run on each.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EXPECTED_BYTES = {"bf16": 1152, "fp8_e4m3": 576, "fp8_ds_mla": 656, "fp8_ds_mla_pow2": 656, "fp4_mx16": 324,
                   "mxfp4_nsa": 400, "nvfp4": 416}
@@ -181,9 +181,9 @@ def test_nonfinite_inputs_encode_to_device_independent_bytes(name, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_codec_writes_the_same_bytes_on_the_gpu_as_on_the_cpu(name):
-    """The GPU suites build their caches on the GPU; a scale computed another way there (CUDA's torch multiplies by
-    the reciprocal of a Python-number divisor) would make the cache differ from the one the engines and our Triton
-    writer produce, which are checked against the codecs on the CPU."""
+    """A cache written on the GPU (``write_cache`` there, the bench scripts' caches) must hold the format's bytes: a
+    scale computed another way there (CUDA's torch multiplies by the reciprocal of a Python-number divisor) would
+    differ from what the engines and our Triton writer produce, which are checked against the codecs on the CPU."""
     layout = get_layout(name)
     values = random_latent(512, seed=21).float() * torch.logspace(-6, 6, 512)[:, None]
     scale = layout.fit_tensor_scale(values)
