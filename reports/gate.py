@@ -13,8 +13,11 @@ A finding is fatal when:
   baseline's passed result has, or either of them holds a value no measurement gives (not finite, negative, a
   median <= 0): it would pass every comparison below;
 - an error metric got worse than the baseline's by more than ``error_slack`` times its accuracy bound (the smaller
-  of the bounds the two runs' accuracy suites recorded in the result's details: a change that loosens a tolerance
-  does not loosen the gate with it), or NaN/Inf positions appeared;
+  of the bounds the two runs recorded in the result's details, ``tolerance[kind][field]``, or ``tolerance[field]``
+  for every kind of the result: a change that loosens a tolerance does not loosen the gate with it), a codec's
+  ``bound_ratio`` (its error over its stated bound, so its bound is 1) by more than ``error_slack``, or NaN/Inf
+  positions appeared. Metrics of a kind with no recorded bound are context, not gated (the equivalence suite's
+  ``inherent.*``: the two float64 references' own difference);
 - a latency median got slower than the baseline's by more than ``max(latency_slack * baseline median,
   noise_factor * IQR, spread)``, the IQR and spread the baseline's (the spread, already a range of slice medians: see
   ``mla_bench.timing.TimingStats``): the run's own noise does not loosen its bound, or a regression that also brings
@@ -41,6 +44,7 @@ MISSING_SHOWN = 3  # workload labels a missing finding names
 LATENCY_METRICS = ("run_ms", "run_ms_iqr", "run_ms_spread")
 # Error metrics and the Tolerance field that bounds each.
 ERROR_BOUNDS = {"rel_l2": "rel_l2", "max_row_rel": "max_row_rel", "cos_diff": "cos_diff", "lse_max_abs": "lse_abs"}
+BOUND_RATIO = "bound_ratio"  # a codec's largest error over its stated bound (the roundtrip suite): bounded by 1
 
 
 @dataclass
@@ -173,8 +177,9 @@ def _why_absent(run: Run, suite: str, impl: str) -> str:
 
 
 def _gated(name: str) -> bool:
-    """Whether the gate compares metric ``name`` (``kind.rel_l2``, ``kind.nonfinite_mismatch``, ``run_ms``...)."""
-    return name.partition(".")[2] in (*ERROR_BOUNDS, "nonfinite_mismatch") or name in LATENCY_METRICS
+    """Whether the gate compares metric ``name`` (``kind.rel_l2``, ``kind.nonfinite_mismatch``, ``kind.bound_ratio``,
+    ``run_ms``...)."""
+    return name.partition(".")[2] in (*ERROR_BOUNDS, "nonfinite_mismatch", BOUND_RATIO) or name in LATENCY_METRICS
 
 
 def measured(name: str, value: float) -> bool:
@@ -203,9 +208,10 @@ def _accuracy(base: Result, new: Result, limits: GateLimits) -> list[Finding]:
         kind, _, metric = name.partition(".")
         if metric == "nonfinite_mismatch" and value > base.metrics.get(name, 0):
             found.append(_finding("accuracy", new, f"{name} {value:g} > baseline {base.metrics.get(name, 0):g}", True))
-        if metric not in ERROR_BOUNDS or name not in base.metrics:
+        if metric not in (*ERROR_BOUNDS, BOUND_RATIO) or name not in base.metrics:
             continue
-        bounds = [b for b in (_bound(new, kind, metric), _bound(base, kind, metric)) if b is not None]
+        bounds = [1.0] if metric == BOUND_RATIO else [
+            b for b in (_bound(new, kind, metric), _bound(base, kind, metric)) if b is not None]
         if not bounds:
             continue
         bound = min(bounds)
@@ -254,10 +260,14 @@ def _noisier(base: Result, new: Result, noise_factor: float, allowed: float) -> 
 
 
 def _bound(result: Result, kind: str, metric: str) -> float | None:
-    """The accuracy bound recorded in ``result.details['tolerance'][kind]``, if it is a finite number."""
+    """The accuracy bound of ``kind.metric`` recorded in ``result.details['tolerance']``, per kind (``[kind]
+    [field]``) or one table for every kind (``[field]``: equivalence results before session 67), if it is a finite
+    number."""
     tolerance = result.details.get("tolerance")
-    table = tolerance.get(kind) if isinstance(tolerance, dict) else None
-    value = table.get(ERROR_BOUNDS[metric]) if isinstance(table, dict) else None
+    if not isinstance(tolerance, dict):
+        return None
+    table = tolerance.get(kind) if isinstance(tolerance.get(kind), dict) else tolerance
+    value = table.get(ERROR_BOUNDS[metric])
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
         return float(value)
     return None

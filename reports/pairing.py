@@ -8,7 +8,7 @@ from typing import Iterator
 from mla_bench.results import Result, Run
 
 # The number that stands for a result in a comparison, per suite.
-HEADLINE = {"accuracy": "kernel.rel_l2", "latency": "run_ms"}
+HEADLINE = {"accuracy": "kernel.rel_l2", "equivalence": "pair.rel_l2", "latency": "run_ms"}
 
 Key = tuple[str, str, str, str]
 

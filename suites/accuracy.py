@@ -15,11 +15,10 @@ import torch
 from mla_bench.problem import build_problem
 from mla_bench.registry import Impl
 from mla_bench.results import Result
-from mla_bench.tolerances import tolerance_for
 from mla_bench.workload import Workload
 from suites import sweeps
 from suites.base import RunContext, load_impls
-from suites.judge import References, judge
+from suites.judge import References, judge, judged_tolerances
 
 
 class AccuracySuite:
@@ -68,11 +67,8 @@ def judge_workload(workload: Workload, impls: list[Impl], device: torch.device) 
             continue
         yield _result(workload, impl, verdict.status, metrics=verdict.metrics(),
                       message=verdict.message or "; ".join(verdict.violations),
-                      details={"violations": verdict.violations, "tolerance": _tolerances(workload)})
+                      details={"violations": verdict.violations, "tolerance": judged_tolerances(workload)})
 
-
-def _tolerances(workload: Workload) -> dict[str, dict[str, float]]:
-    return {kind: tolerance_for(workload.dtype, workload.layout, kind).to_dict() for kind in ("kernel", "e2e")}
 
 
 def _result(workload: Workload, impl: Impl, status: str, **fields) -> Result:

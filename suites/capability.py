@@ -22,7 +22,7 @@ from mla_bench.registry import ImplEntry
 from mla_bench.results import Result
 from mla_bench.workload import INDEX_TRANSFORMS, Mode, Workload
 from suites.base import load_impl
-from suites.judge import References, judge
+from suites.judge import References, judge, judged_tolerances
 
 SUITE = "roundtrip"
 DEFAULT_PRESET = "deepseek-v3-tp8"  # 16 heads: the per-GPU head count of V3 under TP8
@@ -140,7 +140,8 @@ def _judge_cell(name: str, impl, cell: Cell, problem: Problem, refs: References 
         status, message = "failed", f"refused without naming the combination: {verdict.message!r}"
     return Result(SUITE, "capability", status, impl=name, workload=problem.workload.to_dict(),
                   label=f"{name}: {cell.name}", metrics=verdict.metrics(),
-                  details={"row": cell.row, "column": cell.column}, message=message)
+                  details={"row": cell.row, "column": cell.column,
+                           "tolerance": judged_tolerances(problem.workload)}, message=message)
 
 
 def matrix_details(results: list[Result], matrix_cells: list[Cell]) -> dict:

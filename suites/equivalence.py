@@ -306,7 +306,7 @@ def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], 
     metrics = {f"pair.{k}": v for k, v in pair.to_dict().items()}
     metrics.update({f"inherent.{k}": v for k, v in inherent.to_dict().items()})
     return Result(SUITE, check, "failed" if violations else "passed", impl, workload.to_dict(), workload.label,
-                  metrics=metrics, details={"sides": [a.name, b.name], "tolerance": tolerance.to_dict()},
+                  metrics=metrics, details={"sides": [a.name, b.name], "tolerance": {"pair": tolerance.to_dict()}},
                   message="; ".join(violations))
 
 

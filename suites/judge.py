@@ -30,6 +30,7 @@ from mla_bench.errors import UnsupportedConfig
 from mla_bench.problem import Problem
 from mla_bench.registry import Impl
 from mla_bench.tolerances import lossless, tolerance_for
+from mla_bench.workload import Workload
 from reference.expected import Expected, expected
 from suites.base import refusal
 
@@ -221,6 +222,12 @@ def _errors(answer: tuple[torch.Tensor, torch.Tensor], refs: References,
     violations = [f"kernel: {v}" for v in tolerance_for(w.dtype, w.layout, "kernel").violations(kernel)]
     violations += [f"e2e: {v}" for v in tolerance_for(w.dtype, w.layout, "e2e").violations(e2e)]
     return kernel, e2e, violations
+
+
+def judged_tolerances(workload: Workload) -> dict[str, dict[str, float]]:
+    """The tolerances ``judge`` applies to a workload's ``kernel.*`` and ``e2e.*`` metrics, as a result records them
+    for the gate (``details["tolerance"]``)."""
+    return {kind: tolerance_for(workload.dtype, workload.layout, kind).to_dict() for kind in ("kernel", "e2e")}
 
 
 def _largest_difference(first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> float:

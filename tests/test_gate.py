@@ -52,6 +52,44 @@ def test_error_metric_worse_beyond_its_slack_is_fatal():
     assert [f.kind for f in _fatal(base, _run(_acc(nonfinite=2)))] == ["accuracy"]
 
 
+def _pair(rel, tolerance, inherent=1e-3) -> Result:
+    return Result("equivalence", "absorbed == mha", "passed", impl="a vs b", workload={"label": "w1"}, label="w1",
+                  metrics={"pair.rel_l2": rel, "pair.nonfinite_mismatch": 0, "inherent.rel_l2": inherent},
+                  details={"tolerance": tolerance})
+
+
+def test_the_equivalence_suites_pair_errors_are_gated_by_their_bound_in_either_format():
+    """Its tolerance per kind (``{"pair": ...}``) or, in files before session 67, one table for every kind: neither
+    was read before, so a pair error 3.5x worse (still under its own bound) passed the gate."""
+    for tolerance in ({"pair": {"rel_l2": 0.021}}, {"rel_l2": 0.021}):
+        base = _run(_pair(0.0057, tolerance))
+        assert _fatal(base, _run(_pair(0.0057 + 0.2 * 0.021, tolerance))) == []
+        found = _fatal(base, _run(_pair(0.0198, tolerance)))
+        assert [f.kind for f in found] == ["accuracy"] and "pair.rel_l2 0.0198" in found[0].message, tolerance
+    # the float64 references' own difference has no bound of its own: context, not gated
+    keyed = {"pair": {"rel_l2": 0.021}}
+    assert _fatal(_run(_pair(0.0057, keyed)), _run(_pair(0.0057, keyed, inherent=0.5))) == []
+
+
+def test_capability_cells_and_codec_bound_ratios_are_gated():
+    """The roundtrip suite's capability cells record the judge's tolerances; a codec's ``bound_ratio`` is its error
+    over its stated bound, so its own bound is 1."""
+    def cell(rel):
+        return Result("roundtrip", "capability", "passed", impl="k", workload={"label": "c"}, label="k: decode bf16",
+                      metrics={"kernel.rel_l2": rel}, details={"row": "decode", "column": "bf16", **TOL})
+
+    def codec(ratio):
+        return Result("roundtrip", "codec bounds", "passed", label="fp8_ds_mla",
+                      metrics={"fp32.bound_ratio": ratio, "fp32.rel_l2": 1e-3})
+
+    base = _run(cell(2e-3), codec(0.5))
+    assert _fatal(base, _run(cell(2e-3 + 0.2 * 8e-3), codec(0.7))) == []
+    found = _fatal(base, _run(cell(5e-3), codec(0.8)))
+    assert sorted(f.message.split()[0] for f in found) == ["fp32.bound_ratio", "kernel.rel_l2"], found
+    without_ratio = Result("roundtrip", "codec bounds", "passed", label="fp8_ds_mla", metrics={"fp32.rel_l2": 1e-3})
+    assert [f.kind for f in _fatal(base, _run(cell(2e-3), without_ratio))] == ["metric missing"]
+
+
 def test_a_plan_that_no_longer_replays_bit_for_bit_is_noted_not_fatal():
     def replayed(difference):
         result = _acc()
