@@ -74,22 +74,35 @@ class References:
         return cls(cache, cache if exact else expected(problem, "original"))
 
 
+class InputGuard:
+    """A problem's inputs as an impl found them: ``restore()`` puts back every field the impl rebound, deleted or
+    added and every tensor it reshaped or wrote, keeping the first description of each change; ``violation()`` names
+    them (None when there were none). Suites whose impls share one problem guard it around each impl."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.fields = _attributes(problem)
+        self.saved = {name: (tensor, tensor.clone(), _layout(tensor)) for name, (_, _, tensor) in self.fields.items()
+                      if isinstance(tensor, torch.Tensor)}
+        self.changed: dict[tuple[str, str], str] = {}  # (input, kind of change) -> its first description
+
+    def restore(self) -> None:
+        for key, entry in {**_restore_fields(self.fields), **_restore_changed(self.saved)}.items():
+            self.changed.setdefault(key, entry)
+
+    def violation(self) -> str | None:
+        if not self.changed:
+            return None
+        return f"wrote into its inputs: {', '.join(self.changed.values())} (restored for the next impl)"
+
+
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
-    fields = _attributes(problem)
-    saved = {name: (tensor, tensor.clone(), _layout(tensor)) for name, (_, _, tensor) in fields.items()
-             if isinstance(tensor, torch.Tensor)}
-    changed: dict[tuple[str, str], str] = {}  # (input, kind of change) -> its first description, over the runs
-
-    def restore() -> None:
-        for key, entry in {**_restore_fields(fields), **_restore_changed(saved)}.items():
-            changed.setdefault(key, entry)
-
-    verdict = _judge(impl, problem, refs, between_runs=restore)
-    restore()
-    if not changed:
+    guard = InputGuard(problem)
+    verdict = _judge(impl, problem, refs, between_runs=guard.restore)
+    guard.restore()
+    violation = guard.violation()
+    if violation is None:
         return verdict
-    violation = f"wrote into its inputs: {', '.join(changed.values())} (restored for the next impl)"
     if verdict.status == "error":
         return Verdict("error", message=f"{verdict.message}\n{violation}")
     return Verdict("failed", verdict.kernel, verdict.e2e, verdict.violations + [violation],

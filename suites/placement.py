@@ -32,6 +32,7 @@ from mla_bench.registry import Capabilities, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
 from mla_bench.workload import Workload
 from suites.base import RunContext, refusal
+from suites.judge import InputGuard
 
 SUITE = "placement"
 DEFAULT_PRESET = "deepseek-v3-tp8"
@@ -172,6 +173,16 @@ def rules_for(caps: Capabilities, problem: Problem) -> list[tuple[str, Callable[
 
 
 # ---- the suite ---------------------------------------------------------------------------------------------------
+def _inputs_checked(guard: InputGuard, status: str, message: str) -> tuple[str, str]:
+    """``(status, message)`` of an impl's step once ``guard`` has restored its problem: failed (or still error) with
+    the inputs it wrote into named, when it wrote into any."""
+    guard.restore()
+    violation = guard.violation()
+    if violation is None:
+        return status, message
+    return "error" if status == "error" else "failed", f"{message}\n{violation}" if message else violation
+
+
 class PlacementSuite:
     """Hidden costs and placement rules of every impl over a set of workloads (``default_workloads`` if None).
     ``reps`` timed steps per impl and workload (default 5 on CUDA, 1 on the CPU, where times are only indicative)."""
@@ -233,18 +244,21 @@ class PlacementSuite:
             yield result("hidden_cost", "error", message=f"{name} declares no Capabilities (its capabilities is "
                                                           f"{type(caps).__name__}): the placement rules read them")
             return
+        guard = InputGuard(problem)  # the impls share the problem: what one writes into it, the next would read
         try:
             step = measure_step(impl, problem, self.reps or (5 if problem.device.type == "cuda" else 1))
         except UnsupportedConfig as exc:
-            status, message = refusal(exc)
+            status, message = _inputs_checked(guard, *refusal(exc))
             yield result("hidden_cost", status, message=message)
             return
         except Exception:  # noqa: BLE001 - an impl's crash is its result
-            yield result("hidden_cost", "error", message=traceback.format_exc())
+            status, message = _inputs_checked(guard, "error", traceback.format_exc())
+            yield result("hidden_cost", status, message=message)
             return
+        status, message = _inputs_checked(guard, "passed", "")
         details = {"placement": caps.placement(), "traced": step.run.traced,
                    "plan": step.plan.to_dict(), "run": step.run.to_dict()}
-        yield result("hidden_cost", "passed", step.metrics(), details=details)
+        yield result("hidden_cost", status, step.metrics(), message, details)
         for check, rule in rules_for(caps, problem):
             metrics, violation = rule(step)
             yield result(check, "failed" if violation else "passed", metrics, violation)

@@ -333,6 +333,45 @@ def test_refusals_and_crashes_become_results():
     assert mumbled.status == "error" and "UnsupportedConfig with no reason" in mumbled.message
 
 
+def test_an_impl_that_writes_into_the_shared_problem_fails_and_the_next_impl_gets_it_intact():
+    """The impls of a workload share one problem: before, a plan that resized an input made the next impl error out,
+    and nothing named the impl that did it (helper 88)."""
+    class ResizesBlockTable(StaticDecode):
+        name = "planted_resizes_block_table"
+
+        def plan(self, problem):  # after taking its own slots from it
+            plan = super().plan(problem)
+            problem.meta.block_table.data = problem.meta.block_table.data[:1].clone()
+            return plan
+
+    class ScalesCache(StaticDecode):
+        name = "planted_scales_cache"
+
+        def run(self, plan):
+            plan.problem.cache.data.mul_(2)
+            return super().run(plan)
+
+    class RaisesAfterWriting(StaticDecode):
+        name = "planted_raises_after_writing"
+
+        def plan(self, problem):
+            problem.q.mul_(3)
+            raise RuntimeError("boom")
+
+    found = verdicts(run_suite([ResizesBlockTable, StaticDecode, ScalesCache, RaisesAfterWriting, StaticDecode],
+                               builders=()))
+    resized = found[("planted_resizes_block_table", "hidden_cost")]
+    # its own next plan (the step is measured more than once) reads the table it cut: an error, naming the write
+    assert resized.status in ("failed", "error") and "wrote into its inputs: meta.block_table (now" in \
+        resized.message, resized.message
+    scaled = found[("planted_scales_cache", "hidden_cost")]
+    assert scaled.status == "failed" and "cache.data (" in scaled.message, scaled.message
+    raised = found[("planted_raises_after_writing", "hidden_cost")]
+    assert raised.status == "error" and "boom" in raised.message and "wrote into its inputs: q (" in raised.message
+    assert found[("static_decode", "hidden_cost")].status == "passed"  # after each of them, the problem as built
+    assert all(r.status == "passed" for (impl, _), r in found.items() if impl == "static_decode")
+
+
 def test_bad_impls_builders_and_workloads_give_results_or_errors_naming_them():
     class NoCapabilities:  # duck-typed: plans and runs, declares nothing
         name = "planted_no_capabilities"
