@@ -165,6 +165,26 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
+def fingerprint(problem: Problem) -> dict[str, object]:
+    """Each field of ``problem`` (its metadata's and cache's too) as a cheap print: a tensor by its layout and the sum
+    of its 32-bit words (of its bytes where its size or offset is no multiple of 4), anything else by identity. What
+    ``InputGuard`` finds with full copies, for inputs too large to copy (the latency suite's shared input sets)."""
+    return {name: (_layout(value), _word_sum(value)) if isinstance(value, torch.Tensor) else id(value)
+            for name, (_, _, value) in _attributes(problem).items()}
+
+
+def _word_sum(tensor: torch.Tensor) -> int:
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.storage_offset() % 4 == 0 else raw
+    return int(words.sum(dtype=torch.int64))
+
+
+def changed_fields(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    """The fields whose ``fingerprint`` differs between ``before`` and ``after``, added and deleted ones too."""
+    return ([f"{name} ({'deleted' if name not in after else 'changed'})" for name in before
+             if after.get(name) != before[name]] + [f"{name} (added)" for name in after if name not in before])
+
+
 def check_outputs(result: object, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """``run``'s result as ``(out, lse)``; ValueError unless it is two tensors on the problem's device with ``out``
     in the problem's dtype (the comparison is in float64: a bf16 answer can pass a float32 problem's tolerance, and a

@@ -35,6 +35,7 @@ from mla_bench.results import Result
 from mla_bench.workload import Mode, Workload
 from suites import sweeps
 from suites.base import RunContext, load_impls, refusal
+from suites.judge import changed_fields, fingerprint
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
 DCP_REASON = ("latency is not measured for dcp: each run starts its ranks as processes of their own, so events on "
@@ -85,7 +86,8 @@ class InputSets:
     others copies of it (``Problem.copy``: each tensor copied where it lives). ``free``: the device bytes free when it
     was made, before any set; ``problem_bytes(i)``: the device bytes set ``i``'s problem holds (what was allocated
     while making it); ``build_s``: the seconds spent making sets so far. Runs of different impls read the same
-    tensors: a plan must not write into its problem's. ``free_bytes`` and ``allocated`` probe the device's memory
+    tensors: a plan must not write into its problem's (``damaged`` tells, by ``judge.fingerprint``; ``time_impl``
+    fails such an impl and discards the sets). ``free_bytes`` and ``allocated`` probe the device's memory
     (injectable, for a test without a GPU)."""
 
     def __init__(self, workload: Workload, device: torch.device,
@@ -95,6 +97,7 @@ class InputSets:
         self.free = free_bytes(device)
         self._problems: list[Problem] = []
         self._bytes: list[int] = []
+        self._prints: list[dict[str, object]] = []  # each set's fingerprint as made
         self.build_s = 0.0
 
     def problem(self, i: int) -> Problem:
@@ -102,9 +105,23 @@ class InputSets:
             before, start = self.allocated(self.device), time.perf_counter()
             self._problems.append(self._problems[0].copy() if self._problems else
                                   build_problem(self.workload, self.device))
+            self._prints.append(fingerprint(self._problems[-1]))
             self.build_s += time.perf_counter() - start
             self._bytes.append(self.allocated(self.device) - before)
         return self._problems[i]
+
+    def damaged(self) -> list[str]:
+        """What differs from the sets as made (``judge.fingerprint``), set by set: an impl wrote into its inputs."""
+        found = []
+        for i, (problem, made) in enumerate(zip(self._problems, self._prints)):
+            changed = changed_fields(made, fingerprint(problem))
+            if changed:
+                found.append(f"set {i}: {', '.join(changed)}")
+        return found
+
+    def discard(self) -> None:
+        """Forget the sets: the next impl gets new ones, made as the first were."""
+        self._problems, self._bytes, self._prints = [], [], []
 
     def problem_bytes(self, i: int) -> int:
         self.problem(i)
@@ -133,8 +150,21 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
         return result("unsupported", message=f"{impl.name}: unsupported {reason}")
     if workload.mode is Mode.DCP:
         return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
-    started = time.perf_counter()
     inputs = sets if sets is not None else InputSets(workload, device)
+    row = _time_on_sets(impl, workload, device, ceilings, inputs, result)
+    damage = inputs.damaged()
+    if damage:  # the next impl must not time what this one left
+        inputs.discard()
+        violation = f"wrote into its inputs: {'; '.join(damage)} (the sets are made again for the next impl)"
+        row.status = "error" if row.status == "error" else "failed"
+        row.message = f"{row.message}\n{violation}" if row.message else violation
+    return row
+
+
+def _time_on_sets(impl: Impl, workload: Workload, device: torch.device, ceilings: timing.Ceilings, inputs: InputSets,
+                  result: Callable[..., Result]) -> Result:
+    """``time_impl``'s row, its impl timed over ``inputs``."""
+    started = time.perf_counter()
     built_before = inputs.build_s
     plans, plan_ms = [], []
 

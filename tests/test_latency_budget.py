@@ -173,6 +173,44 @@ def test_impls_timed_on_one_workload_share_its_sets_and_budget_by_what_they_hold
     assert len({p.cache.data.data_ptr() for p in small.problems}) == 3 and large.problems[0] is small.problems[0]
 
 
+class _Writes(_Planned):
+    """A ``_Planned`` impl that writes into its inputs in ``run``, by ``write(problem)``."""
+    name = "writes"
+
+    def __init__(self, ledger: list[int], write) -> None:
+        super().__init__(ledger, 0)
+        self.write = write
+
+    def run(self, plan):
+        self.write(plan)
+        return super().run(plan)
+
+
+@pytest.mark.parametrize("write, says", [
+    (lambda p: p.cache.data.view(torch.uint8)[0].add_(1), "cache.data (changed)"),
+    (lambda p: p.q.mul_(2), "q (changed)"),
+    (lambda p: setattr(p.meta, "kv_lens", [1]), "meta.kv_lens (changed)"),
+    (lambda p: p.meta.block_table.resize_(1, 1), "meta.block_table (changed)"),
+])
+def test_an_impl_that_writes_into_the_shared_sets_fails_and_the_next_impl_gets_new_ones(monkeypatch, write, says):
+    """The impls of a workload time one set of problems, made once; an impl that writes into one (a byte of the
+    cache, a field rebound, a tensor resized) fails naming it, and the next impl is timed on sets made again."""
+    built, plans = _count_builds(monkeypatch), []
+    monkeypatch.setattr(timing, "time_host", lambda fn, device: fn() or 0.5)
+    monkeypatch.setattr(timing, "time_rotation",
+                        lambda fns, device, **kw: [fn() for fn in fns] and timing.TimingStats.of([0.01] * len(fns)))
+    device, workload = torch.device("cpu"), Workload.uniform(Mode.DECODE, 1, 1, 64)
+    sets = latency.InputSets(workload, device, free_bytes=lambda device: 10 ** 9, allocated=lambda device: 0)
+    ceilings = timing.Ceilings("cpu", copy_gbps=1.0, matmul_tflops=1.0, l2_bytes=1)
+    writer, clean = _Writes(plans, write), _Planned(plans, 0)
+    wrote = latency.time_impl(writer, workload, device, ceilings, sets)
+    assert wrote.status == "failed" and "wrote into its inputs: set 0: " in wrote.message and says in wrote.message
+    after = latency.time_impl(clean, workload, device, ceilings, sets)
+    assert after.status == "passed" and len(built) == 2  # made again from the workload, as the first were
+    assert clean.problems[0] is not writer.problems[0] and torch.equal(clean.problems[0].q, build_problem(
+        workload, device).q)
+
+
 @pytest.mark.gpu
 def test_impls_timed_on_one_workload_share_its_input_sets(monkeypatch):
     """Two impls on one InputSets: the workload is built once, and what a set holds counts its shared problem, which
