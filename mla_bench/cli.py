@@ -107,8 +107,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         selection = select_run(_run_options(args, device))
     except (ValueError, ImplNotInstalled) as exc:  # unknown impl, suite, preset, mode, a bad value, nothing to run
         return _usage_error(str(exc))
-    problem = _make_dir(out)  # before the run, so a bad --out cannot lose its results
-    if problem:
+    problem = _make_dir(out) or _files_problem(out, ["run.json"] + ([] if args.no_report else ["report.html"]))
+    if problem:  # before the run, so a bad --out cannot lose its results
         return _usage_error(problem)
     for note in selection.notes:
         notes_console.print(Text(note, style="yellow"))
@@ -159,6 +159,20 @@ def _make_dir(path: Path) -> str | None:
         return f"cannot create the directory {path}: {exc.strerror or exc}"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"cannot write in the directory {path}"
+    return None
+
+
+def _files_problem(directory: Path, names: list[str]) -> str | None:
+    """Why a run cannot write its files ``names`` in ``directory`` (one that is a directory, a dangling link, or not
+    writable), or None."""
+    for name in names:
+        path = directory / name
+        if path.is_dir():
+            return f"{path} is a directory: the run writes its {name} there"
+        if path.is_symlink() and not path.exists():
+            return f"{path} is a link to nothing: the run writes its {name} there"
+        if path.exists() and not os.access(path, os.W_OK):
+            return f"cannot write {path}: the run writes its {name} there"
     return None
 
 

@@ -23,6 +23,8 @@ def pick_device(name: str) -> torch.device:
         raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cpu":
+        return torch.device("cpu")  # one CPU: cpu:0 would differ from the cpu its tensors report
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device {name!r} asked for, but {torch.cuda.device_count()} GPU(s) are visible")
     return device

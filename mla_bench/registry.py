@@ -277,8 +277,8 @@ def load_class(target: str) -> type[Impl]:
             raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
         raise _broken(target, module_name, exc, " (a name missing from the impl's own code or the project's, not an "
                                                  "absent package)") from exc
-    except Exception as exc:  # noqa: BLE001 - the impl's module is broken: a refusal that says so, with the trace
-        raise _broken(target, module_name, exc) from exc
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the impl's module is broken (sys.exit too): a refusal
+        raise _broken(target, module_name, exc) from exc  # that says so, with the trace, not the caller's end
     if not hasattr(module, attr):
         raise ValueError(f"{target}: module {module_name} has no attribute {attr!r}")
     cls = getattr(module, attr)

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from mla_bench.cli import main
 from mla_bench.results import Device, Result, Run, load_run, save_run
@@ -207,6 +208,28 @@ def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(tmp_path, c
         printed = capsys.readouterr().out
         assert printed.startswith("error: ") and message in printed and str(out) in printed
     assert blocker.read_text() == "keep"
+
+
+def test_run_files_that_cannot_be_written_in_out_are_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    """Only ``--out`` itself was checked: a run.json that is a directory or a dangling link, or a report.html that
+    is a directory, ended the run in a traceback after every result was made (helper 88)."""
+    monkeypatch.setattr("mla_bench.runner.run_selection", lambda *a: pytest.fail("the run started"))
+    cases = {"dir_run": ("run.json", lambda p: p.mkdir(), "is a directory"),
+             "link_run": ("run.json", lambda p: p.symlink_to(tmp_path / "nowhere"), "is a link to nothing"),
+             "dir_report": ("report.html", lambda p: p.mkdir(), "is a directory")}
+    for out_name, (name, make, message) in cases.items():
+        out = tmp_path / out_name
+        out.mkdir()
+        make(out / name)
+        assert main(["run", "--device", "cpu", "--impl", "torch_eager", "--out", str(out)]) == 2
+        printed = capsys.readouterr().out
+        assert printed.startswith("error: ") and message in printed and name in printed, printed
+
+
+def test_cpu_with_an_index_is_the_cpu():
+    from mla_bench.device import pick_device
+
+    assert pick_device("cpu:0") == pick_device("cpu") == torch.device("cpu")
 
 
 def test_report_to_a_directory_or_an_unwritable_place_is_refused_and_writes_nothing(tmp_path, capsys):

@@ -272,6 +272,14 @@ def test_an_import_error_inside_the_impls_own_package_is_an_error_not_not_instal
         resolve("no_such_kernel_pkg.mod:MyMLA")
 
 
+def test_an_impl_module_that_exits_on_import_is_an_error_not_the_callers_end(tmp_path, monkeypatch):
+    """``sys.exit`` in an impl's module ended ``mla-bench run --impl mod:Class`` and ``list`` with no word (helper
+    88); ``--impl all`` and the pytest plugin already caught it."""
+    package = _package(tmp_path, monkeypatch, mod="import sys\nsys.exit(5)\n")
+    with pytest.raises(ValueError, match=f"importing {package}.mod raised SystemExit: 5"):
+        resolve(f"{package}.mod:MyMLA")
+
+
 @pytest.mark.parametrize("modes, field", [
     ({"decode"}, "page_sizes"), ({"decode"}, "layouts"), ({"prefill"}, "dtypes"), ({"decode"}, "head_counts"),
     ({"decode", "sparse_decode"}, "index_transforms"),
