@@ -218,7 +218,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         console.print(Text(f"report: {write_report(run, target, args.rows)}"))
     except OSError as exc:  # a path the checks could not foresee (/proc, a full disk)
-        return _usage_error(f"cannot write the report at {target}: {exc.strerror or exc}")
+        return _usage_error(f"cannot write the report at {exc.filename or target}: {exc.strerror or exc}")
     return 0
 
 
@@ -228,6 +228,11 @@ def _report_target_problem(path: Path, run_path: Path) -> str | None:
         return f"{path} is the run file itself; give the report another name with -o"
     if path.is_dir():
         return f"{path} is a directory; give the report's file name, e.g. {path / 'report.html'}"
+    if path.exists() and not path.is_file():
+        return f"{path} is not a regular file (its plots would go beside it); give the report a file name"
+    if (run_path.resolve().parent == path.resolve().parent and run_path.name.startswith(f"{path.stem}-")
+            and run_path.suffix == ".png"):
+        return f"the report's plots ({path.stem}-<plot>.png) could overwrite the run file; give the report another name"
     if path.exists() and not os.access(path, os.W_OK):
         return f"cannot write {path}"
     return _make_dir(path.parent)

@@ -246,6 +246,18 @@ def test_report_to_a_directory_or_an_unwritable_place_is_refused_and_writes_noth
     assert "is the run file itself" in capsys.readouterr().out and run.read_bytes() == before
 
 
+def test_a_report_whose_plots_would_land_on_a_device_or_the_run_file_is_refused(tmp_path, capsys):
+    """``-o /dev/null`` wrote ``/dev/null-errors-0.png``; a run file named like a plot of the report was overwritten
+    with PNG data (helper 88)."""
+    result = Result("accuracy", "accuracy", "failed", impl="x", label="w", message="rel_l2 too large")
+    run = save_run(Run(environment={}, results=[result]), tmp_path / "a-errors-0.png")
+    before = run.read_bytes()
+    assert main(["report", str(run), "-o", str(tmp_path / "a.html")]) == 2
+    assert "could overwrite the run file" in capsys.readouterr().out and run.read_bytes() == before
+    assert main(["report", str(run), "-o", os.devnull]) == 2
+    assert "is not a regular file" in capsys.readouterr().out and not Path(f"{os.devnull}-errors-0.png").exists()
+
+
 def test_a_report_the_file_system_refuses_is_a_clear_error(tmp_path, capsys, monkeypatch):
     import reports.html
 
