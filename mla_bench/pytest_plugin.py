@@ -56,8 +56,12 @@ def pytest_configure(config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     if config.getoption("mla_impl") or config.getoption("mla_device"):
         session_device(config)  # an mla-bench session: TRITON_INTERPRET on CPU before test modules import kernels
-    if config.getoption("mla_impl"):
-        config.pluginmanager.register(ConformanceCoverage(config.getoption("mla_impl")), "mla-bench-coverage")
+    specs = config.getoption("mla_impl")
+    twice = next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None)
+    if twice is not None:  # every test would run twice under one id
+        raise pytest.UsageError(f"--mla-impl {twice} is given more than once: give each impl once")
+    if specs:
+        config.pluginmanager.register(ConformanceCoverage(specs), "mla-bench-coverage")
 
 
 def session_device(config):
@@ -164,10 +168,8 @@ def resolve_spec(spec: str):
         return resolve(spec)
     except ImplNotInstalled as exc:  # module:Class whose module is absent
         raise pytest.UsageError(f"--mla-impl {spec}: {exc}") from None
-    except ValueError as exc:
+    except ValueError as exc:  # a module that exits on import too (``registry.load_class``): not INTERNALERROR
         raise pytest.UsageError(f"--mla-impl: {exc}") from None
-    except SystemExit as exc:  # the impl's module exits on import: an error naming it, not pytest's INTERNALERROR
-        raise pytest.UsageError(f"--mla-impl {spec}: importing it raised SystemExit({exc.code!r})") from None
 
 
 def workload_marks(workload) -> list:

@@ -340,9 +340,17 @@ def test_a_broken_setup_is_named_instead_of_failing_inside_pytest(tmp_path):
     done = _conformance(tmp_path, "--collect-only", "--mla-impl=exits_on_import:MyMLA")
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "INTERNALERROR" not in output, output[-3000:]
-    assert "--mla-impl exits_on_import:MyMLA: importing it raised SystemExit(0)" in output, output[-3000:]
+    assert "--mla-impl: exits_on_import:MyMLA: importing exits_on_import raised SystemExit: 0" in output, \
+        output[-3000:]
     done = _pytest(tmp_path, "-p", f"no:{PLUGIN}", "--pyargs", "suites", "--collect-only")
     assert done.returncode != 0 and "the mla-bench pytest plugin is not loaded" in done.stdout, done.stdout[-3000:]
+
+
+def test_an_impl_named_twice_is_a_usage_error(tmp_path):
+    """Every conformance test ran twice under one id (helper 88); the CLI's ``--impl`` refuses it too."""
+    done = _conformance(tmp_path, "--collect-only", "--mla-impl=torch_eager", "--mla-impl=torch_eager")
+    output = done.stdout + done.stderr
+    assert done.returncode == 4 and "--mla-impl torch_eager is given more than once" in output, output[-3000:]
 
 
 def test_a_session_without_mla_bench_keeps_triton_as_it_was(tmp_path):
