@@ -45,6 +45,13 @@ def test_every_check_passes_for_every_layout(results):
     assert all(r.metrics["mismatched_bytes"] == 0 for r in triton if r.check == "triton write")
 
 
+def test_capability_cells_record_the_tolerances_the_gate_bounds_them_by(results):
+    """Without them the gate compared none of the cells' error metrics (helper 88)."""
+    cells = [r for r in results if r.check == "capability" and r.status == "passed" and "kernel.rel_l2" in r.metrics]
+    assert cells and all(r.details["tolerance"]["kernel"]["rel_l2"] > 0 and "e2e" in r.details["tolerance"]
+                         for r in cells)
+
+
 def test_results_are_labelled_and_serializable(results):
     for result in results:
         assert result.suite == "roundtrip" and result.label
