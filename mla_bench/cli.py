@@ -337,9 +337,11 @@ def _suites(text: str) -> list[str]:
 
 def _once(values: list, what: str, why: str) -> list:
     """``values``; an argparse error naming the first of them given more than once, and ``why`` once is right."""
-    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
-    if repeated is not None:
-        raise argparse.ArgumentTypeError(f"{what} {repeated!r} is given more than once: {why}")
+    from mla_bench.errors import repeated
+
+    twice = repeated(values)
+    if twice is not None:
+        raise argparse.ArgumentTypeError(f"{what} {twice!r} is given more than once: {why}")
     return values
 
 

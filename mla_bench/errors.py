@@ -18,6 +18,11 @@ def describe(value: object) -> str:
     return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
+def repeated(values: list) -> object | None:
+    """The first of ``values`` given more than once (None when each is given once): options that name things."""
+    return next((value for i, value in enumerate(values) if value in values[:i]), None)
+
+
 @contextmanager
 def about_flag(flag: str) -> Iterator[None]:
     """Prefix the message of an error raised inside with ``flag``, the command-line option whose value it refuses

@@ -57,10 +57,12 @@ def pytest_configure(config) -> None:
     if config.getoption("mla_impl") or config.getoption("mla_device"):
         session_device(config)  # an mla-bench session: TRITON_INTERPRET on CPU before test modules import kernels
     specs = config.getoption("mla_impl")
-    twice = next((spec for i, spec in enumerate(specs) if spec in specs[:i]), None)
-    if twice is not None:  # every test would run twice under one id
-        raise pytest.UsageError(f"--mla-impl {twice} is given more than once: give each impl once")
     if specs:
+        from mla_bench.errors import repeated
+
+        twice = repeated(specs)
+        if twice is not None:  # every test would run twice under one id
+            raise pytest.UsageError(f"--mla-impl {twice} is given more than once: give each impl once")
         config.pluginmanager.register(ConformanceCoverage(specs), "mla-bench-coverage")
 
 

@@ -70,7 +70,6 @@ def judge_workload(workload: Workload, impls: list[Impl], device: torch.device) 
                       details={"violations": verdict.violations, "tolerance": judged_tolerances(workload)})
 
 
-
 def _result(workload: Workload, impl: Impl, status: str, **fields) -> Result:
     return Result("accuracy", "accuracy", status, impl=impl.name, workload=workload.to_dict(), label=workload.label,
                   **fields)

@@ -95,6 +95,14 @@ class InputGuard:
         return f"wrote into its inputs: {', '.join(self.changed.values())} (restored for the next impl)"
 
 
+def with_violation(status: str, message: str, violation: str | None) -> tuple[str, str]:
+    """A suite's ``(status, message)`` for an impl, given what it wrote into inputs it shares (``violation``, None
+    when nothing): failed, or still error, with the violation after the message."""
+    if violation is None:
+        return status, message
+    return "error" if status == "error" else "failed", f"{message}\n{violation}" if message else violation
+
+
 def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdict:
     """Run ``impl`` on ``problem`` and judge its output and whether it left its inputs as they were."""
     guard = InputGuard(problem)

@@ -35,7 +35,7 @@ from mla_bench.results import Result
 from mla_bench.workload import Mode, Workload
 from suites import sweeps
 from suites.base import RunContext, load_impls, refusal
-from suites.judge import changed_fields, fingerprint
+from suites.judge import changed_fields, fingerprint, with_violation
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
 DCP_REASON = ("latency is not measured for dcp: each run starts its ranks as processes of their own, so events on "
@@ -155,9 +155,8 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
     damage = inputs.damaged()
     if damage:  # the next impl must not time what this one left
         inputs.discard()
-        violation = f"wrote into its inputs: {'; '.join(damage)} (the sets are made again for the next impl)"
-        row.status = "error" if row.status == "error" else "failed"
-        row.message = f"{row.message}\n{violation}" if row.message else violation
+        row.status, row.message = with_violation(row.status, row.message, f"wrote into its inputs: {'; '.join(damage)} "
+                                                 "(the sets are made again for the next impl)")
     return row
 
 

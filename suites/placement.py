@@ -32,7 +32,7 @@ from mla_bench.registry import Capabilities, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
 from mla_bench.workload import Workload
 from suites.base import RunContext, refusal
-from suites.judge import InputGuard
+from suites.judge import InputGuard, with_violation
 
 SUITE = "placement"
 DEFAULT_PRESET = "deepseek-v3-tp8"
@@ -177,10 +177,7 @@ def _inputs_checked(guard: InputGuard, status: str, message: str) -> tuple[str, 
     """``(status, message)`` of an impl's step once ``guard`` has restored its problem: failed (or still error) with
     the inputs it wrote into named, when it wrote into any."""
     guard.restore()
-    violation = guard.violation()
-    if violation is None:
-        return status, message
-    return "error" if status == "error" else "failed", f"{message}\n{violation}" if message else violation
+    return with_violation(status, message, guard.violation())
 
 
 class PlacementSuite:

@@ -322,6 +322,11 @@ def check_edge_inputs(layout: CacheLayout, seed: int) -> tuple[list[str], dict]:
     return problems, {"problems": len(problems)}
 
 
+def _byte_fields(layout: CacheLayout) -> tuple[tuple[str, int, int], ...]:
+    """The layout's named byte fields ``(name, start, end)``, or its whole token as one."""
+    return layout.fields or (("bytes", 0, layout.bytes_per_token),)
+
+
 def check_device_codec(layout: CacheLayout, device: torch.device, seed: int) -> tuple[list[str], dict]:
     """The codec on ``device`` against the codec on the host: the same per-layer scale, the same bytes."""
     problems, differing = [], 0
@@ -341,8 +346,7 @@ def check_device_codec(layout: CacheLayout, device: torch.device, seed: int) -> 
         tokens = wrong.any(dim=1)
         differing += int(tokens.sum())
         if bool(tokens.any()):
-            fields = [field for field, start, end in layout.fields or (("bytes", 0, layout.bytes_per_token),)
-                      if bool(wrong[:, start:end].any())]
+            fields = [field for field, start, end in _byte_fields(layout) if bool(wrong[:, start:end].any())]
             problems.append(f"{name} inputs: {int(tokens.sum())} of {len(x)} tokens encode differently on {device} "
                             f"than on the host, first token {int(tokens.nonzero()[0])}, in {', '.join(fields)}")
     return problems, {"differing_tokens": differing}
@@ -382,7 +386,7 @@ def byte_mismatches(got: PagedCache, expect: PagedCache, slots: torch.Tensor) ->
         parts.append(f"{int(stray.sum())} slots no token goes to changed, first slot {int(stray.nonzero()[0])} "
                      f"(padding written, or a wrong slot -> (page, offset) mapping)")
     layout = got.layout
-    for field, start, end in layout.fields or (("bytes", 0, layout.bytes_per_token),):
+    for field, start, end in _byte_fields(layout):
         rows = (wrong[:, start:end].any(dim=1) & written).nonzero().flatten()
         if rows.numel():
             token = int((slots == rows[0]).nonzero()[0])
