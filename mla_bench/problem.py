@@ -71,7 +71,8 @@ class Problem:
 
 
 def build_problem(workload: Workload, device: torch.device | str = "cpu") -> Problem:
-    """Draw the inputs of ``workload`` (deterministic in its seed) and place them on ``device``."""
+    """Draw the inputs of ``workload`` (deterministic in its seed) and place them on ``device``. The problem holds
+    its own copy of ``workload``: an impl that rewrites that in place cannot change what the caller builds next."""
     device = _available(torch.device(device), "build_problem was asked to put the problem", workload)
     cache_device = _cache_device(workload, device)
     gen = torch.Generator().manual_seed(workload.seed)
@@ -86,8 +87,8 @@ def build_problem(workload: Workload, device: torch.device | str = "cpu") -> Pro
     q_pe = torch.randn(workload.total_q, heads, dims.qk_rope_head_dim, generator=gen)
     kv, w_uk, w_uv = kv.to(dtype), w_uk.to(dtype), w_uv.to(dtype)
 
-    problem = Problem(workload=workload, dims=dims, device=device, scale=dims.softmax_scale, meta=meta, kv=kv,
-                      w_uk=w_uk, w_uv=w_uv, q=q_nope)
+    problem = Problem(workload=copy.copy(workload), dims=dims, device=device, scale=dims.softmax_scale, meta=meta,
+                      kv=kv, w_uk=w_uk, w_uv=w_uv, q=q_nope)
     if mode.absorbed:
         q_absorbed = torch.einsum("thp,hcp->thc", q_nope, w_uk.float())
         problem.q = torch.cat([q_absorbed, q_pe], dim=-1).to(dtype)

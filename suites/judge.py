@@ -7,7 +7,8 @@ Quantized layouts get two error reports: ``kernel`` (against the reference on th
 by the kernel tolerance) and ``e2e`` (against the original values, judged by the layout's e2e tolerance).
 ``run`` must return two tensors on the problem's device, ``out`` in the problem's dtype (else ``error``), and
 neither ``plan`` nor ``run`` may change the problem (the values, dtype or shape of its tensors: queries, cache
-pages, metadata; nor rebind or delete a field such as ``scale``, nor add one): one that does ``failed``, naming what,
+pages, metadata; nor rebind or delete a field such as ``scale``, nor add one, nor rewrite the frozen workload, dims
+or layout with ``object.__setattr__``): one that does ``failed``, naming what,
 and it is restored (after ``plan`` already, so the reference is computed from the problem as given) for the run and
 the next impl.
 A plan that passes is run again, poisoned again, as a CUDA graph replays one plan: a second run that differs from
@@ -80,13 +81,14 @@ class InputGuard:
     them (None when there were none). Suites whose impls share one problem guard it around each impl."""
 
     def __init__(self, problem: Problem) -> None:
+        self.owners = _owners(problem)
         self.fields = _attributes(problem)
         self.saved = {name: (tensor, tensor.clone(), _layout(tensor)) for name, (_, _, tensor) in self.fields.items()
                       if isinstance(tensor, torch.Tensor)}
         self.changed: dict[tuple[str, str], str] = {}  # (input, kind of change) -> its first description
 
     def restore(self) -> None:
-        for key, entry in {**_restore_fields(self.fields), **_restore_changed(self.saved)}.items():
+        for key, entry in {**_restore_fields(self.fields, self.owners), **_restore_changed(self.saved)}.items():
             self.changed.setdefault(key, entry)
 
     def violation(self) -> str | None:
@@ -117,30 +119,40 @@ def judge(impl: Impl, problem: Problem, refs: References | None = None) -> Verdi
                    replay_max_abs=verdict.replay_max_abs)
 
 
+def _owners(problem: Problem) -> dict[str, object]:
+    """The objects whose attributes make up a problem's inputs, by the prefix of their attributes' names: the problem,
+    its metadata, cache, workload, dims and the cache's layout (the last three frozen, but ``object.__setattr__``
+    rewrites them in place; the layout is shared by every problem of its name)."""
+    cache = problem.cache
+    owners = {"": problem, "meta.": problem.meta, "cache.": cache, "workload.": problem.workload, "dims.": problem.dims,
+              "cache.layout.": cache.layout if cache is not None else None}
+    return {prefix: owner for prefix, owner in owners.items() if owner is not None}
+
+
 def _attributes(problem: Problem) -> dict[str, tuple[object, str, object]]:
-    """Every field of the problem, its metadata and its cache (tensors, ``scale``, ``meta.kv_lens``, ...), each with
-    the object and attribute that hold it: an impl that rebinds one changes what the reference, or the next impl,
-    reads."""
-    owners = {"": problem, "meta.": problem.meta, "cache.": problem.cache}
-    return {prefix + name: (owner, name, value) for prefix, owner in owners.items() if owner is not None
+    """Every attribute of the problem's ``_owners`` (tensors, ``scale``, ``meta.kv_lens``, ``workload.kv_lens``, ...),
+    each with the object and attribute that hold it: an impl that rebinds one changes what the reference, or the next
+    impl, reads."""
+    return {prefix + name: (owner, name, value) for prefix, owner in _owners(problem).items()
             for name, value in vars(owner).items()}
 
 
-def _restore_fields(saved: dict[str, tuple[object, str, object]]) -> dict[tuple[str, str], str]:
+def _restore_fields(saved: dict[str, tuple[object, str, object]],
+                    owners: dict[str, object]) -> dict[tuple[str, str], str]:
     """The fields an impl rebound to other objects or deleted, rebound to theirs, and the attributes it added to
-    their owners, removed: (name, kind of change) -> the name with what changed."""
+    their ``owners``, removed: (name, kind of change) -> the name with what changed. ``object.__setattr__``, as a
+    frozen owner was rewritten."""
     changed = {}
     for name, (owner, attr, value) in saved.items():
         present = vars(owner)
         if attr in present and present[attr] is value:
             continue
         kind = "rebound" if attr in present else "deleted"
-        setattr(owner, attr, value)
+        object.__setattr__(owner, attr, value)
         changed[(name, kind)] = f"{name} ({kind})"
-    owners = {name.removesuffix(attr): owner for name, (owner, attr, _) in saved.items()}
     for prefix, owner in owners.items():
         for attr in [attr for attr in vars(owner) if prefix + attr not in saved]:
-            delattr(owner, attr)
+            object.__delattr__(owner, attr)
             changed[(prefix + attr, "added")] = f"{prefix}{attr} (added)"
     return changed
 
@@ -161,10 +173,10 @@ def _restore_changed(saved: dict[str, tuple[torch.Tensor, torch.Tensor, tuple]])
             tensor.data = copy.clone()
             saved[name] = (tensor, copy, _layout(tensor))
             continue
-        differ = int((_bits(tensor) != _bits(copy)).sum())
-        if differ:
+        bits, saved_bits = _bits(tensor), _bits(copy)
+        if not torch.equal(bits, saved_bits):  # compared before counting: a count of a cache's size is not free
+            changed[(name, "written")] = f"{name} ({int(torch.count_nonzero(bits != saved_bits))} elements)"
             tensor.copy_(copy)
-            changed[(name, "written")] = f"{name} ({differ} elements)"
     return changed
 
 

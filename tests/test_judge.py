@@ -148,18 +148,27 @@ def _widen_block_table(p):
     (lambda p: setattr(p.meta, "kv_lens", tuple(n // 2 for n in p.meta.kv_lens)), "meta.kv_lens (rebound)"),
     (_widen_block_table, "meta.block_table (now torch.int64 [3, 5] in place, was torch.int32 [3, 5])"),
     (lambda p: p.meta.seq_lens.unsqueeze_(0), "meta.seq_lens (now torch.int32 [1, 3] in place, was torch.int32 [3])"),
+    (lambda p: object.__setattr__(p.workload, "kv_lens", p.workload.kv_lens[::-1]), "workload.kv_lens (rebound)"),
+    (lambda p: object.__setattr__(p.dims, "num_heads", 1), "dims.num_heads (rebound)"),
+    (lambda p: object.__setattr__(p.cache.layout, "stray", 1), "cache.layout.stray (added)"),
 ])
 def test_a_plan_that_changes_a_field_or_a_tensors_layout_fails_naming_it_and_the_next_impl_sees_it_undone(
         change, name):
     """Only tensor values were checked: a plan that rebound ``scale`` (which the reference then read) passed, and
-    the correct impl judged after it on the same references failed; an in-place dtype or shape change passed."""
+    the correct impl judged after it on the same references failed; an in-place dtype or shape change passed; so did
+    a frozen workload, dims or layout rewritten with ``object.__setattr__``."""
     problem = _problem()
     refs = References.of(problem)
-    fields = (problem.scale, problem.meta.kv_lens, problem.meta.block_table.dtype, problem.meta.seq_lens.shape)
+
+    def fields():
+        return (problem.scale, problem.meta.kv_lens, problem.meta.block_table.dtype, problem.meta.seq_lens.shape,
+                vars(problem.workload).copy(), vars(problem.dims).copy(), vars(problem.cache.layout).copy())
+
+    found = fields()
     for verdict in (judge(ChangesInPlan(change), problem), judge(ChangesInPlan(change), problem, refs)):
         assert verdict.status == "failed" and f"wrote into its inputs: {name}" in "; ".join(verdict.violations), \
             verdict.violations
-    assert (problem.scale, problem.meta.kv_lens, problem.meta.block_table.dtype, problem.meta.seq_lens.shape) == fields
+    assert fields() == found
     assert judge(planted.PlainDecode(), problem, refs).status == "passed"
 
 

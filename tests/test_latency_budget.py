@@ -191,6 +191,7 @@ class _Writes(_Planned):
     (lambda p: p.q.mul_(2), "q (changed)"),
     (lambda p: setattr(p.meta, "kv_lens", [1]), "meta.kv_lens (changed)"),
     (lambda p: p.meta.block_table.resize_(1, 1), "meta.block_table (changed)"),
+    (lambda p: object.__setattr__(p.workload, "kv_lens", (2,)), "workload.kv_lens (changed)"),
 ])
 def test_an_impl_that_writes_into_the_shared_sets_fails_and_the_next_impl_gets_new_ones(monkeypatch, write, says):
     """The impls of a workload time one set of problems, made once; an impl that writes into one (a byte of the
@@ -209,6 +210,7 @@ def test_an_impl_that_writes_into_the_shared_sets_fails_and_the_next_impl_gets_n
     assert after.status == "passed" and len(built) == 2  # made again from the workload, as the first were
     assert clean.problems[0] is not writer.problems[0] and torch.equal(clean.problems[0].q, build_problem(
         workload, device).q)
+    assert workload.kv_lens == clean.problems[0].workload.kv_lens == (64,)  # sets are made from the workload as given
 
 
 @pytest.mark.gpu
