@@ -43,9 +43,12 @@ from mla_bench.lifetime import die_with_parent
 from mla_bench.registry import ImplEntry, discover, resolve
 from mla_bench.results import Device, Result, Run
 from mla_bench.timing import CEILINGS_CHECK
-from mla_bench.workload import Mode
+from mla_bench.workload import Mode, Workload
 
 _STDERR_TAIL = 4000
+# A workload's paged cache may take at most this share of the host's memory, where every cache is written first: a
+# judge holds it twice (the problem's and its InputGuard's copy), and the GPU's memory is of the host's order.
+CACHE_MEMORY_SHARE = 0.25
 EXIT_GRACE_S = 30.0  # how long a worker that sent all its results may take to exit
 # The command line's flag for each filter (RunContext field) that a suite may leave unapplied.
 _FLAGS = {"impls": "--impl", "modes": "--mode", "layouts": "--layout", "page_sizes": "--page-size",
@@ -135,6 +138,7 @@ def select_run(options: RunOptions) -> Selection:
     check_filters(ctx)
     counts = _counts(suites, ctx)
     _check_not_emptied(options, suites, counts, ctx)
+    _check_caches_fit(options, suites, ctx)
     notes += _unapplied_filter_notes(options, suites) + _one_gpu_a_worker_notes(options, device, suites)
     return Selection(options, device, entries, suites, results, notes, counts)
 
@@ -281,6 +285,23 @@ def _check_not_emptied(options: RunOptions, suites: list[tuple[str, Any]], count
     raise ValueError(f"nothing to run: {flags} selects no workload {' nor '.join(where)}")
 
 
+def _check_caches_fit(options: RunOptions, suites: list[tuple[str, Any]], ctx) -> None:
+    """ValueError naming the workload with the largest paged cache (``Workload.cache_bytes``) when that takes more
+    than ``CACHE_MEMORY_SHARE`` of the host's memory, and ``--page-size`` when one was given (a cache holds whole
+    pages): a page size of 1,000,000 failed every result on allocation, one after another. The host's memory only:
+    asking CUDA for the GPU's would start CUDA in this process, which a run over workers leaves to them."""
+    workloads = [w for _, suite in suites for w in _listed(suite, ctx) or [] if isinstance(w, Workload)]
+    if not workloads:
+        return
+    largest = max(workloads, key=lambda w: w.cache_bytes)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if largest.cache_bytes > CACHE_MEMORY_SHARE * memory:
+        flag = f"{_FLAGS['page_sizes']} {_value(options, 'page_sizes')}: " if options.page_sizes else ""
+        raise ValueError(f"{flag}the paged cache of workload {largest.label} takes {largest.cache_bytes / 2**30:.1f} "
+                         f"GiB (whole pages of {largest.page_size} tokens), more than {CACHE_MEMORY_SHARE:.0%} of the "
+                         f"host's {memory / 2**30:.1f} GiB of memory")
+
+
 def _with_work(suites: list[tuple[str, Any]], ctx) -> list[tuple[str, Any]]:
     """The suites that list some workload for ``ctx``."""
     return [(name, suite) for name, suite in suites if _workload_count(suite, ctx)]
@@ -356,12 +377,19 @@ def _total(counts: list[int | None]) -> int | None:
 
 
 def _workload_count(suite: Any, ctx) -> int | None:
-    """How many workloads ``suite`` lists for ``ctx``; None when it cannot say (no ``workloads``, or it raised)."""
+    """How many workloads ``suite`` lists for ``ctx``; None when it cannot say (``_listed``)."""
+    listed = _listed(suite, ctx)
+    return None if listed is None else len(listed)
+
+
+def _listed(suite: Any, ctx) -> list | None:
+    """What ``suite`` lists for ``ctx`` (its ``workloads``); None when it cannot say (no ``workloads``, or it
+    raised)."""
     workloads = getattr(suite, "workloads", None)
     if not callable(workloads):
         return None
     try:
-        return len(workloads(ctx))
+        return list(workloads(ctx))
     except Exception:  # noqa: BLE001 - the suite itself will report the problem when it runs
         return None
 

@@ -187,6 +187,18 @@ class Workload:
         return query_len_kind(self.q_lens)
 
     @property
+    def cache_bytes(self) -> int:
+        """The bytes of the paged cache ``build_problem`` makes (whole pages: each request's and the pool's spares);
+        0 for modes that read no cache."""
+        if not self.mode.uses_cache:
+            return 0
+        from mla_bench.layouts import get_layout  # local, as in _validate
+        from mla_bench.metadata.reference import SPARE_BLOCKS, blocks_needed
+
+        pages = sum(blocks_needed(n, self.page_size) for n in self.kv_lens) + SPARE_BLOCKS
+        return pages * self.page_size * get_layout(self.layout).bytes_per_token
+
+    @property
     def label(self) -> str:
         """One readable line; a digest disambiguates mixes that share their length spans."""
         parts = [self.mode.value, self.preset, f"h{self.dims.num_heads}", f"b{self.batch}",

@@ -172,6 +172,7 @@ def test_dcp_flags_refuse_non_positive_values(flag, capsys):
     (["--suite", "placement", "--mode", "dcp"], "nothing to run: --mode dcp selects no workload of suites placement"),
     (["--suite", "equivalence", "--impl", "planted_impls:PlainDecode"],
      "nothing to run: --impl planted_impls:PlainDecode selects no workload of suites equivalence"),
+    (["--page-size", "16,1000000000"], "--page-size 16,1000000000: the paged cache of workload decode tiny h4 b"),
     (["--stall-timeout", "5"], "--stall-timeout needs --isolate or --devices: a hang in this process cannot be "
                                "interrupted"),
     (["--isolate", "--stall-timeout", "-1"], "--stall-timeout must be a number of seconds > 0, got -1.0"),

@@ -185,6 +185,20 @@ def test_block_tables_defeat_page_math_that_ignores_them_whatever_the_seed(page_
             assert pages.numel() < 2 or bool((pages.diff() != 1).any()), (seed, pages.tolist())
 
 
+@pytest.mark.parametrize("mode, extra", [("decode", {}), ("sparse_decode", {"topk": 3}), ("dcp", {"dcp_world": 2}),
+                                         ("chunked_prefill", {"chunk_size": 8}), ("prefill", {})])
+def test_a_workloads_cache_bytes_are_those_of_the_cache_its_problem_holds(mode, extra):
+    """The runner refuses, before anything runs, a workload whose cache would not fit (``--page-size`` 1,000,000
+    failed every result on allocation); it sizes the cache by ``Workload.cache_bytes``."""
+    for layout in ("bf16", "fp8_ds_mla", "nvfp4"):
+        page_size = random.choice([1, 7, 16, 64])
+        kv_lens = (random.randint(3, 40), 0, random.randint(3, 40))
+        w = Workload(mode=mode, q_lens=(1, 0, 2), kv_lens=kv_lens, page_size=page_size,
+                     layout="bf16" if mode == "prefill" else layout, **extra)
+        cache = build_problem(w).cache
+        assert w.cache_bytes == (0 if cache is None else cache.data.nbytes) and (mode == "prefill") == (cache is None)
+
+
 @pytest.mark.parametrize("mode, extra", [("prefill", {}), ("chunked_prefill", {"chunk_size": 8}),
                                          ("sparse_prefill", {"topk": 6}), ("dcp", {"dcp_world": 2})])
 def test_problem_shapes_per_mode(mode, extra):

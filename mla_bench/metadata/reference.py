@@ -32,8 +32,11 @@ def blocks_needed(kv_len: int, page_size: int) -> int:
     return -(-kv_len // page_size)
 
 
+SPARE_BLOCKS = 2  # the pool's pages no request owns (``allocate_block_table``)
+
+
 def allocate_block_table(kv_lens: list[int], page_size: int, generator: torch.Generator,
-                         spare_blocks: int = 2) -> tuple[torch.Tensor, int]:
+                         spare_blocks: int = SPARE_BLOCKS) -> tuple[torch.Tensor, int]:
     """Give each request its pages from a randomly permuted pool; returns ``(block_table, num_blocks)``.
 
     The pool holds ``spare_blocks`` pages no request owns; block-table entries past a request's last page
