@@ -54,6 +54,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             table.add_row(Text(name), str(layout.bytes_per_token), Text(layout.description))
         console.print(table)
         return 0
+    from mla_bench.errors import reraise_interrupt
     from mla_bench.registry import ImplNotInstalled, discover
 
     table = Table(title="MLA implementations")
@@ -69,7 +70,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             table.add_row(Text(name), Text(entry.origin), Text.assemble(("not installed", "yellow"), f": {exc}"),
                           *[""] * (len(columns) - 3))
             continue
-        except Exception as exc:  # noqa: BLE001 - a broken impl is listed as such, the others still are
+        except BaseException as exc:  # noqa: BLE001 - a broken impl (sys.exit too) is listed as such, the rest too
+            reraise_interrupt(exc)
             broken += 1
             table.add_row(Text(name), Text(entry.origin), Text.assemble(("cannot load", "bold red"),
                                                                         f": {_first_line(exc)}"),
@@ -102,7 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from reports.hidden_costs import hidden_cost_table
     from suites.capability import print_capability_matrix
 
-    out = Path(args.out) if args.out else Path("results") / _run_name(device)
+    # absolute: an impl that changes the working directory must not move where the run's files go
+    out = (Path(args.out) if args.out else Path("results") / _run_name(device)).absolute()
     try:
         selection = select_run(_run_options(args, device))
     except (ValueError, ImplNotInstalled) as exc:  # unknown impl, suite, preset, mode, a bad value, nothing to run

@@ -13,6 +13,14 @@ class UnsupportedConfig(Exception):
     """
 
 
+def reraise_interrupt(exc: BaseException) -> None:
+    """Re-raise ``exc`` if it is the user's Ctrl-C (KeyboardInterrupt). Callers catch BaseException around an impl's
+    code and contain everything else as that impl's result: ``sys.exit``, GeneratorExit and an impl's own
+    BaseException subclasses ended the whole run, losing every result."""
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+
+
 def describe(value: object) -> str:
     """A tensor's dtype and shape, or the type of anything else, for error messages."""
     return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__

@@ -63,6 +63,7 @@ def pytest_configure(config) -> None:
         twice = repeated(specs)
         if twice is not None:  # every test would run twice under one id
             raise pytest.UsageError(f"--mla-impl {twice} is given more than once: give each impl once")
+        _check_distinct_names([resolve_spec(spec) for spec in specs])
         config.pluginmanager.register(ConformanceCoverage(specs), "mla-bench-coverage")
 
 
@@ -160,6 +161,16 @@ def impl_specs(config) -> list[str]:
 
     session_device(config)
     return list(config.getoption("mla_impl")) or sorted(discover())
+
+
+def _check_distinct_names(entries: list) -> None:
+    """A usage error for two ``--mla-impl`` of one name (``registry.check_distinct_names``)."""
+    from mla_bench.registry import check_distinct_names
+
+    try:
+        check_distinct_names(entries)
+    except ValueError as exc:
+        raise pytest.UsageError(f"--mla-impl: {exc}") from None
 
 
 def resolve_spec(spec: str):

@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, repeated, reraise_interrupt
 from mla_bench.layouts import LAYOUTS
+from mla_bench.process_state import ProcessState
 from mla_bench.workload import DEVICE_TYPES, DTYPES, INDEX_TRANSFORMS, Mode, Workload
 
 ENTRY_POINT_GROUP = "mla_bench.impls"
@@ -228,7 +229,10 @@ class ImplEntry:
                 raise ValueError(f"{self.target} is registered as {self.name!r} but its class is named {cls.name!r}: "
                                  f"its results would carry another name; register it as {cls.name!r}")
             self._cls = cls
-        return self._cls()
+        state = ProcessState.now()
+        impl = self._cls()
+        _left_alone(state, self.target, "making it")
+        return impl
 
 
 PROJECT_PACKAGES = ("mla_bench", "impls", "reference", "suites")
@@ -264,28 +268,46 @@ def _broken(target: str, module_name: str, exc: BaseException, why: str = "") ->
                       f"{''.join(traceback.format_exception(exc))}")
 
 
+def _left_alone(state: ProcessState, target: str, doing: str) -> None:
+    """ValueError naming what ``doing`` changed of the process's settings since ``state`` (put back): every impl
+    shares them (``process_state``)."""
+    changed = state.restore()
+    if changed:
+        raise ValueError(f"{target}: {doing} changed the settings every impl of the process shares: "
+                         f"{'; '.join(changed)} (put back; an impl must leave them as it found them)")
+
+
 def load_class(target: str) -> type[Impl]:
     """Import ``module:Class`` and check that it is an Impl with a ``name`` and ``Capabilities``. ValueError names
     what is wrong (also an exception other than ImportError raised while importing the module)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"an impl target is 'module:Class', got {target!r}")
+    state = ProcessState.now()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        state.restore()
         if _missing_dependency(exc, module_name):
             raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
         raise _broken(target, module_name, exc, " (a name missing from the impl's own code or the project's, not an "
                                                  "absent package)") from exc
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the impl's module is broken (sys.exit too): a refusal
-        raise _broken(target, module_name, exc) from exc  # that says so, with the trace, not the caller's end
+    except BaseException as exc:  # noqa: BLE001 - the impl's module is broken (sys.exit too): a refusal that says
+        reraise_interrupt(exc)  # so, with the trace, not the caller's end
+        state.restore()
+        raise _broken(target, module_name, exc) from exc
+    _left_alone(state, target, f"importing {module_name}")
     if not hasattr(module, attr):
         raise ValueError(f"{target}: module {module_name} has no attribute {attr!r}")
     cls = getattr(module, attr)
     if not (isinstance(cls, type) and issubclass(cls, Impl)):
         raise ValueError(f"{target} is not an Impl subclass")
-    if not (isinstance(getattr(cls, "name", None), str) and cls.name):
+    name = getattr(cls, "name", None)
+    if not (isinstance(name, str) and name):
         raise ValueError(f"{target}: the class attribute 'name' must be a non-empty string")
+    if name != name.strip() or not name.isprintable() or "," in name or name == "all":
+        raise ValueError(f"{target}: the class attribute 'name' is {name!r}; a name is printable, with no comma and no "
+                         f"space at either end, and not 'all' (results, tables and --impl lists name impls by it)")
     if not isinstance(getattr(cls, "capabilities", None), Capabilities):
         raise ValueError(f"{target}: the class attribute 'capabilities' must be a Capabilities, "
                          f"got {type(getattr(cls, 'capabilities', None)).__name__}")
@@ -318,3 +340,12 @@ def resolve(spec: str) -> ImplEntry:
         cls = load_class(spec)
         return ImplEntry(cls.name, spec, "path", cls)
     raise ValueError(f"unknown impl {spec!r}; known: {', '.join(sorted(entries))} (or give module:Class)")
+
+
+def check_distinct_names(entries: list[ImplEntry]) -> None:
+    """ValueError for two impls of one name: their results would share keys, and a result of one would count as the
+    other's (the pytest plugin's "tested on nothing" check passed a user's impl beside a built-in of its name)."""
+    twice = repeated([entry.name for entry in entries])
+    if twice is not None:
+        targets = ", ".join(e.target for e in entries if e.name == twice)
+        raise ValueError(f"impl name {twice!r} is given more than once ({targets}); give each impl once")

@@ -38,9 +38,9 @@ import torch
 
 from mla_bench import environment
 from mla_bench.device import make_current, pick_device
-from mla_bench.errors import about_flag
+from mla_bench.errors import about_flag, reraise_interrupt
 from mla_bench.lifetime import die_with_parent
-from mla_bench.registry import ImplEntry, discover, resolve
+from mla_bench.registry import ImplEntry, check_distinct_names, discover, resolve
 from mla_bench.results import Device, Result, Run
 from mla_bench.timing import CEILINGS_CHECK
 from mla_bench.workload import Mode, Workload
@@ -112,10 +112,7 @@ def resolve_impls(specs: list[str]) -> list[ImplEntry]:
     entries = [entry for _, entry in sorted(discover().items())] if "all" in specs else []
     known = {entry.name for entry in entries}
     entries += [resolve(spec) for spec in specs if spec != "all" and spec not in known]
-    twice = [name for name, count in Counter(e.name for e in entries).items() if count > 1]
-    if twice:
-        targets = ", ".join(e.target for e in entries if e.name == twice[0])
-        raise ValueError(f"impl name {twice[0]!r} is given more than once ({targets}); give each impl once")
+    check_distinct_names(entries)
     return entries
 
 
@@ -204,10 +201,14 @@ def _ran_on(device_id: str, results: Iterable[Result]) -> list[Result]:
 
 
 def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
-    """The suite's Results; if the suite itself crashes, one ``error`` Result with the traceback ends it."""
+    """The suite's Results; if the suite itself crashes (``sys.exit`` an impl raised too, where the suite let it
+    through), one ``error`` Result with the traceback ends it."""
     try:
         yield from suite.run(ctx)
-    except Exception:  # noqa: BLE001 - a broken suite must not stop the other suites
+    except BaseException as exc:  # noqa: BLE001 - a broken suite must not stop the other suites
+        if isinstance(exc, GeneratorExit):  # this generator closed by its consumer, not a crash
+            raise
+        reraise_interrupt(exc)
         yield Result(name, name, "error", label="(suite)", message=f"suite {name} crashed:\n{traceback.format_exc()}")
 
 

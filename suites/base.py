@@ -12,16 +12,18 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, reraise_interrupt
 from mla_bench.registry import Impl, ImplEntry, ImplNotInstalled
 from mla_bench.results import Result
 
 
 def refusal(exc: UnsupportedConfig) -> tuple[str, str]:
     """The status and message of an impl's refusal: ``unsupported`` with its reason, or ``error`` when it gives none
-    (an unsupported result that does not say why tells its reader nothing)."""
-    if str(exc).strip():
-        return "unsupported", str(exc)
+    (an unsupported result that does not say why tells its reader nothing): one non-blank string, not ``None``, an
+    empty pair or an object."""
+    reason = exc.args[0] if len(exc.args) == 1 else None
+    if isinstance(reason, str) and reason.strip():
+        return "unsupported", reason
     return "error", ("raised UnsupportedConfig with no reason: a refusal must say what it does not support\n"
                      + traceback.format_exc())
 
@@ -84,5 +86,6 @@ def load_impl(entry: ImplEntry) -> tuple[Impl | None, tuple[str, str] | None]:
         return entry.load(), None
     except ImplNotInstalled as exc:
         return None, ("unsupported", f"not installed: {exc}")
-    except (Exception, SystemExit):  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001
+        reraise_interrupt(exc)
         return None, ("error", f"could not load {entry.target}:\n{traceback.format_exc()}")

@@ -21,6 +21,7 @@ from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import ImplEntry
 from mla_bench.results import Result
 from mla_bench.workload import INDEX_TRANSFORMS, Mode, Workload
+from reports.console import plain
 from suites.base import load_impl
 from suites.judge import References, judge, judged_tolerances
 
@@ -168,7 +169,8 @@ def capability_table(details: dict) -> Table:
     for column in details["columns"]:
         table.add_column(column, justify="center")
     for row in details["rows"]:
-        table.add_row(row["impl"], row["op"], *[MARKS.get(row["cells"].get(c, ""), "") for c in details["columns"]])
+        table.add_row(plain(row["impl"]), plain(row["op"]),
+                      *[MARKS.get(row["cells"].get(c, ""), "") for c in details["columns"]])
     return table
 
 

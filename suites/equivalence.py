@@ -40,7 +40,7 @@ import torch
 
 from impls.triton.dcp import run_dcp
 from mla_bench.compare import LN2, ErrorMetrics, compare, normalize_lse
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, reraise_interrupt
 from mla_bench.metadata.reference import cumulative
 from mla_bench.problem import Problem, build_problem
 from mla_bench.registry import ImplNotInstalled, discover
@@ -287,7 +287,8 @@ def _paired(check: str, workload: Workload, impl: str, make_sides: Callable[[], 
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
         return Result(SUITE, check, status, impl, workload.to_dict(), workload.label, message=message)
-    except (Exception, SystemExit):  # noqa: BLE001 - one side's crash (sys.exit too) is this check's result
+    except BaseException as exc:  # noqa: BLE001 - one side's crash (sys.exit too) is this check's result
+        reraise_interrupt(exc)
         return Result(SUITE, check, "error", impl, workload.to_dict(), workload.label,
                       message=traceback.format_exc())
     try:

@@ -27,8 +27,9 @@ from typing import Callable
 import torch
 
 from mla_bench.compare import ErrorMetrics, compare, normalize_lse
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, reraise_interrupt
 from mla_bench.problem import Problem
+from mla_bench.process_state import ProcessState
 from mla_bench.registry import Impl
 from mla_bench.tolerances import lossless, tolerance_for
 from mla_bench.workload import Workload
@@ -81,6 +82,8 @@ class InputGuard:
     them (None when there were none). Suites whose impls share one problem guard it around each impl."""
 
     def __init__(self, problem: Problem) -> None:
+        self.process = ProcessState.now()
+        self.settings: dict[str, str] = {}  # the process's settings the impl changed: what -> its first description
         self.owners = _owners(problem)
         self.fields = _attributes(problem)
         self.saved = {name: (tensor, tensor.clone(), _layout(tensor)) for name, (_, _, tensor) in self.fields.items()
@@ -90,11 +93,19 @@ class InputGuard:
     def restore(self) -> None:
         for key, entry in {**_restore_fields(self.fields, self.owners), **_restore_changed(self.saved)}.items():
             self.changed.setdefault(key, entry)
+        for change in self.process.restore():
+            self.settings.setdefault(change.partition(" (")[0], change)
 
     def violation(self) -> str | None:
-        if not self.changed:
-            return None
-        return f"wrote into its inputs: {', '.join(self.changed.values())} (restored for the next impl)"
+        return changes_named(list(self.changed.values()), list(self.settings.values()))
+
+
+def changes_named(inputs: list[str], settings: list[str]) -> str | None:
+    """What an impl changed that the next impl would see: its ``inputs`` and the process's ``settings``
+    (``process_state``), both put back; None when nothing."""
+    parts = ([f"wrote into its inputs: {', '.join(inputs)}"] if inputs else []) + \
+        ([f"changed the process's settings: {', '.join(settings)}"] if settings else [])
+    return f"{'; '.join(parts)} (restored for the next impl)" if parts else None
 
 
 def with_violation(status: str, message: str, violation: str | None) -> tuple[str, str]:
@@ -216,6 +227,8 @@ def check_outputs(result: object, problem: Problem) -> tuple[torch.Tensor, torch
     out, lse = result
     if out.dtype != problem.dtype:
         raise ValueError(f"out is {out.dtype} {list(out.shape)}; the problem's dtype is {problem.dtype}")
+    if not lse.dtype.is_floating_point:  # a complex lse's imaginary part would be dropped, an integer one rounded
+        raise ValueError(f"lse is {lse.dtype} {list(lse.shape)}; it must be real floating point")
     for name, tensor in (("out", out), ("lse", lse)):
         if tensor.device.type != problem.device.type or problem.device.index not in (None, tensor.device.index):
             raise ValueError(f"{name} is on {tensor.device}; the problem is on {problem.device}")
@@ -230,14 +243,16 @@ def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: 
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
         return Verdict(status, message=message)
-    except (Exception, SystemExit):  # noqa: BLE001 - any crash of an impl (sys.exit too) is a result
+    except BaseException as exc:  # noqa: BLE001 - any crash of an impl (sys.exit too) is a result
+        reraise_interrupt(exc)
         return Verdict("error", message=traceback.format_exc())
     between_runs()  # what plan changed in the problem is restored (and named) before the reference reads it
     try:
         refs = refs or References.of(problem)  # before run: what run writes into its inputs cannot move it
         first = _poisoned_run(impl, plan, problem)
         kernel, e2e, violations = _errors(first, refs, problem)
-    except (Exception, SystemExit):  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001
+        reraise_interrupt(exc)
         return Verdict("error", message=traceback.format_exc())
     if violations:  # a second run would only repeat what the first broke
         return Verdict("failed", kernel, e2e, violations)
@@ -250,20 +265,34 @@ def _judge(impl: Impl, problem: Problem, refs: References | None, between_runs: 
         if difference:
             kernel, e2e, again = _errors(second, refs, problem) if not shapes else (kernel, e2e, shapes)
             violations = [f"second run of the same plan: {v}" for v in again]
-    except (Exception, SystemExit):  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001
+        reraise_interrupt(exc)
         return Verdict("error", message=f"the second run of the same plan raised:\n{traceback.format_exc()}")
     return Verdict("failed" if violations else "passed", kernel, e2e, violations, replay_max_abs=difference)
 
 
 def _poisoned_run(impl: Impl, plan: object, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one run after poisoning, the lse normalized, both copied (the next run may reuse the
-    buffers)."""
+    buffers); the tensors the run returned are then spoiled (``_spoil``)."""
     impl.poison(plan)
     out, lse = check_outputs(impl.run(plan), problem)
     if problem.device.type == "cuda":
         torch.cuda.synchronize(problem.device)
     caps = impl.capabilities
-    return out.clone(), normalize_lse(lse.clone(), caps.lse_base, caps.empty_lse)
+    answer = out.clone(), normalize_lse(lse.clone(), caps.lse_base, caps.empty_lse)
+    _spoil(out, lse)
+    return answer
+
+
+def _spoil(*returned: torch.Tensor) -> None:
+    """NaN into the tensors a run returned, once copied: a second run that returns them again without writing them
+    (outputs computed once, in ``plan``: stale on every CUDA-graph replay) returns NaN, whatever the impl's own
+    ``poison`` covers. An output that cannot be written in place (expanded, an inference tensor) is left as it is."""
+    for tensor in returned:
+        try:
+            tensor.detach().fill_(math.nan)
+        except RuntimeError:
+            continue
 
 
 def _errors(answer: tuple[torch.Tensor, torch.Tensor], refs: References,

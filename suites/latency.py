@@ -28,14 +28,15 @@ import torch
 
 from mla_bench import timing
 from mla_bench.costs import cost
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, reraise_interrupt
 from mla_bench.problem import Problem, build_problem
+from mla_bench.process_state import ProcessState
 from mla_bench.registry import Impl
 from mla_bench.results import Result
 from mla_bench.workload import Mode, Workload
 from suites import sweeps
 from suites.base import RunContext, load_impls, refusal
-from suites.judge import changed_fields, fingerprint, with_violation
+from suites.judge import changed_fields, changes_named, fingerprint, with_violation
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
 DCP_REASON = ("latency is not measured for dcp: each run starts its ranks as processes of their own, so events on "
@@ -151,12 +152,13 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
     if workload.mode is Mode.DCP:
         return result("unsupported", message=f"{impl.name}: {DCP_REASON}")
     inputs = sets if sets is not None else InputSets(workload, device)
+    process = ProcessState.now()
     row = _time_on_sets(impl, workload, device, ceilings, inputs, result)
-    damage = inputs.damaged()
-    if damage:  # the next impl must not time what this one left
+    damage, settings = inputs.damaged(), process.restore()
+    if damage:  # the next impl must not time what this one left: its sets are made again
         inputs.discard()
-        row.status, row.message = with_violation(row.status, row.message, f"wrote into its inputs: {'; '.join(damage)} "
-                                                 "(the sets are made again for the next impl)")
+    violation = changes_named(["; ".join(damage)] if damage else [], settings)
+    row.status, row.message = with_violation(row.status, row.message, violation)
     return row
 
 
@@ -192,7 +194,8 @@ def _time_on_sets(impl: Impl, workload: Workload, device: torch.device, ceilings
     except UnsupportedConfig as exc:
         status, message = refusal(exc)
         return result(status, message=message, details=spent())
-    except Exception:  # noqa: BLE001 - an impl's crash is its result
+    except BaseException as exc:  # noqa: BLE001 - an impl's crash (sys.exit too) is its result
+        reraise_interrupt(exc)
         return result("error", message=traceback.format_exc(), details=spent())
     plan = timing.TimingStats.of(plan_ms, method="host")
     metrics = {**stats.metrics("run_ms"), **plan.metrics("plan_ms"), "bytes": work.bytes, "flops": work.flops,

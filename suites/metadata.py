@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from mla_bench.errors import reraise_interrupt
 from mla_bench.lengths import check_lengths
 from mla_bench.metadata import fast, reference
 from mla_bench.results import Result
@@ -265,7 +266,8 @@ def check(builder: Builder, case: Case) -> str | None:
     """``builder`` on ``case``: None when it equals the reference and leaves its inputs alone, else what went wrong."""
     try:
         problem = difference(builder.fast(case), builder.reference(case))
-    except Exception as exc:  # noqa: BLE001 - a crashing builder is a finding, not a suite crash
+    except BaseException as exc:  # noqa: BLE001 - a crashing builder (sys.exit too) is a finding, not a suite crash
+        reraise_interrupt(exc)
         problem = f"raised {type(exc).__name__}: {exc}"
     written = case.written_inputs()
     if written:

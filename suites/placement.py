@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, reraise_interrupt
 from mla_bench.hidden_costs import StepCosts, measure_step, profile_costs
 from mla_bench.metadata import fast
 from mla_bench.problem import Problem, build_problem
@@ -223,7 +223,8 @@ class PlacementSuite:
             return entry.load()
         except ImplNotInstalled as exc:
             return f"not installed: {exc}"
-        except Exception:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - sys.exit too: a broken impl is a result, not the run's end
+            reraise_interrupt(exc)
             return traceback.format_exc()
 
     def _impl_results(self, name: str, impl: Any, problem: Problem) -> Iterator[Result]:
@@ -248,7 +249,8 @@ class PlacementSuite:
             status, message = _inputs_checked(guard, *refusal(exc))
             yield result("hidden_cost", status, message=message)
             return
-        except Exception:  # noqa: BLE001 - an impl's crash is its result
+        except BaseException as exc:  # noqa: BLE001 - an impl's crash (sys.exit too) is its result
+            reraise_interrupt(exc)
             status, message = _inputs_checked(guard, "error", traceback.format_exc())
             yield result("hidden_cost", status, message=message)
             return

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from mla_bench.errors import describe
+from mla_bench.errors import describe, reraise_interrupt
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache, get_layout
 from mla_bench.layouts.base import check_tensor_scale
 from mla_bench.layouts.formats import E2M1_MAX, E4M3_MAX, SLACK, ceil_log2
@@ -133,7 +133,8 @@ def _guarded(check: str, label: str, run: Callable[[], tuple[list[str], dict]]) 
     message names the exception before its traceback."""
     try:
         problems, metrics = run()
-    except Exception as exc:  # noqa: BLE001
+    except BaseException as exc:  # noqa: BLE001 - an impl's crash (sys.exit too) is this check's result
+        reraise_interrupt(exc)
         return Result(SUITE, check, "error", label=label, message=f"{type(exc).__name__}: {exc}\n\n"
                                                                   f"{traceback.format_exc()}")
     return Result(SUITE, check, "failed" if problems else "passed", label=label, metrics=metrics,
@@ -455,7 +456,8 @@ def check_write(layout: CacheLayout, write: Callable, gather: Callable, device: 
     before = got.data.clone()
     try:
         write(got, values[:0].to(device), slots[:0].to(device))
-    except Exception as exc:  # noqa: BLE001 - any exception is the finding
+    except BaseException as exc:  # noqa: BLE001 - any exception is the finding
+        reraise_interrupt(exc)
         problems.append(f"an empty write (0 tokens) raised {type(exc).__name__}: {exc}")
     else:
         if not torch.equal(got.data, before):
@@ -510,7 +512,8 @@ def check_gather(layout: CacheLayout, write: Callable, gather: Callable, device:
         empty = gather(cache, written[:0].to(device), torch.float32)
         if empty.shape != (0, LATENT_DIM):
             problems.append(f"gathering no slot gives shape {list(empty.shape)}, expected [0, {LATENT_DIM}]")
-    except Exception as exc:  # noqa: BLE001 - any exception is the finding
+    except BaseException as exc:  # noqa: BLE001 - any exception is the finding
+        reraise_interrupt(exc)
         problems.append(f"gathering no slot raised {type(exc).__name__}: {exc}")
     return problems, {"mismatched_values": mismatched}
 

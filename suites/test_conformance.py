@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from mla_bench import pytest_plugin
+from mla_bench.errors import reraise_interrupt
 from mla_bench.pytest_plugin import impl_specs, resolve_spec, session_device, workload_marks
 
 _PROBLEMS: dict = {}
@@ -41,8 +42,8 @@ def pytest_generate_tests(metafunc) -> None:
             caps = entry.load().capabilities
         except ImplNotInstalled as exc:
             skip_reason = f"not installed: {exc}"
-        except (Exception, SystemExit):  # noqa: BLE001 - its tests fail with the traceback; the collection goes on
-            pass
+        except BaseException as exc:  # noqa: BLE001 - its tests fail with the traceback; the collection goes on
+            reraise_interrupt(exc)
         for workload in sweeps.tiny() if caps is None else sweeps.conformance(caps, device):
             cases.append(pytest.param((entry, workload, skip_reason, caps is not None), marks=workload_marks(workload),
                                       id=f"{entry.name}-{workload.label.replace(' ', '_')}"))

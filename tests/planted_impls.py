@@ -324,9 +324,23 @@ class SlowerTorchEager(TorchEager):
         return super().run(plan)
 
 
+class ComputesInPlan(PlainDecode):
+    """Computes its answer in ``plan`` and returns those buffers from every ``run``, with no ``poison``: right once,
+    stale on every CUDA-graph replay with new queries. The judge's second run caught it only through an impl's own
+    poison."""
+
+    name = "computes_in_plan"
+
+    def plan(self, problem):
+        return PlainDecode.run(self, problem)
+
+    def run(self, plan):
+        return plan
+
+
 PLANTED_BUGS = [ReturnsZeros, SkipsLastPage, ReadsPastSeqLen, ReadsOnePagePast, LastQueryLenAsMax,
                 MishandlesInvalidIndex, WritesOutputIntoQuery, AccumulatesWithoutReset, ScaleFromHeadDim,
-                CausalOffByOne, NaNForEmptyRequest, FP8ScaleIgnored]
+                CausalOffByOne, NaNForEmptyRequest, FP8ScaleIgnored, ComputesInPlan]
 
 
 class RaisesWithoutMessage(PlainDecode):
@@ -360,9 +374,68 @@ class LingersAtExit(PlainDecode):
 
 
 class ExitsInRun(PlainDecode):
-    """Calls ``sys.exit(0)`` in ``run``: in-process, the run itself ended with status 0 and no run file."""
+    """Calls ``sys.exit(0)`` in ``run``: in-process, the run itself ended with status 0 and no run file (the placement
+    suite's still did after the other suites' were fixed)."""
 
     name = "exits_in_run"
 
     def run(self, p):
         sys.exit(0)
+
+
+class ExitsWhenMade(PlainDecode):
+    """Calls ``sys.exit(0)`` in its constructor: ``mla-bench list`` ended with status 0 and printed nothing."""
+
+    name = "exits_when_made"
+
+    def __init__(self):
+        sys.exit(0)
+
+
+class SetsTheDefaultDtype(PlainDecode):
+    """Sets torch's default dtype to float64 in ``run`` (and leaves it): every later problem of the run errored
+    ("expected scalar type Float but found Double"), under the other impls' names."""
+
+    name = "sets_the_default_dtype"
+
+    def run(self, p):
+        answer = super().run(p)
+        torch.set_default_dtype(torch.float64)
+        return answer
+
+
+class ChangesDirectory(PlainDecode):
+    """Moves the process to ``$PLANTED_CHDIR`` in ``run``: a relative ``--out`` then sent the run's files there."""
+
+    name = "changes_directory"
+
+    def run(self, p):
+        os.chdir(os.environ["PLANTED_CHDIR"])
+        return super().run(p)
+
+
+class RaisesGeneratorExitInRun(PlainDecode):
+    """Raises GeneratorExit in ``run``, a BaseException that is not an Exception: the run ended with a traceback."""
+
+    name = "raises_generator_exit"
+
+    def run(self, p):
+        raise GeneratorExit
+
+
+class OwnBaseException(BaseException):
+    """An impl's own exception class, derived from BaseException as a library's cancellation might be."""
+
+
+class RaisesOwnBaseExceptionInRun(PlainDecode):
+    name = "raises_own_base_exception"
+
+    def run(self, p):
+        raise OwnBaseException("cancelled")
+
+
+class RaisesOwnBaseExceptionWhenMade(PlainDecode):
+    name = "raises_own_base_exception_when_made"
+
+    def __init__(self):
+        raise OwnBaseException("no device")

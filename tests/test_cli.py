@@ -112,6 +112,11 @@ def test_list_shows_a_broken_impl_as_such_and_exits_1(monkeypatch, capsys):
     assert main(["list"]) == 1  # an exception with no message made the listing itself fail (IndexError)
     out = capsys.readouterr().out
     assert "cannot load" in out and "AssertionError" in out
+    exits = registry.ImplEntry("exits_when_made", "planted_impls:ExitsWhenMade", "entry point (mypkg)")
+    monkeypatch.setattr(registry, "discover", lambda: {**known, exits.name: exits})
+    assert main(["list"]) == 1  # sys.exit(0) in its constructor ended the listing with status 0, nothing printed
+    out = capsys.readouterr().out
+    assert "cannot load" in out and "exits_when_made" in out and "torch_eager" in out
 
 
 def test_console_script_flags_every_planted_bug_with_exit_code_1(tmp_path):
@@ -306,6 +311,22 @@ def test_the_reasons_of_an_untested_impl_are_the_three_most_common_on_one_line_e
     assert all(line.strip().split("x ", 1)[1] in (reason, reason[:157] + "...")
                for line, (reason, _) in zip(lines[1:4], top))
     assert all(len(line) <= 170 for line in lines) and lines[4:] == ["  ... and 2 more"]
+
+
+def test_an_impl_that_changes_directory_does_not_move_the_runs_files(monkeypatch, tmp_path, capsys):
+    """``--out relout`` was checked and made before the run, then run.json went to ``relout`` under the directory the
+    impl moved to, and the CLI printed the relative path. Now the impl fails for it, and the directory is put back."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PLANTED_CHDIR", str(elsewhere))
+    main(["run", "--device", "cpu", "--impl", "planted_impls:ChangesDirectory", "--mode", "decode", "--layout", "bf16",
+          "--suite", "accuracy", "--out", "relout", "--no-report"])
+    assert (tmp_path / "relout" / "run.json").is_file() and not (elsewhere / "relout").exists()
+    assert f"results: {tmp_path / 'relout' / 'run.json'}" in capsys.readouterr().out
+    run = load_run(tmp_path / "relout" / "run.json")
+    moved = f"the working directory (now {elsewhere}, was {tmp_path})"
+    assert {r.status for r in run.results} == {"failed"} and moved in run.results[0].message and Path.cwd() == tmp_path
 
 
 @pytest.mark.parametrize("args, message", [

@@ -255,9 +255,20 @@ class Exits(TritonChunkedPrefill):
         raise SystemExit(3)
 
 
-@pytest.mark.parametrize("bug, says", [(Float32Out, "ValueError: out is torch.float32"), (Exits, "SystemExit: 3")])
+class RaisesGeneratorExit(TritonChunkedPrefill):
+    """Planted bug: raises GeneratorExit, a BaseException that is not an Exception nor sys.exit."""
+
+    name = "triton_chunked_prefill"
+
+    def run(self, plan):
+        raise GeneratorExit("closed")
+
+
+@pytest.mark.parametrize("bug, says", [(Float32Out, "ValueError: out is torch.float32"), (Exits, "SystemExit: 3"),
+                                       (RaisesGeneratorExit, "GeneratorExit: closed")])
 def test_a_side_that_exits_or_returns_another_dtype_is_an_error_of_its_check(monkeypatch, bug, says):
-    """A float32 out passed (the comparison is in float64); sys.exit ended the suite, and the run."""
+    """A float32 out passed (the comparison is in float64); sys.exit, or GeneratorExit, ended the suite and the
+    run."""
     result = chunked_result(monkeypatch, bug)
     assert result.status == "error" and says in result.message, result.message
 

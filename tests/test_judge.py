@@ -55,7 +55,9 @@ def _spare_page(p) -> int:
     ("float32", lambda p, out, lse: (out.bfloat16(), lse),
      "out is torch.bfloat16 [4, 4, 512]; the problem's dtype is torch.float32"),
     ("bfloat16", lambda p, out, lse: (out, lse.to("meta")), "lse is on meta; the problem is on cpu"),
-], ids=["only-out", "none", "three", "float32-out", "bf16-out", "lse-elsewhere"])
+    ("bfloat16", lambda p, out, lse: (out, lse * (1 + 7j)), "lse is torch.complex64 [4, 4]; it must be real floating"),
+    ("bfloat16", lambda p, out, lse: (out, lse.round().int()), "lse is torch.int32 [4, 4]; it must be real floating"),
+], ids=["only-out", "none", "three", "float32-out", "bf16-out", "lse-elsewhere", "complex-lse", "int-lse"])
 def test_outputs_that_break_the_contract_are_errors_naming_the_breach(dtype, bend, message):
     problem = _problem(dtype)
     assert judge(Bends(), problem).status == "passed"
@@ -68,18 +70,21 @@ class Refuses(planted.PlainDecode):
 
     name = "refuses"
 
-    def __init__(self, reason: str):
+    def __init__(self, *reason):
         self.reason = reason
 
     def plan(self, problem):
-        raise UnsupportedConfig(self.reason)
+        raise UnsupportedConfig(*self.reason)
 
 
-@pytest.mark.parametrize("reason, status", [("", "error"), (" \n", "error"), ("no page size 16", "unsupported")])
+@pytest.mark.parametrize("reason, status", [(("",), "error"), ((" \n",), "error"), ((None,), "error"), ((), "error"),
+                                            (("", ""), "error"), ((object(),), "error"),
+                                            (("no page size 16",), "unsupported")])
 def test_a_refusal_must_give_its_reason(reason, status):
-    verdict = judge(Refuses(reason), _problem())
+    """None, an empty pair or an object passed as "None", "('', '')" or the object's repr."""
+    verdict = judge(Refuses(*reason), _problem())
     assert verdict.status == status
-    assert (verdict.message == reason) if status == "unsupported" else "with no reason" in verdict.message
+    assert (verdict.message == reason[0]) if status == "unsupported" else "with no reason" in verdict.message
 
 
 def _write_q(p, out, lse):
@@ -250,6 +255,18 @@ BROKEN = textwrap.dedent('''
     class NoCapabilities(NoName):
         name = "no_capabilities"
         capabilities = None
+
+    class Blank(NoName):
+        name = "   "
+
+    class TwoLines(NoName):
+        name = "two\\nlines"
+
+    class NamedAll(NoName):
+        name = "all"
+
+    class WithComma(NoName):
+        name = "mine,yours"
 ''')
 
 
@@ -257,6 +274,10 @@ BROKEN = textwrap.dedent('''
     ("NoName", "the class attribute 'name' must be a non-empty string"),
     ("NoCapabilities", "the class attribute 'capabilities' must be a Capabilities, got NoneType"),
     ("Absent", "has no attribute 'Absent'"),
+    ("Blank", "the class attribute 'name' is '   '; a name is printable"),  # a blank column in the summary
+    ("TwoLines", r"the class attribute 'name' is 'two\\nlines'"),
+    ("NamedAll", "the class attribute 'name' is 'all'"),  # --impl all,NAME could not name it
+    ("WithComma", "the class attribute 'name' is 'mine,yours'"),  # --impl lists are comma-separated
 ])
 def test_a_broken_impl_class_is_refused_when_resolved_naming_what_is_wrong(tmp_path, monkeypatch, attr, message):
     module = f"user_impls_{random.randint(0, 10 ** 9)}"

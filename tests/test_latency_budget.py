@@ -186,6 +186,38 @@ class _Writes(_Planned):
         return super().run(plan)
 
 
+def _timed_on_the_cpu(monkeypatch):
+    """``(device, workload, sets, ceilings)`` for ``time_impl`` on the CPU, its timers calling each launch once."""
+    monkeypatch.setattr(timing, "time_host", lambda fn, device: fn() or 0.5)
+    monkeypatch.setattr(timing, "time_rotation",
+                        lambda fns, device, **kw: [fn() for fn in fns] and timing.TimingStats.of([0.01] * len(fns)))
+    device, workload = torch.device("cpu"), Workload.uniform(Mode.DECODE, 1, 1, 64)
+    sets = latency.InputSets(workload, device, free_bytes=lambda device: 10 ** 9, allocated=lambda device: 0)
+    return device, workload, sets, timing.Ceilings("cpu", copy_gbps=1.0, matmul_tflops=1.0, l2_bytes=1)
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+@pytest.mark.parametrize("exc", [SystemExit(0), GeneratorExit("closed")])
+def test_an_impl_that_exits_while_timed_is_an_error_row_and_the_next_impl_is_timed(monkeypatch, exc):
+    """sys.exit (or GeneratorExit) in an impl's run ended the suite and the run: neither is an Exception."""
+    device, workload, sets, ceilings = _timed_on_the_cpu(monkeypatch)
+    exits = latency.time_impl(_Writes([], lambda p: _raise(exc)), workload, device, ceilings, sets)
+    assert exits.status == "error" and type(exc).__name__ in exits.message, exits.message
+    assert latency.time_impl(_Planned([], 0), workload, device, ceilings, sets).status == "passed"
+
+
+def test_an_impl_that_changes_the_processs_settings_fails_and_they_are_put_back(monkeypatch):
+    device, workload, sets, ceilings = _timed_on_the_cpu(monkeypatch)
+    row = latency.time_impl(_Writes([], lambda p: torch.set_default_device("meta")), workload, device, ceilings, sets)
+    assert row.status == "failed" and "changed the process's settings: torch's default device (now meta, was cpu)" \
+        in row.message, row.message
+    assert torch.get_default_device() == torch.device("cpu")
+    assert latency.time_impl(_Planned([], 0), workload, device, ceilings, sets).status == "passed"
+
+
 @pytest.mark.parametrize("write, says", [
     (lambda p: p.cache.data.view(torch.uint8)[0].add_(1), "cache.data (changed)"),
     (lambda p: p.q.mul_(2), "q (changed)"),
@@ -197,12 +229,7 @@ def test_an_impl_that_writes_into_the_shared_sets_fails_and_the_next_impl_gets_n
     """The impls of a workload time one set of problems, made once; an impl that writes into one (a byte of the
     cache, a field rebound, a tensor resized) fails naming it, and the next impl is timed on sets made again."""
     built, plans = _count_builds(monkeypatch), []
-    monkeypatch.setattr(timing, "time_host", lambda fn, device: fn() or 0.5)
-    monkeypatch.setattr(timing, "time_rotation",
-                        lambda fns, device, **kw: [fn() for fn in fns] and timing.TimingStats.of([0.01] * len(fns)))
-    device, workload = torch.device("cpu"), Workload.uniform(Mode.DECODE, 1, 1, 64)
-    sets = latency.InputSets(workload, device, free_bytes=lambda device: 10 ** 9, allocated=lambda device: 0)
-    ceilings = timing.Ceilings("cpu", copy_gbps=1.0, matmul_tflops=1.0, l2_bytes=1)
+    device, workload, sets, ceilings = _timed_on_the_cpu(monkeypatch)
     writer, clean = _Writes(plans, write), _Planned(plans, 0)
     wrote = latency.time_impl(writer, workload, device, ceilings, sets)
     assert wrote.status == "failed" and "wrote into its inputs: set 0: " in wrote.message and says in wrote.message

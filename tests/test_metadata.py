@@ -295,6 +295,14 @@ def _step_with_page_counts_by_shift(case):
     return _step_with(case, kv_indptr=lambda step: fast.cumulative((step["seq_lens"] + case.page_size - 1) >> shift))
 
 
+def _max_qo_len_exiting_on_mtp(case):
+    """Calls ``sys.exit`` on a uniform multi-token mix, as a library might on an input it cannot take: the suite and
+    the run ended (not an Exception)."""
+    if len(set(case.q_lens)) == 1 and case.q_lens[0] > 1:
+        raise SystemExit(0)
+    return fast.max_len(case.on_device("q_lens"))
+
+
 # An index past the block table is an IndexError on the CPU but a device-side assert on CUDA, which ends the
 # process's CUDA context for every later test: that planted bug is shown on the CPU.
 INDEXES_PAST_THE_TABLE = (_paged_transform_only_minus_one_invalid,)
@@ -311,6 +319,7 @@ INDEXES_PAST_THE_TABLE = (_paged_transform_only_minus_one_invalid,)
     ("kv_last_page_len", _last_page_len_subtracting_in_place, "one huge", "wrote into its input seq_lens"),
     ("kv_indices (triton)", _kv_indices_kernel_with_width_as_stride, "one huge", "elements differ"),
     ("max_qo_len", _max_qo_len_hard_coded_to_one, "mtp", "1 instead of 3"),
+    ("max_qo_len", _max_qo_len_exiting_on_mtp, "mtp", "raised SystemExit"),
     ("slot mapping", _slot_mapping_of_decode_only, "mtp", "elements differ"),
     ("build_step", _step_with_query_lengths_for_max_kv_len, "one huge", "max_kv_len: 1 of 1 elements differ, first at "
      "[]: 5 instead of 20000"),

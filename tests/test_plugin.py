@@ -353,6 +353,17 @@ def test_an_impl_named_twice_is_a_usage_error(tmp_path):
     assert done.returncode == 4 and "--mla-impl torch_eager is given more than once" in output, output[-3000:]
 
 
+def test_two_impls_of_one_name_are_a_usage_error(tmp_path):
+    """A user's impl named like a built-in passed beside it: its tests, every one skipped, counted as tested through
+    the built-in's (coverage is by name), and its failures read as the built-in's."""
+    (tmp_path / "twin.py").write_text("from impls.torch_eager import TorchEager\n\n\n"
+                                      "class Twin(TorchEager):\n    name = 'torch_eager'\n")
+    done = _conformance(tmp_path, "--collect-only", "--mla-impl=torch_eager", "--mla-impl=twin:Twin")
+    output = done.stdout + done.stderr
+    assert done.returncode == 4 and "impl name 'torch_eager' is given more than once (impls.torch_eager:TorchEager, " \
+        "twin:Twin)" in output, output[-3000:]
+
+
 def test_a_session_without_mla_bench_keeps_triton_as_it_was(tmp_path):
     """The plugin is installed for every pytest session of the environment: on a CPU host it switched Triton's
     interpreter on for all of them, so a project's own kernel (compiled ahead of time for a GPU it lacks, say) came

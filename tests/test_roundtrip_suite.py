@@ -384,6 +384,28 @@ def test_planted_cache_op_bugs_are_flagged(ops, check, says):
     assert flagged[0].status == "failed" and says in flagged[0].message, f"seed {seed}: {flagged[0].message[:400]}"
 
 
+def _write_exiting_on_an_empty_step(cache, values, slots, propagate_nonfinite=False):
+    if slots.numel() == 0:
+        raise SystemExit(0)
+    _planted_write()(cache, values, slots, propagate_nonfinite)
+
+
+def _gather_raising_generator_exit(cache, slots, dtype):
+    raise GeneratorExit("closed")
+
+
+def test_cache_ops_that_exit_are_their_checks_findings_not_the_runs_end():
+    """sys.exit on an empty step, and GeneratorExit from a gather, ended the suite and the run: neither is an
+    Exception."""
+    seed = random.randrange(2 ** 32)
+    results = _run(seed, layouts={"bf16": get_layout("bf16")}, write=_write_exiting_on_an_empty_step)
+    flagged = [(r.check, r.status, r.message) for r in results if r.status != "passed"]
+    assert flagged == [("given write", "failed", "an empty write (0 tokens) raised SystemExit: 0")], flagged
+    results = _run(seed, layouts={"bf16": get_layout("bf16")}, gather=_gather_raising_generator_exit)
+    flagged = [(r.check, r.status, r.message.split("\n")[0]) for r in results if r.status != "passed"]
+    assert flagged == [("given gather", "error", "GeneratorExit: closed")], flagged
+
+
 def test_the_gather_check_reads_the_slots_its_seed_picks():
     """The random-bytes slots came from the global generator: a run with the same --seed gathered other slots."""
     seed, picked = random.randrange(2 ** 32), []
@@ -456,6 +478,14 @@ def test_crashes_wrong_answers_and_unnamed_refusals_are_failures():
     assert summary.check == "capability matrix" and summary.status == "failed"
     assert "planted_crash: decode / fp8_ds_mla: error" in summary.message
     assert "CRASH" in _render(capability_table(summary.details))
+
+
+def test_an_impl_name_of_markup_is_printed_as_typed_in_the_matrix():
+    """A name like ``[bold red]x[/bold red][/]`` raised rich's MarkupError after the run: no summary, no report."""
+    name = "[bold red]x[/bold red][/]"
+    details = {"columns": ["bf16"], "rows": [{"impl": name, "op": "decode [/]", "cells": {"bf16": "passed"}}]}
+    rendered = _render(capability_table(details))
+    assert name in rendered and "decode [/]" in rendered
 
 
 def _render(table) -> str:

@@ -135,12 +135,32 @@ def test_a_gpu_index_past_the_visible_ones_is_refused_before_the_run(monkeypatch
         pick_device("cuda:5")
 
 
-def test_an_impl_calling_sys_exit_in_process_is_an_error_result():
-    """In-process, sys.exit(0) in run ended the whole run with status 0 and no run file."""
-    run = execute(RunOptions(impls=["planted_impls:ExitsInRun", "torch_eager"], device="cpu", preset="tiny",
-                             modes=["decode"]))
+@pytest.mark.parametrize("planted_name", ["ExitsInRun", "RaisesGeneratorExitInRun", "RaisesOwnBaseExceptionInRun",
+                                          "RaisesOwnBaseExceptionWhenMade"])
+def test_an_impl_raising_a_base_exception_in_process_is_an_error_result_of_every_suite(planted_name):
+    """In-process, sys.exit(0) in run ended the whole run with status 0 and no run file (in the placement suite after
+    the others were fixed); GeneratorExit, or an impl's own BaseException subclass, ended it with a traceback."""
+    impl = getattr(planted, planted_name)
+    run = execute(RunOptions(impls=[f"planted_impls:{planted_name}", "torch_eager"], device="cpu", preset="tiny",
+                             modes=["decode"], layouts=["bf16"], suites=["accuracy", "placement", "roundtrip"]))
+    for suite in ("accuracy", "placement", "roundtrip"):
+        ours = Counter(r.status for r in run.results if r.suite == suite and r.impl == impl.name)
+        theirs = Counter(r.status for r in run.results if r.suite == suite and r.impl == "torch_eager")
+        assert ours["error"] >= 1 and not ours["passed"] and theirs["passed"] >= 1 and not theirs["error"], \
+            (suite, ours, theirs)
+    assert not run.ok
+
+
+def test_an_impl_that_changes_the_processs_settings_fails_and_the_next_impls_see_them_as_they_were():
+    """An impl that set the default dtype to float64 made torch_eager's next problems error, unnamed."""
+    run = execute(RunOptions(impls=["planted_impls:SetsTheDefaultDtype", "torch_eager"], device="cpu", preset="tiny",
+                             modes=["decode"], layouts=["bf16"], suites=["accuracy", "placement"]))
     statuses = _statuses(run)
-    assert statuses["exits_in_run"]["error"] >= 5 and statuses["torch_eager"]["passed"] >= 5 and not run.ok
+    assert set(statuses["sets_the_default_dtype"]) == {"failed"} and set(statuses["torch_eager"]) == {"passed"}, \
+        statuses
+    assert all("changed the process's settings: torch's default dtype (now torch.float64, was torch.float32)"
+               in r.message for r in run.results if r.impl == "sets_the_default_dtype")
+    assert torch.get_default_dtype() == torch.float32
 
 
 def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_with_its_children_and_the_others_run_on(

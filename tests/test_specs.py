@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import re
 
@@ -286,12 +287,32 @@ def test_an_import_error_inside_the_impls_own_package_is_an_error_not_not_instal
         resolve("no_such_kernel_pkg.mod:MyMLA")
 
 
-def test_an_impl_module_that_exits_on_import_is_an_error_not_the_callers_end(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source, says", [("import sys\nsys.exit(5)\n", "SystemExit: 5"),
+                                           ("raise GeneratorExit('closed')\n", "GeneratorExit: closed")])
+def test_an_impl_module_that_exits_on_import_is_an_error_not_the_callers_end(tmp_path, monkeypatch, source, says):
     """``sys.exit`` in an impl's module ended ``mla-bench run --impl mod:Class`` and ``list`` with no word (helper
-    88); ``--impl all`` and the pytest plugin already caught it."""
-    package = _package(tmp_path, monkeypatch, mod="import sys\nsys.exit(5)\n")
-    with pytest.raises(ValueError, match=f"importing {package}.mod raised SystemExit: 5"):
+    88); ``--impl all`` and the pytest plugin already caught it. GeneratorExit ended them with a traceback."""
+    package = _package(tmp_path, monkeypatch, mod=source)
+    with pytest.raises(ValueError, match=f"importing {package}.mod raised {says}"):
         resolve(f"{package}.mod:MyMLA")
+
+
+@pytest.mark.parametrize("mod, says", [
+    ("import os\nfrom impls.torch_eager import TorchEager as MyMLA\nos.environ['TRITON_INTERPRET'] = '0'\n",
+     "importing PKG.mod changed the settings every impl of the process shares: $TRITON_INTERPRET (now '0', was "),
+    ("import torch\nfrom impls.torch_eager import TorchEager\n\n\nclass MyMLA(TorchEager):\n"
+     "    def __init__(self):\n        torch.set_default_dtype(torch.float16)\n",
+     "making it changed the settings every impl of the process shares: torch's default dtype (now torch.float16"),
+])
+def test_an_impl_that_changes_the_processs_settings_when_loaded_is_refused_and_they_are_put_back(
+        tmp_path, monkeypatch, mod, says):
+    """A module that set TRITON_INTERPRET=0 on import left every Triton impl of a CPU run unsupported, silently."""
+    package = _package(tmp_path, monkeypatch, mod=mod)
+    before = (os.environ.get("TRITON_INTERPRET"), torch.get_default_dtype())
+    with pytest.raises(ValueError) as info:
+        resolve(f"{package}.mod:MyMLA").load()
+    assert says.replace("PKG", package) in str(info.value), str(info.value)
+    assert (os.environ.get("TRITON_INTERPRET"), torch.get_default_dtype()) == before
 
 
 @pytest.mark.parametrize("modes, field", [
