@@ -19,7 +19,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from mla_bench.registry import EMPTY_LSE, LSE_BASES
+
 LN2 = math.log(2.0)
+
+
+def check_real(name: str, tensor: torch.Tensor) -> None:
+    """ValueError unless ``tensor`` is a tensor of real floating point: a complex one lost its imaginary part in the
+    float64 cast (with a warning, and perfect metrics), bools and ints compared as numbers."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"compare: {name} must be a real floating-point tensor, got {got}")
 
 
 @dataclass
@@ -36,7 +46,14 @@ class ErrorMetrics:
 
 
 def normalize_lse(lse: torch.Tensor, base: str = "e", empty: str = "-inf") -> torch.Tensor:
-    """An impl's lse in the bench's convention: natural log, -inf for empty rows."""
+    """An impl's lse in the bench's convention: natural log, -inf for empty rows. ``base`` and ``empty`` are the
+    conventions ``Capabilities`` declares (``LSE_BASES``, ``EMPTY_LSE``): any other (``2``, ``"+Inf"``) was taken
+    as the bench's own, leaving the lse unconverted."""
+    if base not in LSE_BASES:
+        raise ValueError(f"normalize_lse: base must be one of {LSE_BASES}, got {base!r}")
+    if empty not in EMPTY_LSE:
+        raise ValueError(f"normalize_lse: empty must be one of {EMPTY_LSE}, got {empty!r}")
+    check_real("lse", lse)
     lse = lse.double()
     if empty == "+inf":
         lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
@@ -47,6 +64,8 @@ def normalize_lse(lse: torch.Tensor, base: str = "e", empty: str = "-inf") -> to
 
 def compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> ErrorMetrics:
     """Metrics of ``(out, lse)`` (lse already normalized) against the reference."""
+    for name, tensor in (("out", out), ("lse", lse), ("reference out", ref_out), ("reference lse", ref_lse)):
+        check_real(name, tensor)
     if out.shape != ref_out.shape:
         raise ValueError(f"output shape {list(out.shape)} differs from the reference's {list(ref_out.shape)}")
     if lse.shape != ref_lse.shape:

@@ -91,11 +91,17 @@ PRESETS: dict[str, MLADims] = {
 }
 
 
+MAX_SOFTMAX_SCALE = 3.4028234663852886e38 / math.log2(math.e)  # float32's largest value over log2(e)
+
+
 def softmax_scale_problem(scale: Any) -> str | None:
     """What is wrong with ``scale`` unless it is a finite positive real number (not a bool, not a tensor), else None:
     for checks that name every problem of their inputs at once."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         return f"softmax scale must be a finite positive number, got {scale!r}"
+    if scale > MAX_SOFTMAX_SCALE:  # finite in float64, where the reference computes: the kernels made NaN
+        return (f"softmax scale must be at most {MAX_SOFTMAX_SCALE:.6g} (float32's largest value over log2(e): the "
+                f"kernels scale scores by scale * log2(e) in float32), got {scale!r}")
     return None
 
 

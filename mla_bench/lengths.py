@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,14 +46,27 @@ def check_kv_lens(kv_lens: Any) -> tuple[int, ...]:
 def check_page_size(page_size: Any) -> None:
     """ValueError unless ``page_size`` is a positive int (Python or numpy; a page size of 0 would divide by zero
     deep inside)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    check_int("page_size", page_size, 1)
+
+
+def check_int(name: str, value: Any, least: int | None = None) -> int:
+    """``value`` as a Python int: ValueError naming ``name`` unless it is an int, Python or numpy as lengths are (not
+    a bool, which Python counts as one, a float or a tensor), of at least ``least`` when given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (least is not None and value < least):
+        kind = {None: "an int", 0: "an int >= 0", 1: "a positive int"}.get(least, f"an int >= {least}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return int(value)
 
 
 def _ints(name: str, values: Any) -> tuple[int, ...]:
     """``values`` as a tuple of Python ints; a bool, a float or a string is an error, not something to round."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a sequence of ints, got {values!r}")
+    if isinstance(values, (set, frozenset, Mapping)):  # iteration order would pair q_lens with kv_lens
+        raise ValueError(f"{name} must be a sequence of ints in request order, not a {type(values).__name__}: "
+                         f"got {values!r}")
+    if getattr(values, "ndim", 1) != 1:  # a 0-d tensor does not iterate, a 2-D one's 1-element rows passed as ints
+        raise ValueError(f"{name} must be a sequence of ints in one dimension, got {values.ndim}: {values!r}")
     return tuple(_int(name, i, value) for i, value in enumerate(values))
 
 

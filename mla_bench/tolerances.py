@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mla_bench.compare import ErrorMetrics
+from mla_bench.layouts import LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,15 @@ def lossless(dtype: str, layout: str) -> bool:
 
 
 def tolerance_for(dtype: str, layout: str, kind: str = "kernel") -> Tolerance:
-    """The bound for an impl computing in ``dtype`` over a cache of ``layout``."""
+    """The bound for an impl computing in ``dtype`` over a cache of ``layout`` (a name of ``LAYOUTS``)."""
     if kind not in ("kernel", "e2e"):
         raise ValueError(f"tolerance kind must be 'kernel' or 'e2e', got {kind!r}")
     try:
         kernel = KERNEL_TOLERANCES[dtype]
     except KeyError:
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(KERNEL_TOLERANCES)}") from None
+    if not isinstance(layout, str) or layout not in LAYOUTS:  # a typo got the kernel bound as its e2e bound
+        raise ValueError(f"no tolerance for cache layout {layout!r}; known: {', '.join(LAYOUTS)}")
     if kind == "kernel" or lossless(dtype, layout):
         return kernel
     if layout == "bf16":

@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 
 from mla_bench.dims import MLADims, get_preset
-from mla_bench.lengths import check_lengths
+from mla_bench.lengths import check_int, check_lengths
 
 
 class Mode(str, Enum):
@@ -53,6 +54,7 @@ INDEX_TRANSFORMS = ("paged", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICE_TYPES = ("cpu", "cuda")
 DEFAULT_PAGE_SIZE = 64
+INT32_MAX = 2 ** 31 - 1  # the metadata's offsets and lengths are int32
 SEED_LIMIT = 2 ** 32  # torch's CPU generator keeps a seed's low 32 bits: s and s + 2**32 give the same inputs
 
 
@@ -120,15 +122,20 @@ class Workload:
                                  f"so q_len={q} needs kv_len >= {q}, got 0")
         if sum(self.q_lens) == 0:
             raise ValueError("a workload needs at least one query token (every q_len is 0)")
+        if max(self.total_q, self.total_kv) > INT32_MAX:  # build_problem failed on the overflow
+            raise ValueError(f"the requests' {self.total_q} query and {self.total_kv} cached tokens must each fit the "
+                             f"metadata's int32 offsets (at most {INT32_MAX})")
         if self.num_heads is not None:
-            _positive("num_heads", self.num_heads)
+            self._count("num_heads")
         _look_up("cache layout", self.layout, get_layout)
-        _positive("page_size", self.page_size)
+        self._count("page_size")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an int >= 0 and < 2**32 (torch's generator keeps a seed's low 32 bits, "
-                             f"so larger seeds repeat smaller ones' inputs), got {self.seed!r}")
+                             f"so larger seeds repeat smaller ones' inputs), got {seed!r}")
+        object.__setattr__(self, "seed", int(seed))
         if self.cache_device not in (None, *DEVICE_TYPES):
             raise ValueError(f"cache_device must be None or one of {DEVICE_TYPES}, got {self.cache_device!r}")
         if self.cache_device is not None and not self.mode.uses_cache:
@@ -140,7 +147,7 @@ class Workload:
         if mode.sparse:
             if self.topk is None:
                 raise ValueError(f"mode {mode.value} needs topk")
-            _positive("topk", self.topk)
+            self._count("topk")
             if self.topk > max(self.kv_lens):
                 raise ValueError(f"topk={self.topk} is larger than the longest context ({max(self.kv_lens)})")
             if self.index_transform not in INDEX_TRANSFORMS:
@@ -151,18 +158,23 @@ class Workload:
             if self.index_transform is not None:
                 raise ValueError(f"index_transform is only for sparse modes, not {mode.value}")
         if mode is Mode.DCP:
-            _positive("dcp_world", self.dcp_world)
-            _positive("dcp_interleave", self.dcp_interleave)
+            self._count("dcp_world")
+            self._count("dcp_interleave")
         elif (self.dcp_world, self.dcp_interleave) != (1, 1):
             raise ValueError(f"dcp_world / dcp_interleave are only for mode dcp, not {mode.value}")
         if mode is Mode.CHUNKED_PREFILL:
             if self.chunk_size is None:
                 raise ValueError("mode chunked_prefill needs chunk_size (MCC, tokens per context chunk)")
-            _positive("chunk_size", self.chunk_size)
+            self._count("chunk_size")
         elif self.chunk_size is not None:
             raise ValueError(f"chunk_size is only for mode chunked_prefill, not {mode.value}")
         if mode is Mode.PREFILL and self.layout != "bf16":
             raise ValueError("mode prefill takes its keys as tensors, not from a cache: leave layout at 'bf16'")
+
+    def _count(self, name: str) -> None:
+        """Field ``name`` checked as a positive int and stored as a Python int: numpy ints too, as the lengths take
+        them (a numpy field would not serialize)."""
+        object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
 
     # ---- derived ----------------------------------------------------------------------------------------------
     @property
@@ -235,7 +247,7 @@ class Workload:
     @classmethod
     def uniform(cls, mode: Mode | str, batch: int, q_len: int, kv_len: int, **fields: Any) -> "Workload":
         """``batch`` identical requests."""
-        _positive("batch", batch)
+        batch = check_int("batch", batch, 1)
         return cls(mode=mode, q_lens=(q_len,) * batch, kv_lens=(kv_len,) * batch, **fields)
 
     def replace(self, **changes: Any) -> "Workload":
@@ -278,8 +290,3 @@ def _look_up(kind: str, name: Any, lookup: Callable[[str], Any]) -> None:
     if not isinstance(name, str):
         raise ValueError(f"unknown {kind} {name!r}: a {kind} is named by a string")
     lookup(name)
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

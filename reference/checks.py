@@ -6,12 +6,10 @@ values once with ``check_values`` (a pass over each input); what it calls intern
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from mla_bench.dims import check_softmax_scale
-from mla_bench.lengths import check_lengths  # also imported from here by the reference modules
+from mla_bench.lengths import check_int, check_lengths  # also imported from here by the reference modules
 
 
 def check_tensor(name: str, tensor: torch.Tensor, dims: int, last: int | None = None) -> None:
@@ -59,8 +57,7 @@ def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: to
 
 def check_positive(name: str, value: int) -> None:
     """ValueError unless ``value`` is a positive int, Python or numpy as lengths are (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_int(name, value, 1)
 
 
 def check_values(scale: float, **tensors: torch.Tensor) -> None:

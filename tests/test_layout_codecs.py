@@ -430,3 +430,51 @@ def test_write_cache_names_a_bad_value_by_its_token_not_its_rank_among_written_r
     values[3, column] = x[3, column]
     write_cache(cache, values, slots)
     assert torch.equal(cache.rows()[[4, 6, 2]], layout.quantize(x[[1, 3, 4]], scale))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("shape", [(3, 500), (3, 600), (LATENT_DIM,)])
+def test_error_bounds_and_fitted_scales_refuse_values_of_another_shape(name, shape):
+    """bf16's error_bound(x[:, :500]) returned a [3, 500] bound, the block layouts a reshape RuntimeError; a 1-D or
+    [N, 100] input got a fitted scale."""
+    layout = get_layout(name)
+    x = torch.randn(shape)
+    with pytest.raises(ValueError, match=rf"layout {name}: expected values of shape \[N, 576\], got torch.float32"):
+        layout.error_bound(x, 1.0)
+    with pytest.raises(ValueError, match=rf"layout {name}: expected values of shape \[N, 576\]"):
+        layout.fit_tensor_scale(x)
+
+
+@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.needs_tensor_scale])
+@pytest.mark.parametrize("scale", [None, float("nan"), -1.0])
+def test_error_bounds_of_per_layer_scaled_layouts_need_a_valid_scale(name, scale):
+    """Without a scale error_bound failed with a TypeError on None (a NaN scale gave a NaN bound, which nothing
+    passes, a negative one a negative bound)."""
+    with pytest.raises(ValueError, match=f"layout {name}: tensor_scale must be a finite positive number"):
+        get_layout(name).error_bound(torch.randn(2, LATENT_DIM), scale)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: get_layout(["bf16"]),
+    lambda: get_layout(None),
+])
+def test_a_layout_name_that_is_not_a_string_is_refused_naming_the_known_layouts(call):
+    """get_layout(["bf16"]) failed with TypeError: unhashable type, not the unknown-layout error."""
+    with pytest.raises(ValueError, match="a layout is named by a string; known layouts: bf16, "):
+        call()
+
+
+def test_write_cache_names_the_dtype_it_was_given():
+    """torch.where(..., values, 0) ran before the dtype check: a bool input was reported as torch.int64."""
+    cache = PagedCache.empty(get_layout("bf16"), 2, 4)
+    values = torch.randn(3, LATENT_DIM) > 0
+    with pytest.raises(ValueError, match="expected floating-point values of 16 bits or more, got torch.bool$"):
+        write_cache(cache, values, torch.randperm(8)[:3])
+
+
+@pytest.mark.parametrize("name", ["bf16", "nvfp4"])
+def test_dequantize_refuses_a_list_naming_it(name):
+    """A list of bytes failed with AttributeError ('list' object has no attribute 'dtype')."""
+    layout = get_layout(name)
+    with pytest.raises(ValueError, match=rf"layout {name}: expected uint8 bytes of shape \[N, \d+\], got list"):
+        layout.dequantize(torch.randint(0, 255, (2, layout.bytes_per_token)).tolist(), 1.0)

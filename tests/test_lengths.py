@@ -6,6 +6,7 @@ negative length nor the counts of a mismatch; Workload and the reference refused
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -129,3 +130,41 @@ def test_numpy_page_sizes_are_taken_alike():
             check_page_size(bad)
         with pytest.raises(ValueError, match=re.escape(f"page_size must be a positive int, got {bad!r}")):
             PagedCache.empty(get_layout("bf16"), 2, bad)
+
+
+@pytest.mark.parametrize("q_lens, says", [
+    ({3, 1}, "q_lens must be a sequence of ints in request order, not a set"),
+    ({3: 0, 1: 0}, "q_lens must be a sequence of ints in request order, not a dict"),
+    (torch.tensor(2), "q_lens must be a sequence of ints in one dimension, got 0"),
+    (torch.tensor([[1], [2]]), "q_lens must be a sequence of ints in one dimension, got 2"),
+])
+def test_lengths_without_one_request_order_are_refused(q_lens, says):
+    """A set or dict was taken in its iteration order (pairing q_lens with kv_lens by it), a 0-d tensor failed with a
+    bare TypeError, a 2-D tensor's rows passed as ints where a 2-D numpy array was refused."""
+    kv_lens = tuple(random.randint(3, 9) for _ in range(2))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Workload(mode="decode", q_lens=q_lens, kv_lens=kv_lens)
+
+
+@pytest.mark.parametrize("mode, field, extra", [
+    ("decode", "num_heads", {}), ("decode", "page_size", {}), ("decode", "seed", {}),
+    ("sparse_decode", "topk", {}), ("chunked_prefill", "chunk_size", {}),
+    ("dcp", "dcp_world", {"dcp_interleave": 1}), ("dcp", "dcp_interleave", {"dcp_world": 2}),
+])
+def test_numpy_ints_are_taken_by_every_workload_field_as_by_the_lengths(mode, field, extra):
+    """np.int64 q_lens were taken but a numpy num_heads, page_size, topk, seed or chunk_size refused; they are taken
+    alike and stored as Python ints (the workload serializes)."""
+    value = random.choice([1, 2, 4])
+    fields = {"topk": 2} if mode == "sparse_decode" else {"chunk_size": 8} if mode == "chunked_prefill" else {}
+    fields.update(extra, **{field: np.int64(value)})
+    w = Workload(mode=mode, q_lens=(1, 1), kv_lens=(9, 12), **fields)
+    assert type(getattr(w, field)) is int and getattr(w, field) == value
+    assert Workload.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    assert Workload.uniform("decode", np.int64(value), 1, 5).batch == value
+
+
+@pytest.mark.parametrize("kv_lens", [(2 ** 31,), (2 ** 30, 2 ** 30)])
+def test_cached_tokens_past_the_int32_offsets_are_refused_by_the_workload(kv_lens):
+    """kv_lens=(2**31,) was taken, then build_problem failed on torch's int32 overflow."""
+    with pytest.raises(ValueError, match=rf"{sum(kv_lens)} cached tokens must each fit the metadata's int32 offsets"):
+        Workload(mode="decode", q_lens=(1,) * len(kv_lens), kv_lens=kv_lens)

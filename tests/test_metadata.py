@@ -431,3 +431,102 @@ def test_paged_metadata_refuses_lengths_the_reference_refuses():
             PagedMetadata.build(q_lens, kv_lens, rng.choice([1, 16, 48]), gen)
     meta = PagedMetadata.build((1, kv), (kv, kv), 16, gen)
     assert meta.query_start_loc.tolist() == [0, 1, kv + 1] and meta.kv_lens == (kv, kv)
+
+
+def _random_table(rng: random.Random, page_size: int, kv_lens: list[int]) -> torch.Tensor:
+    """A block table of distinct random pages with room for ``kv_lens``."""
+    width = reference.table_width(kv_lens, page_size)
+    pages = rng.sample(range(1, 1000), len(kv_lens) * width)
+    return torch.tensor(pages, dtype=torch.int32).reshape(len(kv_lens), width)
+
+
+BUILDERS_READING_THE_TABLE = {
+    "slot_mapping": lambda t, q, kv, ps: reference.slot_mapping(q, kv, t, ps),
+    "flat_token_slots": lambda t, q, kv, ps: reference.flat_token_slots(t, kv, ps),
+    "token_page_table": lambda t, q, kv, ps: reference.token_page_table(t, kv, ps),
+    "flashinfer_csr": lambda t, q, kv, ps: reference.flashinfer_csr(kv, t, ps),
+    "transform_indices_paged": lambda t, q, kv, ps: reference.transform_indices_paged(
+        torch.randint(0, min(kv), (sum(q), 4), dtype=torch.int32), q, kv, t, ps),
+    "dcp_slot_mapping": lambda t, q, kv, ps: reference.dcp_slot_mapping(q, kv, t, ps, 0, 1, 1),
+}
+
+
+@pytest.mark.parametrize("builder", BUILDERS_READING_THE_TABLE)
+def test_reference_builders_refuse_a_negative_entry_a_request_reads(builder):
+    """A -1 entry made slots [.., -2, -1]: the padding sentinel, so the cache write skipped those tokens and sparse
+    attention treated them as invalid, in silence. Entries past a request's pages are not read, and may be -1."""
+    rng = random.Random()
+    page_size = rng.choice([2, 4, 16])
+    kv_lens = [rng.randint(2 * page_size + 1, 5 * page_size) for _ in range(rng.randint(1, 3))]
+    q_lens = [rng.randint(1, 2) for _ in kv_lens]
+    table = _random_table(rng, page_size, kv_lens)
+    table[:, -1] = -1  # the spare column: unread
+    BUILDERS_READING_THE_TABLE[builder](table, q_lens, kv_lens, page_size)
+    b, j = rng.randrange(len(kv_lens)), rng.randrange(2)
+    table[b, j] = -rng.randint(1, 2 ** 31)
+    with pytest.raises(ValueError, match=rf"block_table\[{b}, {j}\] = {int(table[b, j])} is negative"):
+        BUILDERS_READING_THE_TABLE[builder](table, q_lens, kv_lens, page_size)
+
+
+def test_reference_paged_transform_refuses_a_slot_that_int32_indices_would_wrap():
+    """An entry of 2**30 at page size 4 wrapped in the int32 cast to slots 0..3: valid slots of other tokens."""
+    rng = random.Random()
+    page_size = rng.choice([4, 8, 64])
+    kv_lens = [rng.randint(1, 3 * page_size) for _ in range(2)]
+    table = _random_table(rng, page_size, kv_lens)
+    table[1, 0] = 2 ** 31 // page_size + rng.randint(0, 1000)
+    topk = torch.full((2, 3), kv_lens[0] - 1, dtype=torch.int32)
+    topk[1, 2] = rng.randrange(min(page_size, kv_lens[1]))  # token 1 (request 1), in its first page
+    slot = int(table[1, 0]) * page_size + int(topk[1, 2])
+    with pytest.raises(ValueError, match=rf"token 1, top-k index 2: .* block_table\[1, 0\], whose slot {slot} "
+                                         r"exceeds torch.int32's largest value 2147483647"):
+        reference.transform_indices_paged(topk, [1, 1], kv_lens, table, page_size)
+    assert int(reference.transform_indices_paged(topk.long(), [1, 1], kv_lens, table, page_size)[1, 2]) == slot
+
+
+@pytest.mark.parametrize("call", [
+    lambda bad: reference.dcp_local_len(10, 0, bad, 1),
+    lambda bad: reference.dcp_local_len(10, 0, 2, bad),
+    lambda bad: reference.check_dcp(4, bad, 2),
+    lambda bad: reference.check_dcp(4, 2, 2, bad),
+    lambda bad: fast.dcp_local_lens(torch.randint(1, 99, (3,), dtype=torch.int32), 0, bad, 1),
+])
+@pytest.mark.parametrize("bad", [2.0, 2.5, True, "2"])
+def test_dcp_helpers_refuse_a_rank_world_or_interleave_that_is_not_an_int(call, bad):
+    """A float world gave float lengths (4.0, a float32 tensor), a bool passed as 1, a string a bare TypeError."""
+    with pytest.raises(ValueError, match=rf"DCP (rank|world|interleave) must be an int, got {re.escape(repr(bad))}"):
+        call(bad)
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda n: fast.HostSizes.of([1], [-n], 2), "request 0: lengths must be >= 0"),
+    (lambda n: fast.HostSizes.of([1], [n + 0.5], 2), "kv_lens must hold ints"),
+    (lambda n: fast.HostSizes(n, n, n, -n, n), "HostSizes.table_width must be an int >= 0"),
+    (lambda n: fast.HostSizes(float(n), n, n, n, n), "HostSizes.num_tokens must be an int >= 0"),
+    (lambda n: fast.slot_mapping(QSL, SEQ, TABLE, 2, -n), "num_tokens must be an int >= 0"),
+    (lambda n: fast.slot_mapping(QSL, SEQ, TABLE, 2, float(n)), "num_tokens must be an int >= 0"),
+    (lambda n: fast.token_page_table(SEQ, TABLE, 2, -n), "width must be an int >= 0"),
+    (lambda n: fast.token_page_table(SEQ, TABLE, 2, float(n)), "width must be an int >= 0"),
+    (lambda n: fast.flat_token_slots(QSL, TABLE, 2, -n), "num_kv_tokens must be an int >= 0"),
+    (lambda n: fast.kv_indices(QSL, TABLE, float(n)), "num_pages must be an int >= 0"),
+    (lambda n: fast.flashinfer_csr(SEQ, TABLE, 2, -n), "num_pages must be an int >= 0"),
+    (lambda n: fast.dcp_slot_mapping(QSL, SEQ, TABLE, 2, -n, 0, 1, 1), "num_tokens must be an int >= 0"),
+])
+def test_fast_builders_refuse_host_sizes_that_are_not_counts(call, says):
+    """HostSizes.of([1], [-5], 2) gave num_pages -2 and floats float sizes; a negative or float size given to a
+    builder failed deep in torch (IndexError, RuntimeError)."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(random.randint(1, 9))
+
+
+@pytest.mark.parametrize("spoil, says", [
+    (dict(kv_lens=(-5,)), "request 0: lengths must be >= 0, got q_len=1, kv_len=-5"),
+    (dict(page_size=0), "page_size must be a positive int, got 0"),
+    (dict(num_blocks=2.5), "PagedMetadata.num_blocks must be an int >= 0, got 2.5"),
+    (dict(token_slots=[0, 1]), "PagedMetadata.token_slots must be a tensor, got list"),
+])
+def test_paged_metadata_refuses_host_fields_no_builder_would_make(spoil, says):
+    """PagedMetadata(q_lens=(1,), kv_lens=(-5,), page_size=0, ...) constructed, for kernels to read."""
+    meta = PagedMetadata.build((1,), (random.randint(1, 40),), 16, torch.Generator().manual_seed(random.randrange(99)))
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}$"):
+        PagedMetadata(**{**{f: getattr(meta, f) for f in vars(meta)}, **spoil})

@@ -290,3 +290,12 @@ def test_merge_keeps_its_empty_part_conventions():
     out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
     assert torch.equal(out[row], out_a[row]) and torch.equal(lse[row], lse_a[row])
     assert torch.equal(out[(row + 1) % 4], out_b[(row + 1) % 4])
+
+
+def test_a_softmax_scale_past_float32s_range_is_refused_as_the_kernels_would_make_nan():
+    """scale=1e39 is finite in float64, where the reference computed a plausible answer; every kernel computes
+    scale * log2(e) in float32, where it is inf (mla_decode gave NaN)."""
+    scale = float(numpy.random.default_rng().uniform(2.4e38, 1e300))
+    with pytest.raises(ValueError, match=r"softmax scale must be at most 2\.35866e\+38 \(float32's largest value"):
+        latent_mqa(torch.randn(3, 2, 576, dtype=torch.float64), torch.randn(10, 576, dtype=torch.float64), (3,),
+                   (10,), scale)

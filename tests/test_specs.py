@@ -11,11 +11,13 @@ import re
 import pytest
 import torch
 
+from mla_bench.compare import compare, normalize_lse
 from mla_bench.dims import PRESETS, get_preset
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import POISON_BYTE
 from mla_bench.problem import build_problem
 from mla_bench.registry import Capabilities, Impl, ImplNotInstalled, discover, resolve
+from mla_bench.tolerances import tolerance_for
 from mla_bench.workload import SEED_LIMIT, Mode, Workload
 
 
@@ -373,3 +375,34 @@ def test_a_name_registered_twice_loads_neither_and_an_entry_point_must_carry_its
         found["my_mla"].load()
     assert found["plain_decode"].load().name == "plain_decode" and found["triton_decode"].origin == "builtin"
     assert found["torch_eager_host_cache"].load().name == "torch_eager_host_cache"  # the same target twice is one
+
+
+@pytest.mark.parametrize("conventions, message", [
+    (dict(base=2), "normalize_lse: base must be one of ('e', '2'), got 2"),
+    (dict(base="2.0"), "normalize_lse: base must be one of ('e', '2'), got '2.0'"),
+    (dict(empty="+Inf"), "normalize_lse: empty must be one of ('-inf', '+inf'), got '+Inf'"),
+])
+def test_normalize_lse_refuses_a_convention_capabilities_cannot_declare(conventions, message):
+    """Any base but the string "2" (2, "2.0") and any empty-row marker but "+inf" left the lse unconverted."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        normalize_lse(torch.randn(3, 4), **conventions)
+
+
+@pytest.mark.parametrize("spoil, name, dtype", [
+    (lambda t: t.to(torch.complex128) * (1 + 1j), "out", "torch.complex128"),
+    (lambda t: t > 0, "out", "torch.bool"),
+    (lambda t: (t * 100).long(), "out", "torch.int64"),
+])
+def test_compare_refuses_outputs_that_are_not_real_floating_point(spoil, name, dtype):
+    """A complex out lost its imaginary part in the float64 cast (a UserWarning and perfect metrics); bools and ints
+    were compared as numbers."""
+    ref, lse = torch.randn(3, 2, 8, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"^compare: {name} must be a real floating-point tensor, got {dtype}$"):
+        compare(spoil(ref), lse, ref, lse)
+
+
+@pytest.mark.parametrize("layout", ["nvfp4_typo", None, ["bf16"]])
+def test_tolerance_for_refuses_a_layout_it_does_not_know(layout):
+    """An unknown layout (a typo, None) got the kernel bound as its e2e bound, silently looser or tighter."""
+    with pytest.raises(ValueError, match=r"no tolerance for cache layout .*; known: bf16, fp8_e4m3, .*nvfp4"):
+        tolerance_for("bfloat16", layout, "e2e")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 
 import pytest
@@ -1462,3 +1463,22 @@ def test_decode_and_chunked_prefill_plans_check_the_gpu_compiles_e4m3(monkeypatc
         problem = build_problem(Workload(q_lens=(2,), kv_lens=(5,), page_size=4, layout="fp8_e4m3", **more))
         with pytest.raises(UnsupportedConfig, match=f"{impl.name}: fp8_e4m3 refused on cpu"):
             impl.plan(problem)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_warps=3), "DecodeConfig.num_warps must be a power of two, got 3"),
+    (dict(num_warps=32), "DecodeConfig.num_warps must be at most 16, got 32"),
+    (dict(num_warps=4.0), "DecodeConfig.num_warps must be a positive int, got 4.0"),
+    (dict(num_splits=2.5), "DecodeConfig.num_splits must be a positive int, got 2.5"),
+    (dict(num_splits=True), "DecodeConfig.num_splits must be a positive int, got True"),
+    (dict(num_stages=0), "DecodeConfig.num_stages must be a positive int, got 0"),
+    (dict(programs_per_sm=0), "DecodeConfig.programs_per_sm must be a positive int, got 0"),
+    (dict(programs_per_sm=2.5), "DecodeConfig.programs_per_sm must be a positive int, got 2.5"),
+    (dict(min_split=0), "DecodeConfig.min_split must be a positive int, got 0"),
+    (dict(min_split=-5), "DecodeConfig.min_split must be a positive int, got -5"),
+])
+def test_decode_config_refuses_warps_and_counts_its_launches_cannot_take(fields, message):
+    """Each was taken: 3 warps failed only at the CUDA backend's assert, num_splits 2.5 with a TypeError in plan, the
+    zeros and negatives in the schedule or the launch."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        DecodeConfig(**fields)

@@ -340,3 +340,56 @@ def test_merge_parts_of_no_rows_returns_without_a_launch(monkeypatch, splits, to
     part_out, part_lse = random_parts(splits, tokens=tokens, heads=heads, dim=64)
     out, lse = torch.empty(tokens, heads, 64, device=DEVICE), torch.empty(tokens, heads, device=DEVICE)
     merge_parts(part_out, part_lse, out, lse)
+
+
+def test_merge_of_rows_without_values_gives_the_references_lse():
+    """D = 0 failed in the interpreter (a step of 0 along the row) and merge_parts launched no program, leaving
+    lse_out unwritten; the reference merges the lse alone."""
+    seed = torch.randint(0, 2 ** 31, ()).item()
+    out_a, lse_a, out_b, lse_b = parts(dim=0, seed=seed)
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = ref_merge(out_a.double(), lse_a.double(), out_b.double(), lse_b.double())
+    assert out.shape == ref_out.shape
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    part_out, part_lse = random_parts(3, tokens=4, heads=2, dim=0, seed=seed)
+    out, lse_out, _ = nan_outputs(4, 2, 0, torch.float32, strided=False)
+    merge_parts(part_out, part_lse, out, lse_out)
+    torch.testing.assert_close(lse_out, torch.logsumexp(part_lse, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_merge_refuses_a_bfloat16_lse_out():
+    """The lse was written rounded to bf16 (merge_parts refuses it)."""
+    out_a, lse_a, out_b, lse_b = parts(seed=torch.randint(0, 2 ** 31, ()).item())
+    with pytest.raises(ValueError, match="merge_attn_states: lse_out must be float32, got torch.bfloat16"):
+        merge_attn_states(out_a, lse_a, out_b, lse_b, lse_out=lse_a.bfloat16())
+
+
+@pytest.mark.parametrize("call", ["merge_attn_states", "merge_parts", "rescale_partial"])
+def test_merge_entry_points_refuse_an_out_that_overlaps_itself(call):
+    """An out expanded along its heads (stride 0) was written by every head's program in turn, keeping one."""
+    tokens, heads, dim = 5, 4, 16
+    out = torch.randn(tokens, 1, dim, device=DEVICE).expand(tokens, heads, dim)
+    message = rf"^{call}: out must not overlap itself \(strides \[16, 0, 1\] for shape \[5, 4, 16\]\)$"
+    with pytest.raises(ValueError, match=message):
+        if call == "merge_attn_states":
+            out_a, lse_a, out_b, lse_b = parts(tokens, heads, dim)
+            merge_attn_states(out_a, lse_a, out_b, lse_b, out=out)
+        elif call == "merge_parts":
+            part_out, part_lse = random_parts(2, tokens, heads, dim)
+            merge_parts(part_out, part_lse, out, torch.randn(tokens, heads, device=DEVICE))
+        else:
+            rescale_partial(torch.randn(tokens, heads, dim, device=DEVICE), torch.randn(2, tokens, heads,
+                                                                                        device=DEVICE), 0, out=out)
+
+
+def test_merge_entry_points_refuse_tensors_on_another_device():
+    """Another device's tensor was read as an address on the kernel's (meta: the launch failed inside Triton)."""
+    out_a, lse_a, out_b, lse_b = parts(seed=torch.randint(0, 2 ** 31, ()).item())
+    with pytest.raises(ValueError, match=f"^merge_attn_states: lse_b is on meta but out_a is on {DEVICE}"):
+        merge_attn_states(out_a, lse_a, out_b, lse_b.to("meta"))
+    part_out, part_lse = random_parts(2, tokens=4, heads=2, dim=16)
+    out, lse_out, _ = nan_outputs(4, 2, 16, torch.float32, strided=False)
+    with pytest.raises(ValueError, match=f"^merge_parts: lse_out is on meta but parts is on {DEVICE}"):
+        merge_parts(part_out, part_lse, out, lse_out.to("meta"))
+    with pytest.raises(ValueError, match=f"^rescale_partial: all_lse is on meta but part is on {DEVICE}"):
+        rescale_partial(part_out[0], part_lse.to("meta"), 0)

@@ -168,3 +168,53 @@ def test_cpu_problems_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(cache_ops, "INTERPRETED", False)  # the kernels compiled, not interpreted
     verdict = judge(TritonPrefill(), build_problem(Workload(mode="prefill", q_lens=(2,), kv_lens=(2,)), "cpu"))
     assert verdict.status == "unsupported" and "need TRITON_INTERPRET=1" in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize("max_q_len, message", [
+    (0, r"max_q_len must be the longest request's query count, in \[1, 71\] .*, got 0"),
+    (-1, r"max_q_len must be .* in \[1, 71\] .*, got -1"),
+    (72, r"max_q_len must be .* in \[1, 71\] .*, got 72"),
+    (3.0, "max_q_len must be an int, got 3.0"),
+    (True, "max_q_len must be an int, got True"),
+    ("tensor", r"max_q_len must be an int, got tensor\(70"),
+])
+def test_mha_prefill_refuses_a_max_q_len_that_cannot_size_its_grid(max_q_len, message):
+    """0 or less returned the uninitialized outputs (an lse error of 1.6e13), a float failed in the interpreter, a
+    tensor with a Triton type error: the grid is sized by it on the host."""
+    p = build_problem(Workload(mode="prefill", q_lens=(70, 1), kv_lens=(70, 1)), DEVICE)
+    max_q_len = torch.tensor(70) if max_q_len == "tensor" else max_q_len
+    with pytest.raises(ValueError, match=f"^mha_prefill: {message}"):
+        mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc, max_q_len, p.scale)
+
+
+@pytest.mark.parametrize("name, dtype", [("out", torch.int32), ("lse", torch.int32), ("lse", torch.bfloat16)])
+def test_mha_prefill_refuses_outputs_of_a_dtype_it_would_truncate_into(name, dtype):
+    """An int32 out and an int32 or bf16 lse were written, truncated, where sparse_mqa refuses them."""
+    p = build_problem(Workload(mode="prefill", q_lens=(4, 3), kv_lens=(6, 3)), DEVICE)
+    tokens, heads = p.q.shape[:2]
+    shape = (tokens, heads, 128) if name == "out" else (tokens, heads)
+    given = {name: torch.randint(-5, 5, shape, device=DEVICE).to(dtype)}
+    want = "floating point" if name == "out" else "float32"
+    with pytest.raises(ValueError, match=rf"^mha_prefill: {name} must be \[{tokens}, {heads}.*{want}.*{dtype}"):
+        mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc, 4, p.scale, **given)
+
+
+def test_mha_prefill_refuses_outputs_that_overlap_themselves_or_lie_elsewhere():
+    """An lse expanded along its heads (stride 0) kept one head's value; an out on another device was written as an
+    address on q's."""
+    p = build_problem(Workload(mode="prefill", q_lens=(4, 3), kv_lens=(6, 3)), DEVICE)
+    tokens, heads = p.q.shape[:2]
+    args = (p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc, 4, p.scale)
+    lse = torch.randn(tokens, 1, device=DEVICE).expand(tokens, heads)
+    with pytest.raises(ValueError, match=rf"^mha_prefill: lse must not overlap itself \(strides \[1, 0\]"):
+        mha_prefill(*args, lse=lse)
+    with pytest.raises(ValueError, match=f"^mha_prefill: out is on meta but q is on {DEVICE}"):
+        mha_prefill(*args, out=torch.empty(tokens, heads, 128, dtype=p.q.dtype, device="meta"))
+
+
+def test_mha_prefill_refuses_a_scale_that_overflows_float32_with_log2e():
+    """The kernel's scale * log2(e) is a float32: 1e39 (finite in float64) made every score inf, and NaN."""
+    p = build_problem(Workload(mode="prefill", q_lens=(4, 3), kv_lens=(6, 3)), DEVICE)
+    scale = float(torch.empty((), dtype=torch.float64).uniform_(2.4e38, 1e300))
+    with pytest.raises(ValueError, match=r"^mha_prefill: softmax scale must be at most 2\.35866e\+38"):
+        mha_prefill(p.q, p.k_nope, p.k_pe, p.v, p.meta.query_start_loc, p.meta.kv_start_loc, 4, scale)

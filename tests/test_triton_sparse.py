@@ -708,3 +708,50 @@ def test_a_planned_run_allocates_no_workspace(monkeypatch):
     monkeypatch.setattr(sparse_kernel, "split_workspace", refuse)
     out, lse = impl.run(plan)
     assert plan.workspace is not None and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("tensor_scale", [None, float("nan"), -1.0, 0.0, "x", True])
+def test_sparse_mqa_requires_a_valid_per_layer_scale_for_fp8_e4m3(tensor_scale):
+    """The per-layer scale defaulted to 1.0 and was never checked: called without it, an fp8_e4m3 cache gave an lse
+    126 off and outputs 120x, with no error (-1.0 plausible wrong numbers, NaN NaN, None an interpreter error)."""
+    p = build_problem(sparse("paged", layout="fp8_e4m3"), DEVICE)
+    with pytest.raises(ValueError, match=r"^sparse_mqa: layout fp8_e4m3: tensor_scale must be a finite positive"):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), LAYOUT_CODES["fp8_e4m3"], p.scale, tensor_scale)
+
+
+@pytest.mark.parametrize("transform", ["paged", "ragged"])
+@pytest.mark.parametrize("tensor_scale", [float("nan"), None])
+def test_a_per_layer_scale_reassigned_after_the_cache_was_built_is_refused(transform, tensor_scale):
+    """PagedCache checks its scale when built, but the field may be reassigned: NaN ran into NaN outputs, None was
+    read as 1.0 (plausible wrong numbers); plan and run refuse it, as do the cache ops."""
+    p = build_problem(sparse(transform, layout="fp8_e4m3"), DEVICE)
+    impl = IMPLS[transform]()
+    plan = impl.plan(p)
+    p.cache.tensor_scale = tensor_scale
+    with pytest.raises(ValueError, match="layout fp8_e4m3: tensor_scale must be a finite positive number"):
+        impl.plan(p)
+    with pytest.raises(ValueError, match="layout fp8_e4m3: tensor_scale must be a finite positive number"):
+        impl.run(plan)
+    values = torch.randn(2, 576, device=DEVICE)
+    with pytest.raises(ValueError, match="layout fp8_e4m3: tensor_scale must be a finite positive number"):
+        cache_ops.write_cache_triton(p.cache, values, torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="layout fp8_e4m3: tensor_scale must be a finite positive number"):
+        cache_ops.gather_cache_triton(p.cache, torch.tensor([0, 1], device=DEVICE))
+
+
+def test_sparse_mqa_refuses_an_out_that_overlaps_itself():
+    """An out expanded along its heads (stride 0) was written by every head block in turn, keeping one."""
+    p = build_problem(sparse("paged"), DEVICE)
+    tokens, heads = p.q.shape[:2]
+    out = torch.randn(tokens, 1, 512, device=DEVICE).to(p.q.dtype).expand(tokens, heads, 512)
+    with pytest.raises(ValueError, match=rf"^sparse_mqa: out must not overlap itself \(strides \[512, 0, 1\]"):
+        sparse_mqa(p.q, p.sparse_indices, p.cache.rows(), 0, p.scale, out=out)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.float64])
+def test_gather_latent_refuses_an_out_of_a_dtype_it_does_not_write(dtype):
+    """An int32 or uint8 out was written with the decoded values truncated, in silence."""
+    p = build_problem(sparse("ragged"), DEVICE)
+    slots = p.meta.token_slots
+    with pytest.raises(ValueError, match=rf"^gather_latent: out must be one of .*, got {dtype}$"):
+        gather_latent(p.cache, slots, torch.randint(1, 9, (len(slots), 576), device=DEVICE).to(dtype))

@@ -32,6 +32,7 @@ from impls.triton import cache_ops_kernels as kernels
 from impls.triton import common
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM, CacheLayout, PagedCache
+from mla_bench.layouts.base import check_tensor_scale
 from mla_bench.layouts.ops import check_distinct_slots, check_slots, check_slots_in_cache
 
 WRITE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,8 +123,12 @@ def _kernel_for(cache: PagedCache, table: dict[str, Callable]) -> Callable:
 
 
 def _check_cache(cache: PagedCache) -> None:
+    """Contiguous data, and the per-layer scale checked again (``PagedCache`` checks it when built, but the field may
+    be reassigned since: a NaN scale wrote NaN codes, None failed inside ``float``)."""
     if not cache.data.is_contiguous():
         raise ValueError("triton cache ops: the cache's data must be contiguous")
+    if cache.layout.needs_tensor_scale:
+        check_tensor_scale(cache.layout.name, cache.tensor_scale)
 
 
 def _check_device(cache: PagedCache, *tensors: torch.Tensor) -> None:

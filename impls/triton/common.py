@@ -59,6 +59,48 @@ def misplaced(device: torch.device, where: str, **tensors: torch.Tensor) -> list
             if tensor.device != device]
 
 
+def overlapping(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` may share memory (a stride of 0, as ``expand`` makes, or a stride shorter
+    than the span of the dims it steps over): a kernel writing it races, and each shared element keeps one row's
+    value. Host-only: strides and sizes. Conservative: an interleaving of dims is taken as overlap."""
+    span = 1  # elements the dims so far reach
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False
+
+
+def overlap_problems(**outputs: torch.Tensor) -> list[str]:
+    """One message per tensor of ``outputs`` whose elements overlap (``overlapping``)."""
+    return [f"{name} must not overlap itself (strides {list(t.stride())} for shape {list(t.shape)})"
+            for name, t in outputs.items() if overlapping(t)]
+
+
+def check_placed_outputs(who: str, first: str, device: torch.device, inputs: dict[str, torch.Tensor],
+                         **outputs: torch.Tensor) -> None:
+    """ValueError, prefixed ``who``, naming each of ``inputs`` and ``outputs`` off ``device`` (input ``first``'s,
+    where the kernel runs) and each of ``outputs`` whose elements overlap (``overlapping``)."""
+    problems = misplaced(device, first, **inputs, **outputs) + overlap_problems(**outputs)
+    if problems:
+        raise ValueError(f"{who}: " + "; ".join(problems))
+
+
+def output_problems(out: torch.Tensor | None, lse: torch.Tensor | None, tokens: int, heads: int,
+                    dim: int) -> list[str]:
+    """One message per given ``out`` that is not floating point ``[tokens, heads, dim]`` with its last dim contiguous,
+    or ``lse`` not float32 ``[tokens, heads]``, or either overlapping itself: a kernel writes them as such (an int out
+    and an int or bf16 lse were truncated)."""
+    problems = []
+    if out is not None and (tuple(out.shape) != (tokens, heads, dim) or out.stride(-1) != 1
+                            or not out.dtype.is_floating_point):
+        problems.append(f"out must be [{tokens}, {heads}, {dim}] floating point (last dim contiguous), got "
+                        f"{out.dtype} {list(out.shape)} strides {out.stride()}")
+    if lse is not None and (tuple(lse.shape) != (tokens, heads) or lse.dtype != torch.float32):
+        problems.append(f"lse must be [{tokens}, {heads}] float32, got {lse.dtype} {list(lse.shape)}")
+    return problems + overlap_problems(**{name: t for name, t in (("out", out), ("lse", lse)) if t is not None})
+
+
 def check_placed(device: torch.device, where: str, **tensors: torch.Tensor) -> None:
     """ValueError joining ``misplaced``'s messages, where any tensor is off ``device``."""
     if wrong := misplaced(device, where, **tensors):

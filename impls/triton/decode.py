@@ -71,7 +71,7 @@ from impls.triton.decode_ws import _decode_split_kernel_ws
 from mla_bench.dims import check_softmax_scale
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
-from mla_bench.lengths import check_lengths
+from mla_bench.lengths import check_int, check_lengths
 from mla_bench.metadata.reference import check_block_table, cumulative
 from mla_bench.problem import Problem
 from mla_bench.registry import Capabilities, Impl
@@ -213,12 +213,21 @@ class DecodeConfig:
     cluster_merge: bool = True
 
     def __post_init__(self) -> None:
+        """Refuse what fails only at the first launch (inside Triton, some only on a GPU) or later in plan: tiles and
+        warps that are not powers of two (a Gluon tile's warps are checked with its tile: decode_ws runs 12), counts
+        that are not ints >= 1."""
         for name in ("block_m", "block_n"):
             common.check_power_of_two(self, name, 16)
         if self.merge_splits is not None:
             common.check_power_of_two(self, "merge_splits")
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"DecodeConfig.num_splits must be >= 1, got {self.num_splits}")
+        counts = ("num_warps", "num_stages", "programs_per_sm", "min_split") + ("num_splits",) * (
+            self.num_splits is not None)
+        for name in counts:  # numpy ints stored as the Python ints Triton takes
+            object.__setattr__(self, name, check_int(f"DecodeConfig.{name}", getattr(self, name), 1))
+        if not self.gluon:
+            common.check_power_of_two(self, "num_warps")
+            if self.num_warps > 16:  # 512 threads: the most the Triton split kernel is launched with
+                raise ValueError(f"DecodeConfig.num_warps must be at most 16, got {self.num_warps}")
         if self.gluon and (self.block_m, self.block_n, self.num_warps) not in GLUON_TILES:
             raise ValueError(f"DecodeConfig.gluon runs (block_m, block_n, num_warps) in {sorted(GLUON_TILES)}, got "
                              f"{(self.block_m, self.block_n, self.num_warps)}")

@@ -26,8 +26,10 @@ from impls.triton import common
 from impls.triton.common import INTERPRETING, cast
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
+from mla_bench.layouts.base import check_tensor_scale
 
 LAYOUT_CODES = {"bf16": 0, "fp8_ds_mla": 1, "fp8_e4m3": 2, "fp8_ds_mla_pow2": 3}
+LATENT_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what gather_latent writes
 SCALED_CODES = (1, 2)  # layouts whose tiles come as codes plus a scale the kernels apply after their products
 
 
@@ -99,8 +101,12 @@ def _store_dequantized(out_rows, col0, codes, scale, mask_rows, WIDTH: tl.conste
 
 
 def cache_tensor_scale(cache: PagedCache) -> float:
-    """The per-layer scale the kernels multiply by (1.0 for layouts without one)."""
-    return 1.0 if cache.tensor_scale is None else float(cache.tensor_scale)
+    """The per-layer scale the kernels multiply by (1.0 for layouts without one, which never read it), checked again
+    here: ``PagedCache`` checks it when built, but the field may be reassigned since (to NaN, or None)."""
+    if not cache.layout.needs_tensor_scale:
+        return 1.0
+    check_tensor_scale(cache.layout.name, cache.tensor_scale)
+    return float(cache.tensor_scale)
 
 
 @triton.jit
@@ -131,6 +137,8 @@ def gather_latent(cache: PagedCache, slots: torch.Tensor, out: torch.Tensor) -> 
                          f"{list(slots.shape)} with strides {slots.stride()}")
     if out.dim() != 2 or out.shape[1] != LATENT_DIM or out.shape[0] < n or out.stride(1) != 1:
         raise ValueError(f"gather_latent: out must be [>= {n}, {LATENT_DIM}] contiguous rows, got {list(out.shape)}")
+    if out.dtype not in LATENT_OUT_DTYPES:  # an int32 or uint8 out was written truncated
+        raise ValueError(f"gather_latent: out must be one of {LATENT_OUT_DTYPES}, got {out.dtype}")
     if n:
         block_t = 64 if INTERPRETING else 16  # the interpreter pays per program and op, not per element
         with common.on_device(out.device):

@@ -66,7 +66,7 @@ def _merge_kernel(out_ptr, lse_out_ptr, a_ptr, lse_a_ptr, b_ptr, lse_b_ptr, R, H
 def _tiles(dim: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_D): (token, head) rows per program, and values per step along a row. The interpreter
     pays per program, so it takes many rows at once."""
-    return (128 if INTERPRETING else 16), min(128, triton.next_power_of_2(dim))
+    return (128 if INTERPRETING else 16), min(128, triton.next_power_of_2(max(dim, 1)))  # D = 0: lse only
 
 
 def _check_part(name: str, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -102,6 +102,10 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     _check_part("result", out, lse_out)
     if out.shape != out_a.shape:
         raise ValueError(f"merge_attn_states: result shape {list(out.shape)} differs from {list(out_a.shape)}")
+    if lse_out.dtype != torch.float32:  # the kernel writes the lse in float32: bf16 rounded it
+        raise ValueError(f"merge_attn_states: lse_out must be float32, got {lse_out.dtype}")
+    common.check_placed_outputs("merge_attn_states", "out_a", out_a.device, dict(lse_a=lse_a, out_b=out_b, lse_b=lse_b),
+                         out=out, lse_out=lse_out)
     tokens, heads, dim = out_a.shape
     if tokens and heads:
         block_r, block_d = _tiles(dim)
@@ -165,6 +169,7 @@ def merge_parts(parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
     if lse_out.dtype != torch.float32:
         raise ValueError(f"merge_parts: lse_out must be float32, got {lse_out.dtype}")
     _check_floats("merge_parts: parts, part_lse and out", parts, part_lse, out)
+    common.check_placed_outputs("merge_parts", "parts", parts.device, dict(part_lse=part_lse), out=out, lse_out=lse_out)
     splits, tokens, heads, dim = parts.shape
     rows = tokens * heads
     if not rows:
@@ -177,7 +182,7 @@ def merge_parts(parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
     block_r, block_d = _tiles(dim) if INTERPRETING else (16, 64)
     block_s = min(triton.next_power_of_2(splits), 8)
     with common.on_device(out.device):
-        _merge_parts_kernel[(triton.cdiv(rows, block_r), triton.cdiv(dim, block_d))](
+        _merge_parts_kernel[(triton.cdiv(rows, block_r), max(1, triton.cdiv(dim, block_d)))](  # D = 0: the lse
             out, lse_out, parts, part_lse, splits, rows, heads, dim, out.stride(0), out.stride(1),
             lse_out.stride(0), lse_out.stride(1),
             BLOCK_S=block_s, BLOCK_R=block_r, BLOCK_D=block_d, INTERP=INTERPRETING)
@@ -232,6 +237,7 @@ def rescale_partial(part: torch.Tensor, all_lse: torch.Tensor, rank: int,
         raise ValueError(f"rescale_partial: out must be {list(part.shape)} like part, contiguous in its last dim, "
                          f"got {list(out.shape)} with strides {list(out.stride())}")
     _check_floats("rescale_partial: part, all_lse and out", part, all_lse, out)
+    common.check_placed_outputs("rescale_partial", "part", part.device, dict(all_lse=all_lse), out=out)
     lse_total = torch.empty(part.shape[:2], dtype=torch.float32, device=part.device)
     tokens, heads, dim = part.shape
     if tokens and heads:

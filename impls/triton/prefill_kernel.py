@@ -13,6 +13,7 @@ of the block skip the mask; the few on the causal diagonal apply it.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -178,6 +179,33 @@ def check_mha_inputs(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, 
         raise ValueError("mha_prefill: " + "; ".join(problems))
 
 
+def check_max_q_len(max_q_len: int, tokens: int, batch: int) -> None:
+    """ValueError unless ``max_q_len`` is an int (Python or numpy, not a bool) and, where there are tokens and
+    requests, within ``[1, tokens]``: it sizes the grid, so rows past it were never written (0 returned the
+    uninitialized outputs), and a float or a tensor failed inside Triton.
+
+    That it covers the longest request's queries needs the offsets on the host, which ``mha_prefill`` does not read
+    (its run is captured in CUDA graphs): the plans check the offsets against their host lengths and take it from
+    those. Nor is it held to ``ceil(tokens / batch)``: a context chunk's offsets name some of ``q``'s requests only.
+    An upper bound is enough (1 where the named requests have no queries)."""
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, numbers.Integral):
+        raise ValueError(f"mha_prefill: max_q_len must be an int, got {max_q_len!r}")
+    if tokens and batch and not 1 <= max_q_len <= tokens:
+        raise ValueError(f"mha_prefill: max_q_len must be the longest request's query count, in [1, {tokens}] "
+                         f"(q's rows), got {max_q_len}")
+
+
+def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, tokens: int, heads: int,
+                   device: torch.device) -> None:
+    """ValueError naming a given ``out`` that is not floating point ``[tokens, heads, 128]`` contiguous in its last
+    dim, or ``lse`` not float32 ``[tokens, heads]``, or either off ``device`` or overlapping itself: the kernel writes
+    them as such (an int out and an int or bf16 lse were truncated)."""
+    given = {name: tensor for name, tensor in (("out", out), ("lse", lse)) if tensor is not None}
+    problems = common.output_problems(out, lse, tokens, heads, VDIM) + common.misplaced(device, "q", **given)
+    if problems:
+        raise ValueError("mha_prefill: " + "; ".join(problems))
+
+
 def mha_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_q_len: int, scale: float,
                 causal: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
@@ -185,20 +213,20 @@ def mha_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     """Ragged MHA: ``q`` ``[T, H, 192]``, ``k_nope`` ``[N, H, 128]``, ``k_pe`` ``[N, 64]``, ``v`` ``[N, H, 128]``.
 
     Returns ``out`` ``[T, H, 128]`` (dtype of q unless ``out`` is given, e.g. float32 partials) and ``lse``
-    ``[T, H]`` float32 (natural log). ``max_q_len`` sizes the grid: the longest request's query count.
+    ``[T, H]`` float32 (natural log). ``max_q_len`` sizes the grid: the longest request's query count (or more;
+    ``check_max_q_len`` says what is checked).
     Keys and values may be float16 with bfloat16 queries: each query part is converted to its keys' dtype
     and the probabilities to the values' dtype before the tensor-core products.
     """
     check_mha_inputs(q, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, scale)
     tokens, heads, _ = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    check_max_q_len(max_q_len, tokens, batch)
+    _check_outputs(out, lse, tokens, heads, q.device)
     out = torch.empty(tokens, heads, VDIM, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
-    if out.shape != (tokens, heads, VDIM) or lse.shape != (tokens, heads) or out.stride(-1) != 1:
-        raise ValueError(f"mha_prefill: out must be [{tokens}, {heads}, {VDIM}] (last dim contiguous) and lse "
-                         f"[{tokens}, {heads}], got {list(out.shape)} and {list(lse.shape)}")
-    batch = cu_seqlens_q.shape[0] - 1
     config = config or default_config(q.device)
-    if tokens == 0 or batch == 0 or max_q_len <= 0:
+    if tokens == 0 or batch == 0:
         return out, lse
     num_m_blocks = triton.cdiv(max_q_len, config.block_m)
     with common.on_device(q.device):
@@ -225,5 +253,5 @@ def prefill_flops(q_lens, kv_lens, heads: int) -> int:
     return 2 * (NOPE + ROPE + VDIM) * heads * causal_pairs(q_lens, kv_lens)
 
 
-__all__ = ["INTERPRETER_CONFIG", "PrefillConfig", "causal_pairs", "check_mha_inputs", "default_config",
-           "mha_prefill", "prefill_flops"]
+__all__ = ["INTERPRETER_CONFIG", "PrefillConfig", "causal_pairs", "check_max_q_len", "check_mha_inputs",
+           "default_config", "mha_prefill", "prefill_flops"]

@@ -55,7 +55,8 @@ class _TritonSparseBase(Impl):
         ``rows``: the source run reads."""
         layout = layout_code(problem.cache.layout.name)
         q = problem.q
-        check_inputs(q, problem.sparse_indices, rows, layout, problem.scale, name=self.name)
+        check_inputs(q, problem.sparse_indices, rows, layout, problem.scale, name=self.name,
+                     tensor_scale=problem.cache.tensor_scale)
         tokens, heads = q.shape[:2]
         out = torch.empty(tokens, heads, problem.out_dim, dtype=q.dtype, device=q.device)
         lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)

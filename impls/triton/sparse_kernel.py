@@ -42,6 +42,7 @@ from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
 from mla_bench.dims import softmax_scale_problem
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM
+from mla_bench.layouts.base import check_tensor_scale
 
 WGMMA_LAYOUTS = (LAYOUT_CODES["fp8_ds_mla"], LAYOUT_CODES["fp8_ds_mla_pow2"])  # what sparse_wgmma decodes
 WGMMA_TILE = (64, 64, 8)  # sparse_wgmma's heads per program, indices per step, warps
@@ -272,9 +273,12 @@ def check_wgmma(config: SparseConfig, device: torch.device, layout_code: int, qu
 
 
 def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
-                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None, name: str = "sparse_mqa") -> None:
+                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None, name: str = "sparse_mqa",
+                 tensor_scale: float | None = None) -> None:
     """ValueError naming every input ``sparse_mqa`` would read or write wrongly: shapes, dtypes, strides, devices,
-    the layout's row width, the softmax scale. Host-only, so that a plan refuses what its run would."""
+    the layout's row width, the softmax scale, and the per-layer scale of a layout that has one (``fp8_e4m3``; the
+    other layouts ignore ``tensor_scale``, as their codecs do). Host-only, so that a plan refuses what its run
+    would."""
     problems = []
     if q.dim() != 3 or q.shape[2] != LATENT_DIM or q.stride(-1) != 1 or q.dtype not in (torch.bfloat16,
                                                                                            torch.float16):
@@ -292,32 +296,33 @@ def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, lay
             problems.append(f"rows must be a contiguous uint8 [N, {width}] source of {LAYOUT_NAMES[layout_code]} "
                             f"tokens, got {rows.dtype} {list(rows.shape)}")
     # merge_parts, where the lists are cut, takes no other dtypes: refused here whether or not they are
-    if out is not None and (tuple(out.shape) != (tokens, heads, NOPE_DIM) or out.stride(-1) != 1
-                            or not out.dtype.is_floating_point):
-        problems.append(f"out must be [{tokens}, {heads}, {NOPE_DIM}] floating point (last dim contiguous), got "
-                        f"{out.dtype} {list(out.shape)} strides {out.stride()}")
-    if lse is not None and (tuple(lse.shape) != (tokens, heads) or lse.dtype != torch.float32):
-        problems.append(f"lse must be [{tokens}, {heads}] float32, got {lse.dtype} {list(lse.shape)}")
+    problems += common.output_problems(out, lse, tokens, heads, NOPE_DIM)
     devices = {t.device for t in (q, indices, rows, out, lse) if t is not None}  # a tensor's: cuda:0, not cuda
     if len(devices) > 1:
         problems.append(f"q, indices, rows, out and lse must be on one device, got {sorted(map(str, devices))}")
     if (scale_problem := softmax_scale_problem(scale)) is not None:
         problems.append(scale_problem)
+    if layout_code in LAYOUT_NAMES and LAYOUTS[LAYOUT_NAMES[layout_code]].needs_tensor_scale:
+        try:  # no default: a missing scale read as 1.0 gave plausible wrong numbers
+            check_tensor_scale(LAYOUT_NAMES[layout_code], tensor_scale)
+        except ValueError as exc:
+            problems.append(str(exc))
     if problems:
         raise ValueError(f"{name}: " + "; ".join(problems))
 
 
 def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layout_code: int, scale: float,
-               tensor_scale: float = 1.0, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+               tensor_scale: float | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                config: SparseConfig | None = None,
                workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[T, H, 576]`` attends ``rows[indices[t]]``; ``rows`` is the uint8 ``[num_rows, bytes_per_token]``
     source (``PagedCache.rows()``, or a gathered bf16 buffer viewed as bytes) in the layout ``layout_code``.
+    ``tensor_scale``: the cache's per-layer scale, required by ``fp8_e4m3`` and ignored by the other layouts.
     ``workspace``: ``split_workspace``'s, where the lists are cut into pieces (allocated here when not given).
 
     Returns ``out`` ``[T, H, 512]`` (q's dtype unless given) and ``lse`` ``[T, H]`` float32, natural log.
     """
-    check_inputs(q, indices, rows, layout_code, scale, out, lse)
+    check_inputs(q, indices, rows, layout_code, scale, out, lse, tensor_scale=tensor_scale)
     tokens, heads, _ = q.shape
     out = torch.empty(tokens, heads, NOPE_DIM, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -329,6 +334,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
     check_e4m3(q.device, LAYOUT_NAMES[layout_code], "sparse_mqa")
     check_wgmma(config, q.device, layout_code, q.dtype)
     qk_scale = float(scale) * LOG2E  # a numpy float32 passes the check, and no launcher takes it
+    layer_scale = float(tensor_scale) if LAYOUTS[LAYOUT_NAMES[layout_code]].needs_tensor_scale else 1.0  # else unread
     if not indices.shape[1]:  # top-k 0: every row is empty; the Gluon kernel indexes lists up to topk - 1
         out.zero_()
         lse.fill_(float("-inf"))
@@ -349,7 +355,7 @@ def sparse_mqa(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, layou
         elif tokens:
             grid = (tokens, triton.cdiv(heads, config.block_h), splits)
             _sparse_kernel[grid](q, indices, rows, out, lse, parts, part_lse, heads, indices.shape[1], chunk,
-                                 rows.shape[0], rows.shape[1], tensor_scale, qk_scale, q.stride(0), q.stride(1),
+                                 rows.shape[0], rows.shape[1], layer_scale, qk_scale, q.stride(0), q.stride(1),
                                  indices.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
                                  LAYOUT=layout_code, SCALED=layout_code in SCALED_CODES,
                                  BLOCK_H=config.block_h, BLOCK_N=config.block_n, PREFETCH=config.prefetch,

@@ -15,7 +15,11 @@ LAYOUTS: dict[str, CacheLayout] = {
 
 
 def get_layout(name: str) -> CacheLayout:
-    """Look a layout up by name, with an error that lists the known ones."""
+    """Look a layout up by name, with an error that lists the known ones (a name that is not a string, such as
+    ``["bf16"]``, too: not a dict look-up's TypeError)."""
+    if not isinstance(name, str):
+        raise ValueError(f"unknown cache layout {name!r}: a layout is named by a string; known layouts: "
+                         f"{', '.join(LAYOUTS)}")
     try:
         return LAYOUTS[name]
     except KeyError:

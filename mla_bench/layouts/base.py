@@ -39,8 +39,9 @@ class CacheLayout(ABC):
     fields: tuple[tuple[str, int, int], ...] = ()
 
     def fit_tensor_scale(self, x: torch.Tensor) -> float | None:
-        """The per-layer scale for values ``x`` (None for layouts without one); refuses the dtypes ``quantize``
-        refuses."""
+        """The per-layer scale for values ``x`` (None for layouts without one); refuses the shapes and dtypes
+        ``quantize`` refuses."""
+        self.check_shape(x)
         self.check_dtype(x)
         return self._fit_tensor_scale(x)
 
@@ -71,11 +72,20 @@ class CacheLayout(ABC):
             check_tensor_scale(self.name, tensor_scale)
         return self._decode(raw, tensor_scale)
 
-    @abstractmethod
     def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
         """The format's stated accuracy: the largest ``|x - dequantize(quantize(x))|`` allowed per element (float64
         ``[N, 576]``) for finite ``x``, derived from the values alone (never from the scales a codec stored, so a
-        wrong scale cannot hide behind its own bound)."""
+        wrong scale cannot hide behind its own bound). Refuses the shapes, dtypes and scales ``quantize`` refuses
+        (a narrower ``x`` got a narrower bound, or a reshape error)."""
+        self.check_shape(x)
+        self.check_dtype(x)
+        if self.needs_tensor_scale:
+            check_tensor_scale(self.name, tensor_scale)
+        return self._error_bound(x, tensor_scale)
+
+    @abstractmethod
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
+        """``error_bound`` after validation."""
 
     @abstractmethod
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
@@ -89,8 +99,7 @@ class CacheLayout(ABC):
         """Refuse what no layout can encode: wrong shape, a dtype other than float16 to float64, NaN/Inf unless asked to
         propagate, and finite values beyond float32's range even then (the codecs compute in float32, where they become
         Inf)."""
-        if x.dim() != 2 or x.shape[1] != LATENT_DIM:
-            raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {list(x.shape)}")
+        self.check_shape(x)
         self.check_dtype(x)
         if not propagate_nonfinite and not all_finite(x):
             bad = ~torch.isfinite(x)
@@ -106,13 +115,19 @@ class CacheLayout(ABC):
                                  f"{float(x[token, column]):.6g}; float32's largest is "
                                  f"{torch.finfo(torch.float32).max:.6g})")
 
+    def check_shape(self, x: torch.Tensor) -> None:
+        """Refuse anything but a tensor of shape ``[N, 576]``: one token a row."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != LATENT_DIM:
+            raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {describe(x)}")
+
     def check_dtype(self, x: torch.Tensor) -> None:
         """Refuse values other than float16 to float64: float8 / float4 are cache formats, not inputs."""
         if not x.dtype.is_floating_point or x.dtype.itemsize < 2:
             raise ValueError(f"layout {self.name}: expected floating-point values of 16 bits or more, got {x.dtype}")
 
     def check_raw(self, raw: torch.Tensor) -> None:
-        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != self.bytes_per_token:
+        if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.dim() != 2 \
+                or raw.shape[1] != self.bytes_per_token:
             raise ValueError(f"layout {self.name}: expected uint8 bytes of shape [N, {self.bytes_per_token}], "
                              f"got {describe(raw)}")
 

@@ -17,7 +17,7 @@ class BF16Layout(CacheLayout):
     description = "[kv_c 512 | k_pe 64] bfloat16; exact for bfloat16 inputs (all engines)"
     fields = (("kv_c bf16", 0, 2 * NOPE_DIM), ("k_pe bf16", 2 * NOPE_DIM, 2 * LATENT_DIM))
 
-    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         return bf16_error_bound(x)
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:

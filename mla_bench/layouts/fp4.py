@@ -64,7 +64,7 @@ class FP4MX16Layout(CacheLayout):
     scale_blocks = (16, 16)
     fields = (("e2m1 codes", 0, LATENT_DIM // 2), ("ue8m0 scales", LATENT_DIM // 2, LATENT_DIM // 2 + LATENT_DIM // 16))
 
-    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         return mx_error_bound(x, 16, floor_after_divide=True)
 
     def _encode(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
@@ -83,7 +83,7 @@ class MXFP4NSALayout(CacheLayout):
     fields = (("nope e2m1", 0, NOPE_DIM // 2), ("ue8m0 scales", NOPE_DIM // 2, NOPE_DIM // 2 + NOPE_DIM // 32),
               ("rope bf16", NOPE_DIM // 2 + NOPE_DIM // 32, NOPE_DIM // 2 + NOPE_DIM // 32 + 2 * ROPE_DIM))
 
-    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         nope = mx_error_bound(x[:, :NOPE_DIM], 32, floor_after_divide=False)
         return torch.cat([nope, bf16_error_bound(x[:, NOPE_DIM:])], dim=1)
 
@@ -107,7 +107,7 @@ class NVFP4Layout(CacheLayout):
     fields = (("nope e2m1", 0, NOPE_DIM // 2), ("e4m3 scales", NOPE_DIM // 2, NOPE_DIM // 2 + NOPE_DIM // 16),
               ("rope bf16", NOPE_DIM // 2 + NOPE_DIM // 16, NOPE_DIM // 2 + NOPE_DIM // 16 + 2 * ROPE_DIM))
 
-    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         """Block scale ``s = e4m3(amax / 6g) * g``: at most ``amax / 6 * (1 + 2^-4) + 2^-10 g`` (e4m3 rounding), and
         when it rounds down the largest values saturate by up to ``2^-4 |x|`` more; past ``6 * 448 * g`` the
         saturation error."""

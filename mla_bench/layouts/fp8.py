@@ -29,7 +29,7 @@ class FP8PerTensorLayout(CacheLayout):
         amax = finite_amax(x)
         return max(float(torch.tensor(amax, dtype=torch.float32) / E4M3_MAX), FLT_MIN)
 
-    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         scale = float(torch.tensor(tensor_scale, dtype=torch.float32))
         return e4m3_error_bound(x, torch.tensor(scale, dtype=torch.float64, device=x.device))
 
@@ -60,7 +60,7 @@ class FP8DSMLALayout(CacheLayout):
         policy = "power-of-two tile scales (FlashMLA)" if pow2 else "tile scale amax/448 (vLLM, SGLang)"
         self.description = f"[512 e4m3 | 4 fp32 scales per 128 | 64 bf16 rope], {policy}"
 
-    def error_bound(self, x: torch.Tensor, tensor_scale: float | None = None) -> torch.Tensor:
+    def _error_bound(self, x: torch.Tensor, tensor_scale: float | None) -> torch.Tensor:
         """e4m3 steps of the tile scale: at most ``amax / 448`` (rounded up to fp32), or for ``pow2`` at most twice
         ``max(amax / 448, 1e-4)``."""
         tiles = x[:, :NOPE_DIM].double().reshape(-1, DS_MLA_TILES, DS_MLA_TILE)

@@ -18,6 +18,7 @@ def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Ten
     for one slot are refused: which one a kernel keeps is a race."""
     if not isinstance(values, torch.Tensor) or values.dim() != 2:
         raise ValueError(f"values must be a tensor [N, 576], got {describe(values)}")
+    cache.layout.check_dtype(values)  # before the padding rows are zeroed: torch.where promoted a bool to int64
     check_slots("slot_mapping", slot_mapping, values.shape[0])
     slots = slot_mapping.to(device=cache.data.device, dtype=torch.int64)
     keep = slots >= 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mla_bench.lengths import check_lengths
+from mla_bench.lengths import check_int, check_lengths, check_page_size
 from mla_bench.metadata import reference
 
 
@@ -31,6 +31,17 @@ class PagedMetadata:
     seq_lens: torch.Tensor         # [B] int32
     block_table: torch.Tensor      # [B, max pages + 1] int32, padding entries point at spare poisoned pages
     token_slots: torch.Tensor      # [sum(kv_lens)] int64
+
+    def __post_init__(self) -> None:
+        """The host fields checked as the builders check them (a negative kv_len or a page size of 0 constructed, for
+        kernels to read); the lengths stored as tuples of Python ints. Queries may exceed a DCP shard's keys."""
+        q_lens, kv_lens = check_lengths(self.q_lens, self.kv_lens, queries_may_exceed_keys=True)
+        self.q_lens, self.kv_lens = q_lens, kv_lens
+        check_page_size(self.page_size)
+        check_int("PagedMetadata.num_blocks", self.num_blocks, 0)
+        for name in ("query_start_loc", "kv_start_loc", "seq_lens", "block_table", "token_slots"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ValueError(f"PagedMetadata.{name} must be a tensor, got {type(getattr(self, name)).__name__}")
 
     @classmethod
     def build(cls, q_lens: tuple[int, ...], kv_lens: tuple[int, ...], page_size: int,

@@ -10,7 +10,10 @@ any host read raises. ``impls/triton/kv_indices.py`` has a Triton kernel for ``k
 Every request-indexed input is a 1-D int tensor on one device; ``block_table`` is ``[B, width]`` int32. Each public
 builder checks what the host knows once (page size, dtypes, shapes, one batch size: ``check_inputs``) and calls the
 unchecked ``_`` helpers; lengths beyond the block table are the caller's to refuse (``reference.check_table`` on the
-host lengths), as reading them would synchronize.
+host lengths), as reading them would synchronize. So are the block table's entries: a negative one gives negative
+slots (read as -1 padding: tokens dropped), and one whose slots pass int32 wraps into valid slots where
+``transform_indices_paged`` casts to int32 indices (``reference.check_entries`` refuses the first on the host table;
+the reference builders refuse both). Sums past int32 (``cumulative``) wrap likewise.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Callable
 import torch
 
 from mla_bench.errors import describe
-from mla_bench.lengths import check_page_size
+from mla_bench.lengths import check_int, check_lengths, check_page_size
 from mla_bench.metadata.reference import blocks_needed, check_dcp, check_dcp_rank, table_width
 
 _TWO_DIMENSIONAL = ("block_table", "topk_indices")
@@ -38,8 +41,17 @@ class HostSizes:
     table_width: int    # block table columns: the longest request's pages + 1 spare (reference.table_width)
     max_kv_len: int     # width of the token page table
 
+    def __post_init__(self) -> None:
+        """Each size an int >= 0: a negative or float size failed deep in torch (IndexError, RuntimeError)."""
+        for name in ("num_tokens", "num_pages", "num_kv_tokens", "table_width", "max_kv_len"):
+            check_int(f"HostSizes.{name}", getattr(self, name), 0)
+
     @classmethod
     def of(cls, q_lens: list[int], kv_lens: list[int], page_size: int) -> "HostSizes":
+        """The sizes of lengths checked as ``check_lengths`` does (a negative kv_len made a negative page count;
+        queries may exceed a DCP shard's keys)."""
+        q_lens, kv_lens = check_lengths(q_lens, kv_lens, queries_may_exceed_keys=True)
+        check_page_size(page_size)
         pages = [blocks_needed(n, page_size) for n in kv_lens]
         return cls(num_tokens=sum(q_lens), num_pages=sum(pages), num_kv_tokens=sum(kv_lens),
                    table_width=table_width(kv_lens, page_size), max_kv_len=max(kv_lens, default=0))
@@ -133,6 +145,7 @@ def slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_ta
                  num_tokens: int) -> torch.Tensor:
     """``reference.slot_mapping``: slots (int64) of the step's new tokens, -1 for a padding request's queries."""
     check_inputs(page_size, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
+    check_int("num_tokens", num_tokens, 0)
     return _slot_mapping(query_start_loc, seq_lens, block_table, page_size, num_tokens)
 
 
@@ -147,6 +160,7 @@ def _slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_t
 def kv_indices(kv_indptr: torch.Tensor, block_table: torch.Tensor, num_pages: int) -> torch.Tensor:
     """FlashInfer's ``kv_indices`` (int32): each request's pages in order, ``num_pages`` of them in all."""
     check_inputs(kv_indptr=kv_indptr, block_table=block_table)
+    check_int("num_pages", num_pages, 0)
     return _kv_indices(kv_indptr, block_table, num_pages)
 
 
@@ -161,6 +175,7 @@ def flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size:
     """``reference.flashinfer_csr``: ``(kv_indptr, kv_indices, kv_last_page_len)`` (FlashInfer MLA's ``kv_len_arr`` is
     ``seq_lens`` itself); ``indices`` builds kv_indices (this module's, or the Triton kernel)."""
     check_inputs(page_size, seq_lens=seq_lens, block_table=block_table)
+    check_int("num_pages", num_pages, 0)
     return _flashinfer_csr(seq_lens, block_table, page_size, num_pages, indices)
 
 
@@ -175,7 +190,7 @@ def _flashinfer_csr(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size
 def token_page_table(seq_lens: torch.Tensor, block_table: torch.Tensor, page_size: int, width: int) -> torch.Tensor:
     """``reference.token_page_table``: ``page_table_1`` ``[B, width]`` (int64), -1 past each request's length."""
     check_inputs(page_size, seq_lens=seq_lens, block_table=block_table)
-    if width > block_table.shape[1] * page_size:
+    if check_int("width", width, 0) > block_table.shape[1] * page_size:
         raise ValueError(f"token_page_table: width {width} exceeds the block table's capacity ({block_table.shape[1]} "
                          f"blocks x page size {page_size})")
     column = torch.arange(width, device=block_table.device)
@@ -187,6 +202,7 @@ def flat_token_slots(kv_start_loc: torch.Tensor, block_table: torch.Tensor, page
                      num_kv_tokens: int) -> torch.Tensor:
     """``reference.flat_token_slots``: every request's token slots (int64), request after request."""
     check_inputs(page_size, kv_start_loc=kv_start_loc, block_table=block_table)
+    check_int("num_kv_tokens", num_kv_tokens, 0)
     return _flat_token_slots(kv_start_loc, block_table, page_size, num_kv_tokens)
 
 
@@ -211,6 +227,7 @@ def dcp_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bloc
     a virtual page of ``page_size * world`` tokens, of which ``rank`` holds ``page_size``."""
     check_dcp(page_size, world, interleave, rank)
     check_inputs(page_size, query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table)
+    check_int("num_tokens", num_tokens, 0)
     request, position = _new_token_positions(query_start_loc, seq_lens, num_tokens)
     virtual = page_size * world
     safe = position.clamp(min=0)
@@ -224,7 +241,8 @@ def dcp_slot_mapping(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bloc
 
 def transform_indices_paged(topk_indices: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, page_size: int) -> torch.Tensor:
-    """PAGED: each query token's top-k positions -> cache slots of its request; invalid (< 0 or >= kv_len) -> -1."""
+    """PAGED: each query token's top-k positions -> cache slots of its request; invalid (< 0 or >= kv_len) -> -1.
+    Slots are cast to the indices' dtype unchecked (see the module's docstring; the reference refuses overflow)."""
     check_inputs(page_size, topk_indices=topk_indices, query_start_loc=query_start_loc, seq_lens=seq_lens,
                  block_table=block_table)
     request = owners(query_start_loc, topk_indices.shape[0])

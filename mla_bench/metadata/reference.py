@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.errors import describe
-from mla_bench.lengths import check_kv_lens, check_lengths, check_page_size
+from mla_bench.lengths import check_int, check_kv_lens, check_lengths, check_page_size
 
 
 def cumulative(lengths: list[int]) -> list[int]:
@@ -114,13 +114,31 @@ def check_block_table(block_table: torch.Tensor, kv_lens: list[int], page_size: 
     names one of the cache's ``num_blocks`` pages: a kernel given a bad entry reads another request's page or
     faults, so ``plan`` refuses it."""
     check_table(block_table, kv_lens, page_size, dtypes=(torch.int32,))
-    table = block_table.cpu()  # read on the host: one copy of the table out, nothing in
-    used = torch.tensor([blocks_needed(n, page_size) for n in kv_lens])
+    check_entries(block_table, kv_lens, page_size, num_blocks)
+
+
+def check_entries(block_table: torch.Tensor, kv_lens: list[int], page_size: int,
+                  num_blocks: int | None = None) -> None:
+    """ValueError naming the first entry a request reads (its first ``ceil(kv_len / page_size)``) that is negative
+    (its slots would be negative: -1 is the padding slot, whose tokens are dropped) or, given ``num_blocks``, past
+    the cache's pages. Reads the table on the host (one copy out, nothing in); entries past a request's pages are
+    not read, so may be anything. For a table ``check_table`` took."""
+    table = block_table.cpu()
+    used = torch.tensor([blocks_needed(n, page_size) for n in kv_lens], dtype=torch.int64)
     in_use = torch.arange(table.shape[1])[None, :] < used[:, None]
-    bad = in_use & ((table < 0) | (table >= num_blocks))
+    outside = table < 0 if num_blocks is None else (table < 0) | (table >= num_blocks)
+    bad = in_use & outside
     if bool(bad.any()):
         b, j = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} points outside the cache ({num_blocks} blocks)")
+        where = f"points outside the cache ({num_blocks} blocks)" if num_blocks is not None else \
+            "is negative: a request's pages must be block ids >= 0"
+        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} {where}")
+
+
+def _check_read_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int) -> None:
+    """``check_table`` and ``check_entries``: what the builders below check before they read the table."""
+    check_table(block_table, kv_lens, page_size)
+    check_entries(block_table, kv_lens, page_size)
 
 
 def check_topk(topk_indices: torch.Tensor, q_lens: list[int]) -> None:
@@ -139,14 +157,14 @@ def request_token_slots(block_table: torch.Tensor, b: int, kv_len: int, page_siz
 
 def flat_token_slots(block_table: torch.Tensor, kv_lens: list[int], page_size: int) -> torch.Tensor:
     """The flattened token page table: slots of all requests' tokens, request after request (int64)."""
-    check_table(block_table, kv_lens, page_size)
+    _check_read_table(block_table, kv_lens, page_size)
     parts = [request_token_slots(block_table, b, n, page_size) for b, n in enumerate(kv_lens)]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def token_page_table(block_table: torch.Tensor, kv_lens: list[int], page_size: int) -> torch.Tensor:
     """``page_table_1`` ``[B, max kv_len]`` (int64): the slot of each request's token ``j``, -1 past its length."""
-    check_table(block_table, kv_lens, page_size)
+    _check_read_table(block_table, kv_lens, page_size)
     table = torch.full((len(kv_lens), max(kv_lens, default=0)), -1, dtype=torch.int64)
     for b, n in enumerate(kv_lens):
         table[b, :n] = request_token_slots(block_table, b, n, page_size)
@@ -157,7 +175,7 @@ def slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.Tenso
     """Slots of the step's new tokens (the last ``q_len`` positions of each request), request after request; -1 for
     the queries of a padding request (``kv_len == 0``), which store nothing."""
     q_lens, kv_lens = check_lengths(q_lens, kv_lens)
-    check_table(block_table, kv_lens, page_size)
+    _check_read_table(block_table, kv_lens, page_size)
     slots = []
     for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         row = block_table[b].tolist()
@@ -170,7 +188,7 @@ def flashinfer_csr(kv_lens: list[int], block_table: torch.Tensor,
                    page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged KV as CSR, int32: ``kv_indptr`` ``[B+1]`` (page offsets), ``kv_indices`` (each request's
     pages in order) and ``kv_last_page_len`` ``[B]`` (tokens in the last page; 0 for a request with no page)."""
-    check_table(block_table, kv_lens, page_size)
+    _check_read_table(block_table, kv_lens, page_size)
     pages = [blocks_needed(n, page_size) for n in kv_lens]
     rows = block_table.tolist()
     indices = [page for row, n in zip(rows, pages) for page in row[:n]]
@@ -211,7 +229,7 @@ def transform_indices_paged(topk_indices: torch.Tensor, q_lens: list[int], kv_le
                             block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """PAGED transform: logical position -> physical slot ``page_table_1[req, idx]``; invalid -> -1."""
     q_lens, kv_lens = check_lengths(q_lens, kv_lens)
-    check_table(block_table, kv_lens, page_size)
+    _check_read_table(block_table, kv_lens, page_size)
     check_topk(topk_indices, q_lens)
     out = torch.full_like(topk_indices, -1)
     starts = cumulative(q_lens)
@@ -220,9 +238,24 @@ def transform_indices_paged(topk_indices: torch.Tensor, q_lens: list[int], kv_le
         valid = (rows >= 0) & (rows < kv_len)
         safe = torch.where(valid, rows, 0)
         blocks = block_table[b].long()[safe // page_size]
-        slots = blocks * page_size + safe % page_size
-        out[starts[b]:starts[b + 1]] = torch.where(valid, slots, -1).to(out.dtype)
+        slots = torch.where(valid, blocks * page_size + safe % page_size, -1)
+        _check_slots_fit(slots, out.dtype, b, rows, starts[b], page_size)
+        out[starts[b]:starts[b + 1]] = slots.to(out.dtype)
     return out
+
+
+def _check_slots_fit(slots: torch.Tensor, dtype: torch.dtype, b: int, rows: torch.Tensor, first_token: int,
+                     page_size: int) -> None:
+    """ValueError naming the block-table entry of request ``b`` whose slot (``slots``, int64, of the top-k positions
+    ``rows`` of tokens from ``first_token``) exceeds ``dtype``'s range: the cast to it would wrap it into another,
+    valid slot."""
+    top = torch.iinfo(dtype).max
+    over = slots > top
+    if bool(over.any()):
+        t, k = (int(i) for i in over.nonzero()[0])
+        raise ValueError(f"token {first_token + t}, top-k index {k}: position {int(rows[t, k])} is in "
+                         f"block_table[{b}, {int(rows[t, k]) // page_size}], whose slot {int(slots[t, k])} exceeds "
+                         f"{dtype}'s largest value {top} (the indices' dtype, which the slot would wrap in)")
 
 
 def transform_indices_ragged(topk_indices: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
@@ -262,7 +295,10 @@ def dcp_local_position(position: int, world: int, interleave: int) -> int:
 
 
 def check_dcp_rank(rank: int, world: int, interleave: int) -> None:
-    """ValueError unless ``world >= 1``, ``interleave >= 1`` and ``0 <= rank < world``."""
+    """ValueError unless ``rank``, ``world`` and ``interleave`` are ints (Python or numpy, not bools: a float made
+    float lengths, a string a bare TypeError), ``world >= 1``, ``interleave >= 1`` and ``0 <= rank < world``."""
+    for name, value in (("rank", rank), ("world", world), ("interleave", interleave)):
+        check_int(f"DCP {name}", value)
     if world < 1 or interleave < 1 or not 0 <= rank < world:
         raise ValueError(f"DCP needs world >= 1, interleave >= 1 and 0 <= rank < world; got rank={rank}, "
                          f"world={world}, interleave={interleave}")
@@ -285,7 +321,7 @@ def dcp_slot_mapping(q_lens: list[int], kv_lens: list[int], block_table: torch.T
     q_lens, kv_lens = check_lengths(q_lens, kv_lens)
     check_dcp(page_size, world, interleave, rank)
     try:
-        check_table(block_table, [_dcp_local_len(n, rank, world, interleave) for n in kv_lens], page_size)
+        _check_read_table(block_table, [_dcp_local_len(n, rank, world, interleave) for n in kv_lens], page_size)
     except ValueError as exc:
         raise ValueError(f"DCP rank {rank} of {world} (kv_len: the tokens this rank holds): {exc}") from None
     slots = []
