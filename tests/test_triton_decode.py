@@ -65,6 +65,16 @@ def workload(layout: str, page_size: int, mix, heads: int | None = None, seed: i
                     q_lens=q_lens, kv_lens=kv_lens, seed=seed)
 
 
+@pytest.mark.parametrize("tensor_scale", [float("nan"), None, -1.0])
+def test_a_per_layer_scale_reassigned_after_the_cache_was_built_is_refused_by_the_plan(tensor_scale):
+    """PagedCache checks its scale when built, but the field may be reassigned: the plan rounded NaN into the kernel
+    (NaN outputs) and raised a TypeError on None."""
+    problem = build_problem(workload("fp8_e4m3", 16, ((1, 1), (20, 33)), heads=16, seed=11))
+    problem.cache.tensor_scale = tensor_scale
+    with pytest.raises(ValueError, match="layout fp8_e4m3: tensor_scale must be a finite positive number"):
+        resolve("triton_decode").load().plan(problem)
+
+
 class Configured(TritonDecode):
     """The kernel with a fixed configuration instead of the per-workload default."""
 

@@ -68,6 +68,7 @@ from impls.triton.decode_wgmma_narrow import _decode_split_kernel_narrow
 from impls.triton import decode_rs_fp8, decode_ws
 from impls.triton.decode_rs_fp8 import _decode_split_kernel_rs_fp8
 from impls.triton.decode_ws import _decode_split_kernel_ws
+from impls.triton.latent_io import cache_tensor_scale
 from mla_bench.dims import check_softmax_scale
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts import LATENT_DIM, PagedCache
@@ -538,7 +539,7 @@ def _allocate_plan(schedule: Schedule, q: torch.Tensor, cache: PagedCache, block
     device = q.device
     num_tokens, num_heads = q.shape[0], q.shape[1]
     scaled = KERNEL_LAYOUTS[cache.layout.name]
-    global_scale = float(torch.tensor(cache.tensor_scale, dtype=torch.float32)) if scaled else 1.0
+    global_scale = float(torch.tensor(cache_tensor_scale(cache), dtype=torch.float32)) if scaled else 1.0
     rows, cols = merge_tile = _merge_tile(len(schedule.groups), config.block_m, schedule.max_splits, sms)
     first_token = cumulative(q_lens)
     work, item_counts = _work_table(schedule, q_lens, first_token)
