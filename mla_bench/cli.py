@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -453,5 +454,21 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def entry() -> None:
+    """The ``mla-bench`` command: ``main``, then an exit that does not wait for threads an impl left running (the
+    process hung after writing its results, for ever where such a thread never ends; ``--isolate`` kills workers
+    that linger so)."""
+    code = main()
+    lingering = [t.name for t in threading.enumerate()
+                 if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not lingering:
+        sys.exit(code)
+    print(f"note: not waiting for {len(lingering)} thread(s) an impl left running: {', '.join(lingering)}",
+          file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

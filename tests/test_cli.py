@@ -119,6 +119,17 @@ def test_list_shows_a_broken_impl_as_such_and_exits_1(monkeypatch, capsys):
     assert "cannot load" in out and "exits_when_made" in out and "torch_eager" in out
 
 
+def test_the_command_exits_though_an_impl_left_a_thread_running(tmp_path):
+    """In-process, a thread an impl left running (each run of this one sleeps 600 s in one) kept the command from
+    exiting after it wrote its results."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "mla_bench.cli", "run", "--impl", "planted_impls:LingersAtExit",
+                           "--suite", "accuracy", "--mode", "decode", "--layout", "bf16", "--out", str(tmp_path),
+                           "--no-report", "--device", "cpu"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and load_run(tmp_path / "run.json").ok, done.stdout + done.stderr
+    assert "note: not waiting for " in done.stderr and "thread(s) an impl left running" in done.stderr, done.stderr
+
+
 def test_console_script_flags_every_planted_bug_with_exit_code_1(tmp_path):
     """The installed ``mla-bench`` in a fresh process (TRITON_INTERPRET set there, impls from PYTHONPATH)."""
     import planted_impls
