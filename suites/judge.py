@@ -20,7 +20,9 @@ and ``replay_max_abs`` says how far the two runs' outputs differ (0 for an impl 
 from __future__ import annotations
 
 import math
+import threading
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -79,9 +81,12 @@ class References:
 class InputGuard:
     """A problem's inputs as an impl found them: ``restore()`` puts back every field the impl rebound, deleted or
     added and every tensor it reshaped or wrote, keeping the first description of each change; ``violation()`` names
-    them (None when there were none). Suites whose impls share one problem guard it around each impl."""
+    them (None when there were none). Suites whose impls share one problem guard it around each impl. A change may
+    come from a thread an earlier impl left running (``_LEFT_RUNNING``): the violation names those that were running
+    when this guard began."""
 
     def __init__(self, problem: Problem) -> None:
+        self.threads = set(threading.enumerate())
         self.process = ProcessState.now()
         self.settings: dict[str, str] = {}  # the process's settings the impl changed: what -> its first description
         self.owners = _owners(problem)
@@ -95,9 +100,19 @@ class InputGuard:
             self.changed.setdefault(key, entry)
         for change in self.process.restore():
             self.settings.setdefault(change.partition(" (")[0], change)
+        _LEFT_RUNNING.update(t for t in threading.enumerate() if t not in self.threads)
 
     def violation(self) -> str | None:
-        return changes_named(list(self.changed.values()), list(self.settings.values()))
+        named = changes_named(list(self.changed.values()), list(self.settings.values()))
+        earlier = sorted(t.name for t in _LEFT_RUNNING if t in self.threads)  # running when this impl began
+        if named is None or not earlier:
+            return named
+        return f"{named}; by it, or by a thread an earlier impl left running: {', '.join(earlier)}"
+
+
+# Threads an impl started and left running when its guard last restored its inputs: a write one makes later is
+# blamed on whichever impl then runs, so that impl's violation names them.
+_LEFT_RUNNING: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 def changes_named(inputs: list[str], settings: list[str]) -> str | None:

@@ -8,6 +8,7 @@ import math
 import random
 import re
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -63,6 +64,47 @@ def test_outputs_that_break_the_contract_are_errors_naming_the_breach(dtype, ben
     assert judge(Bends(), problem).status == "passed"
     verdict = judge(Bends(bend), problem)
     assert verdict.status == "error" and message in verdict.message, verdict.message
+
+
+class WritesLater(planted.PlainDecode):
+    """Leaves a thread that doubles ``q`` once ``go`` is set (after its judge is done), then sets ``done``."""
+
+    name = "writes_later"
+
+    def __init__(self, go: threading.Event, done: threading.Event):
+        self.go, self.done = go, done
+
+    def run(self, p):
+        def write():
+            self.go.wait()
+            p.q.mul_(2)
+            self.done.set()
+        threading.Thread(target=write, name="writes-later", daemon=True).start()
+        self.run = super().run  # one thread
+        return super().run(p)
+
+
+class StartsTheWrite(planted.PlainDecode):
+    """Correct, but its plan lets ``WritesLater``'s thread write, and waits for it."""
+
+    name = "starts_the_write"
+
+    def __init__(self, go: threading.Event, done: threading.Event):
+        self.go, self.done = go, done
+
+    def plan(self, problem):
+        self.go.set()
+        self.done.wait(10)
+        return problem
+
+
+def test_a_write_by_a_thread_an_earlier_impl_left_running_names_that_thread():
+    """The write of a thread the first impl left running was blamed on the next impl alone (helper 89)."""
+    problem, go, done = _problem(), threading.Event(), threading.Event()
+    assert judge(WritesLater(go, done), problem).status == "passed"
+    verdict = judge(StartsTheWrite(go, done), problem)
+    assert verdict.status == "failed" and "by a thread an earlier impl left running: writes-later" in \
+        "; ".join(verdict.violations), verdict.violations
 
 
 class Refuses(planted.PlainDecode):
