@@ -48,7 +48,8 @@ class ErrorMetrics:
 def normalize_lse(lse: torch.Tensor, base: str = "e", empty: str = "-inf") -> torch.Tensor:
     """An impl's lse in the bench's convention: natural log, -inf for empty rows. ``base`` and ``empty`` are the
     conventions ``Capabilities`` declares (``LSE_BASES``, ``EMPTY_LSE``): any other (``2``, ``"+Inf"``) was taken
-    as the bench's own, leaving the lse unconverted."""
+    as the bench's own, leaving the lse unconverted. Under ``"+inf"`` a -inf is no row's answer, so it becomes NaN
+    (a mismatch): an impl that declared FlashMLA's +inf and returned -inf passed."""
     if base not in LSE_BASES:
         raise ValueError(f"normalize_lse: base must be one of {LSE_BASES}, got {base!r}")
     if empty not in EMPTY_LSE:
@@ -56,7 +57,7 @@ def normalize_lse(lse: torch.Tensor, base: str = "e", empty: str = "-inf") -> to
     check_real("lse", lse)
     lse = lse.double()
     if empty == "+inf":
-        lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
+        lse = torch.where(torch.isposinf(lse), float("-inf"), torch.where(torch.isneginf(lse), float("nan"), lse))
     if base == "2":
         lse = lse * LN2
     return lse

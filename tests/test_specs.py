@@ -388,6 +388,18 @@ def test_normalize_lse_refuses_a_convention_capabilities_cannot_declare(conventi
         normalize_lse(torch.randn(3, 4), **conventions)
 
 
+def test_an_lse_of_the_other_empty_row_convention_is_a_mismatch():
+    """An impl that declared FlashMLA's +inf for empty rows and returned -inf passed: -inf was left as it was."""
+    live = torch.randn(3, dtype=torch.float64)
+    ref_out, ref_lse = torch.zeros(4, 1, 8, dtype=torch.float64), torch.cat([live, torch.tensor([float("-inf")])])
+    ref_out[:3] = torch.randn(3, 1, 8, dtype=torch.float64)
+    lse = ref_lse.clone()[:, None]
+    as_declared = normalize_lse(torch.where(lse.isneginf(), float("inf"), lse), empty="+inf")
+    assert compare(ref_out, as_declared, ref_out, ref_lse[:, None]).nonfinite_mismatch == 0
+    assert compare(ref_out, normalize_lse(lse, empty="+inf"), ref_out, ref_lse[:, None]).nonfinite_mismatch == 1
+    assert compare(ref_out, normalize_lse(lse), ref_out, ref_lse[:, None]).nonfinite_mismatch == 0
+
+
 @pytest.mark.parametrize("spoil, name, dtype", [
     (lambda t: t.to(torch.complex128) * (1 + 1j), "out", "torch.complex128"),
     (lambda t: t > 0, "out", "torch.bool"),
