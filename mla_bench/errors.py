@@ -26,6 +26,17 @@ def describe(value: object) -> str:
     return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
+def check_tensors(who: str, meta_ok: bool = False, **tensors: object) -> None:
+    """ValueError, prefixed ``who`` (when given), naming each of ``tensors`` that is not a torch.Tensor or, unless
+    ``meta_ok`` (a later placement check names it), lies on the meta device, which holds no values (checks that read
+    values failed deep inside torch). Host-only: no sync."""
+    problems = [f"{name} must be a torch.Tensor, got {type(t).__name__}" if not isinstance(t, torch.Tensor)
+                else f"{name} is on the meta device, which holds no values"
+                for name, t in tensors.items() if not isinstance(t, torch.Tensor) or (t.is_meta and not meta_ok)]
+    if problems:
+        raise ValueError(f"{who}: " * bool(who) + "; ".join(problems))
+
+
 def repeated(values: list) -> object | None:
     """The first of ``values`` given more than once (None when each is given once): options that name things."""
     return next((value for i, value in enumerate(values) if value in values[:i]), None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.dims import check_softmax_scale
+from mla_bench.errors import check_tensors
 from mla_bench.lengths import check_int, check_lengths  # also imported from here by the reference modules
 
 
@@ -39,16 +40,21 @@ def check_rows(name: str, tensor: torch.Tensor, rows: int, what: str) -> None:
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
+    """The given ``tensors`` (None: absent) share one device, and it is not the meta device (no values to read)."""
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"inputs are on different devices: {', '.join(f'{n}={d}' for n, d in devices.items())}")
+    check_tensors("", **{name: t for name, t in tensors.items() if t is not None})
 
 
 def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: torch.Tensor,
                       causal: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Valid lengths, ``sum(q_lens)`` rows of ``q`` and ``sum(kv_lens)`` rows of the keys. Returns the lengths as
     tuples, which the caller loops over (an iterator it was given is spent by the check). Without a causal mask a
-    request may have more queries than keys (new tokens over one chunk of context)."""
+    request may have more queries than keys (new tokens over one chunk of context); ``causal`` must be a bool (None
+    meant non-causal in silence)."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
     q_lens, kv_lens = check_lengths(q_lens, kv_lens, queries_may_exceed_keys=not causal)
     check_rows("q", q, sum(q_lens), "sum(q_lens)")
     check_rows(keys_name, keys, sum(kv_lens), "sum(kv_lens)")

@@ -15,8 +15,10 @@ import torch
 from mla_bench.layouts import NOPE_DIM
 from mla_bench.metadata.reference import dcp_rank_of_position
 from reference.absorbed import check_latent_inputs
-from reference.checks import check_positive
+from reference.checks import check_int
 from reference.core import attend_prechecked
+
+INT64_MAX = torch.iinfo(torch.int64).max
 
 
 def shard_positions(kv_len: int, rank: int, world: int, interleave: int) -> torch.Tensor:
@@ -47,8 +49,10 @@ def rank_partial(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: floa
 def dcp_latent_mqa(q: torch.Tensor, kv: torch.Tensor, q_lens, kv_lens, scale: float, world: int,
                    interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed decode over ragged latent ``kv`` ``[N, 576]`` computed as ``world`` DCP ranks would."""
-    check_positive("world", world)
-    check_positive("interleave", interleave)
+    for name, value in (("world", world), ("interleave", interleave)):
+        if check_int(name, value, 1) > INT64_MAX:  # torch failed on it deep inside (OverflowError and others)
+            raise ValueError(f"{name} must be at most {INT64_MAX}, as token positions and ranks are int64, "
+                             f"got {value}")
     q_lens, kv_lens = check_latent_inputs(q, kv, q_lens, kv_lens, scale)
     head_groups = torch.arange(q.shape[1], device=q.device).tensor_split(world)
     local_q = [q[:, heads] for heads in head_groups]            # each rank starts with its own heads

@@ -8,8 +8,11 @@ the lse is finite) is refused rather than merged into a plausible answer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
+from mla_bench.errors import check_tensors
 from reference.checks import check_tensor
 
 
@@ -19,8 +22,10 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     return merge_many([(out_a, lse_a), (out_b, lse_b)])
 
 
-def merge_many(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge any number of partial ``(out, lse)`` results (the DCP combine is this over ranks)."""
+def merge_many(parts: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge any number of partial ``(out, lse)`` results (the DCP combine is this over ranks), given as any
+    iterable (a generator too)."""
+    parts = list(parts)
     check_parts(parts)
     lses = torch.stack([_finite_or_neginf(lse.double()) for _, lse in parts])
     outs = torch.stack([out.double() for out, _ in parts])
@@ -41,6 +46,7 @@ def check_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for i, (out, lse) in enumerate(parts):
         check_tensor(f"part {i} out", out, 3)  # part 0's first: ``first`` is a checked tensor from here on
         check_tensor(f"part {i} lse", lse, 2)
+        check_tensors("merge", **{f"part {i} out": out, f"part {i} lse": lse})  # meta holds no values to check
         if out.shape != first.shape or lse.shape != first.shape[:-1]:
             raise ValueError(f"merge: shapes differ: part {i} has out {list(out.shape)}, lse {list(lse.shape)}; "
                              f"part 0 has out {list(first.shape)}, so every lse must be {list(first.shape[:-1])}")

@@ -71,7 +71,7 @@ def _indexed_attention(q: torch.Tensor, rows_name: str, rows: torch.Tensor, idx:
     for t0 in range(0, q.shape[0], step):
         t1 = min(q.shape[0], t0 + step)
         keys = torch.where(valid[t0:t1, :, None], kv[safe[t0:t1]], 0.0)  # [m, topk, 576]; 0 keeps poison out
-        scores = torch.einsum("mhd,mkd->mhk", q[t0:t1].double(), keys) * scale
+        scores = torch.einsum("mhd,mkd->mhk", q[t0:t1].double(), keys) * float(scale)  # a Fraction passes the check
         scores = scores.masked_fill(~valid[t0:t1, None, :], float("-inf"))
         probs, lse[t0:t1] = masked_softmax(scores)
         out[t0:t1] = torch.einsum("mhk,mkd->mhd", probs, keys[..., :NOPE_DIM])

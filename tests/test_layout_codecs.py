@@ -478,3 +478,46 @@ def test_dequantize_refuses_a_list_naming_it(name):
     layout = get_layout(name)
     with pytest.raises(ValueError, match=rf"layout {name}: expected uint8 bytes of shape \[N, \d+\], got list"):
         layout.dequantize(torch.randint(0, 255, (2, layout.bytes_per_token)).tolist(), 1.0)
+
+
+def _meta_calls(name: str) -> dict:
+    """Each codec and cache op given one meta tensor (fresh random values elsewhere): the call, and what it names."""
+    layout = get_layout(name)
+    x = random_latent(3, seed=random.randrange(2 ** 32)).float()
+    scale = layout.fit_tensor_scale(x)
+    cache = PagedCache.empty(layout, 2, 4, tensor_scale=scale)
+    on_meta = PagedCache(layout, cache.data.to("meta"), scale)
+    slots = torch.randperm(8)[:3]
+    return {
+        "quantize": (lambda: layout.quantize(x.to("meta"), scale), f"layout {name}: values"),
+        "fit_tensor_scale": (lambda: layout.fit_tensor_scale(x.to("meta")), f"layout {name}: values"),
+        "dequantize": (lambda: layout.dequantize(layout.quantize(x, scale).to("meta"), scale), f"layout {name}: raw"),
+        "write values": (lambda: write_cache(cache, x.to("meta"), slots), "write_cache: values"),
+        "write slots": (lambda: write_cache(cache, x, slots.to("meta")), "write_cache: slot_mapping"),
+        "write cache": (lambda: write_cache(on_meta, x, slots), "write_cache: cache.data"),
+        "gather slots": (lambda: gather_cache(cache, slots.to("meta")), "gather_cache: token_slots"),
+        "gather cache": (lambda: gather_cache(on_meta, slots), "gather_cache: cache.data"),
+    }
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("case", list(_meta_calls("bf16")))
+def test_codecs_and_cache_ops_refuse_meta_tensors_naming_them(name, case):
+    """A meta tensor passed the structural checks and failed deep inside ('Tensor.item() cannot be called on meta
+    tensors', 'Cannot copy out of meta tensor'), or decoded to a meta tensor of no values."""
+    call, says = _meta_calls(name)[case]
+    with pytest.raises(ValueError, match=f"^{re.escape(says)} is on the meta device, which holds no values$"):
+        call()
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda cache, x, slots: write_cache(cache.data, x, slots), "write_cache: cache must be a PagedCache, got torch"),
+    (lambda cache, x, slots: gather_cache(cache.data, slots), "gather_cache: cache must be a PagedCache, got torch"),
+    (lambda cache, x, slots: PagedCache(cache.layout, cache.data.tolist()), "data must be uint8 [num_blocks, "
+                                                                             "page_size, 656], got list"),
+])
+def test_a_tensor_or_a_list_where_a_paged_cache_or_its_data_belongs_is_named(call, says):
+    """``write_cache(cache.data, ...)`` failed with "'torch.layout' object has no attribute 'check_dtype'" (a tensor's
+    ``layout`` is torch's), gather_cache with "no attribute 'num_slots'", a list as data with AttributeError."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        call(_cache(), random_latent(3, seed=random.randrange(2 ** 32)), torch.randperm(8)[:3])

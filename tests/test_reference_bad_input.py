@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 import numpy
 import pytest
@@ -299,3 +300,67 @@ def test_a_softmax_scale_past_float32s_range_is_refused_as_the_kernels_would_mak
     with pytest.raises(ValueError, match=r"softmax scale must be at most 2\.35866e\+38 \(float32's largest value"):
         latent_mqa(torch.randn(3, 2, 576, dtype=torch.float64), torch.randn(10, 576, dtype=torch.float64), (3,),
                    (10,), scale)
+
+
+@pytest.mark.parametrize("entry", sorted(set(ENTRY_POINTS) - {"sparse_latent_mqa", "indexed_latent_mqa"}))
+def test_every_entry_point_refuses_inputs_on_the_meta_device_by_name(entry):
+    """Meta inputs passed the structural checks and failed inside the value check ('Tensor.item() cannot be called on
+    meta tensors'). (The sparse entries take cpu indices, which meta inputs are refused beside as another device.)"""
+    make, call = ENTRY_POINTS[entry]
+    inputs = {name: t.to("meta") for name, t in make().items()}
+    with pytest.raises(ValueError, match=r"^\w+ is on the meta device, which holds no values(; |$)"):
+        call(inputs, 0.1)
+
+
+def test_sparse_references_and_merge_refuse_meta_tensors_by_name():
+    q, kv, idx = f64(3, 2, 576).to("meta"), f64(10, 576).to("meta"), torch.randint(-1, 10, (3, 4), device="meta")
+    says = r"^q is on the meta device, which holds no values; "
+    with pytest.raises(ValueError, match=says):
+        indexed_latent_mqa(q, kv, idx, 0.1)
+    with pytest.raises(ValueError, match=says):
+        sparse_latent_mqa(q, kv, idx, (3,), (10,), 0.1)
+    with pytest.raises(ValueError, match=r"^merge: part 1 out is on the meta device, which holds no values; part 1 "):
+        merge_many([(f64(3, 2, 8), f64(3, 2)), (f64(3, 2, 8).to("meta"), f64(3, 2).to("meta"))])
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_takes_a_fraction_scale_as_its_value(entry):
+    """Fraction(1, 10) passed the scale check (a numbers.Real) and raised TypeError inside torch."""
+    make, call = ENTRY_POINTS[entry]
+    inputs = make()
+    got, expect = call(inputs, Fraction(1, 10)), call(inputs, 0.1)
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+
+
+@pytest.mark.parametrize("causal", [None, 0, 1, "yes"])
+@pytest.mark.parametrize("call", [
+    lambda causal: latent_mqa(f64(3, 2, 576), f64(10, 576), *ABSORBED_LENS, 0.1, causal=causal),
+    lambda causal: ragged_attention(f64(3, 2, 16), f64(10, 2, 16), f64(10, 2, 8), *ABSORBED_LENS, 0.1, causal),
+    lambda causal: mha_attention(f64(3, 2, 192), f64(10, 2, 128), f64(10, 64), f64(10, 2, 128), *ABSORBED_LENS, 0.1,
+                                 causal=causal),
+], ids=["latent_mqa", "ragged_attention", "mha_attention"])
+def test_causal_must_be_a_bool(call, causal):
+    """causal=None (or 0) silently meant non-causal: every query saw its request's future keys."""
+    with pytest.raises(ValueError, match=f"^causal must be a bool, got {re.escape(repr(causal))}$"):
+        call(causal)
+
+
+def test_merge_many_takes_any_iterable_of_parts():
+    """A generator of parts raised TypeError: object of type 'generator' has no len()."""
+    parts = [(f64(4, 3, 8), f64(4, 3)) for _ in range(3)]
+    expect = merge_many(parts)
+    got = merge_many(part for part in parts)
+    assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+
+
+@pytest.mark.parametrize("world, interleave, name", [(2, 10 ** 30, "interleave"), (2 ** 70, 1, "world"),
+                                                     (2 ** 63, 1, "world"), (2, 2 ** 63, "interleave")])
+def test_dcp_refuses_a_world_or_interleave_past_int64_by_name(world, interleave, name):
+    """interleave=10**30 raised OverflowError from torch, world=2**70 "Overflow when unpacking long long"."""
+    q, kv = f64(3, 2, 576), f64(10, 576)
+    with pytest.raises(ValueError, match=f"^{name} must be at most {2 ** 63 - 1}, as token positions and ranks are "
+                                         f"int64, got {world if name == 'world' else interleave}$"):
+        dcp_latent_mqa(q, kv, *ABSORBED_LENS, 0.1, world, interleave)
+    whole = dcp_latent_mqa(q, kv, *ABSORBED_LENS, 0.1, 2, 2 ** 63 - 1)  # the largest interleave: rank 0 holds all
+    single = dcp_latent_mqa(q, kv, *ABSORBED_LENS, 0.1, 1, 1)
+    assert torch.allclose(whole[0], single[0]) and torch.allclose(whole[1], single[1])

@@ -1492,3 +1492,22 @@ def test_decode_config_refuses_warps_and_counts_its_launches_cannot_take(fields,
     zeros and negatives in the schedule or the launch."""
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         DecodeConfig(**fields)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {"q": a["q"].tolist()}, "q must be a torch.Tensor, got list"),
+    (lambda a: {"block_table": a["block_table"].tolist()}, "block_table must be a torch.Tensor, got list"),
+    (lambda a: {"visible_lens": [1, 2, 3]}, "visible_lens must be a torch.Tensor, got list"),
+    (lambda a: {"cache": a["cache"].data}, r"cache must be a PagedCache, got torch.uint8 \["),
+    (lambda a: {name: t.to("meta") for name, t in (("q", a["q"]), ("block_table", a["block_table"]))}
+     | {"cache": dataclasses.replace(a["cache"], data=a["cache"].data.to("meta"))},
+     "cache.data is on the meta device, which holds no values; q is on the meta device"),
+])
+@pytest.mark.parametrize("entry", [plan_decode, mla_decode])
+def test_non_tensors_a_bare_cache_tensor_and_meta_inputs_are_named(entry, change, message):
+    """A list failed with AttributeError ("'list' object has no attribute 'dim'"), cache.data for the cache with
+    "'torch.layout' object has no attribute 'name'", inputs all on meta with 'Cannot copy out of meta tensor'."""
+    args = _planned_inputs()
+    args["q"] = torch.randn_like(args["q"])
+    with pytest.raises(ValueError, match=f"^triton_decode: {message}"):
+        entry(**{**args, **change(args)})

@@ -393,3 +393,40 @@ def test_merge_entry_points_refuse_tensors_on_another_device():
         merge_parts(part_out, part_lse, out, lse_out.to("meta"))
     with pytest.raises(ValueError, match=f"^rescale_partial: all_lse is on meta but part is on {DEVICE}"):
         rescale_partial(part_out[0], part_lse.to("meta"), 0)
+
+
+def _entry_calls(tokens=4, heads=3, dim=16) -> dict:
+    """Each Triton merge entry point on fresh random inputs: a call taking overrides of its named tensors."""
+    out_a, lse_a, out_b, lse_b = (torch.randn(tokens, heads, *d, device=DEVICE) for d in ((dim,), (), (dim,), ()))
+    part_out, part_lse = random_parts(2, tokens, heads, dim, seed=torch.randint(0, 2 ** 31, ()).item())
+    out, lse_out, _ = nan_outputs(tokens, heads, dim, torch.float32, strided=False)
+    return {
+        "merge_attn_states": lambda **x: merge_attn_states(**{**dict(out_a=out_a, lse_a=lse_a, out_b=out_b,
+                                                                      lse_b=lse_b), **x}),
+        "merge_parts": lambda **x: merge_parts(**{**dict(parts=part_out, part_lse=part_lse, out=out,
+                                                         lse_out=lse_out), **x}),
+        "rescale_partial": lambda **x: rescale_partial(**{**dict(part=part_out[0], all_lse=part_lse, rank=0), **x}),
+    }
+
+
+@pytest.mark.parametrize("call, name", [("merge_attn_states", "out_a"), ("merge_attn_states", "lse_b"),
+                                        ("merge_attn_states", "out"), ("merge_parts", "parts"),
+                                        ("merge_parts", "lse_out"), ("rescale_partial", "part"),
+                                        ("rescale_partial", "all_lse"), ("rescale_partial", "out")])
+def test_merge_entry_points_refuse_a_list_naming_it(call, name):
+    """A list failed with AttributeError ("'list' object has no attribute 'dim'")."""
+    tensor = torch.randn(4, 3, 16).tolist()
+    with pytest.raises(ValueError, match=f"^{call}: {name} must be a torch.Tensor, got list$"):
+        _entry_calls()[call](**{name: tensor})
+
+
+def test_merge_entry_points_refuse_inputs_all_on_the_meta_device():
+    """All on meta passed every check (one device) and failed in the launch: 'Cannot copy out of meta tensor'."""
+    out_a, lse_a, out_b, lse_b = (t.to("meta") for t in parts(seed=torch.randint(0, 2 ** 31, ()).item()))
+    with pytest.raises(ValueError, match="^merge_attn_states: out_a is on the meta device, which holds no values$"):
+        merge_attn_states(out_a, lse_a, out_b, lse_b)
+    part_out, part_lse = (t.to("meta") for t in random_parts(2, 4, 3, 16, seed=torch.randint(0, 2 ** 31, ()).item()))
+    with pytest.raises(ValueError, match="^merge_parts: parts is on the meta device, which holds no values$"):
+        merge_parts(part_out, part_lse, torch.empty(4, 3, 16, device="meta"), torch.empty(4, 3, device="meta"))
+    with pytest.raises(ValueError, match="^rescale_partial: part is on the meta device, which holds no values$"):
+        rescale_partial(part_out[0], part_lse, 0)

@@ -755,3 +755,19 @@ def test_gather_latent_refuses_an_out_of_a_dtype_it_does_not_write(dtype):
     slots = p.meta.token_slots
     with pytest.raises(ValueError, match=rf"^gather_latent: out must be one of .*, got {dtype}$"):
         gather_latent(p.cache, slots, torch.randint(1, 9, (len(slots), 576), device=DEVICE).to(dtype))
+
+
+@pytest.mark.parametrize("name", ["q", "indices", "rows", "out", "lse"])
+def test_sparse_mqa_refuses_a_list_or_a_meta_tensor_naming_it(name):
+    """A list failed with AttributeError ("'list' object has no attribute 'dim'"); inputs all on meta passed the one
+    device check and failed in the launch ('Cannot copy out of meta tensor')."""
+    p = build_problem(sparse("paged", seed=int(torch.randint(0, 2 ** 31, ()))), DEVICE)
+    tokens, heads = p.q.shape[:2]
+    given = dict(q=p.q, indices=p.sparse_indices, rows=p.cache.rows(),
+                 out=torch.empty(tokens, heads, 512, dtype=p.q.dtype, device=DEVICE),
+                 lse=torch.empty(tokens, heads, device=DEVICE))
+    call = lambda x: sparse_mqa(x["q"], x["indices"], x["rows"], 0, p.scale, out=x["out"], lse=x["lse"])  # noqa: E731
+    with pytest.raises(ValueError, match=f"^sparse_mqa: {name} must be a torch.Tensor, got list$"):
+        call({**given, name: given[name].tolist()})
+    with pytest.raises(ValueError, match=f"^sparse_mqa: (.*; )?{name} is on the meta device, which holds no values"):
+        call({key: t.to("meta") for key, t in given.items()})

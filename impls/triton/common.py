@@ -50,13 +50,15 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def misplaced(device: torch.device, where: str, **tensors: torch.Tensor) -> list[str]:
-    """One message per tensor of ``tensors`` not on ``device`` (``where``: what is there, e.g. ``"q"``); ``cuda``
-    without an index is the current GPU, where the kernels launch. A kernel reads another device's tensor as an
-    address on its own: a failed launch, an illegal memory access or another tensor's values, so plans refuse it."""
+    """One message per tensor of ``tensors`` not on ``device`` (``where``: what is there, e.g. ``"q"``), and one if
+    ``device`` is the meta device, which holds no values (the launch failed inside Triton); ``cuda`` without an index
+    is the current GPU, where the kernels launch. A kernel reads another device's tensor as an address on its own: a
+    failed launch, an illegal memory access or another tensor's values, so plans refuse it."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return [f"{name} is on {tensor.device} but {where} is on {device}" for name, tensor in tensors.items()
-            if tensor.device != device]
+    on_meta = [f"{where} is on the meta device, which holds no values"] if device.type == "meta" else []
+    return on_meta + [f"{name} is on {tensor.device} but {where} is on {device}" for name, tensor in tensors.items()
+                      if tensor.device != device]
 
 
 def overlapping(tensor: torch.Tensor) -> bool:

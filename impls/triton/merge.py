@@ -16,6 +16,7 @@ import triton.language as tl
 
 from impls.triton import common
 from impls.triton.common import INTERPRETING, cast
+from mla_bench.errors import check_tensors
 
 LOG2E = 1.4426950408889634
 
@@ -93,6 +94,8 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     ``out`` / ``lse_out`` may be given (and may alias part a: each element is read before it is written);
     otherwise they are allocated like part a's (out) and as float32 (lse).
     """
+    check_tensors("merge_attn_states", meta_ok=True, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b,
+                  **{name: t for name, t in (("out", out), ("lse_out", lse_out)) if t is not None})
     _check_part("part a", out_a, lse_a)
     _check_part("part b", out_b, lse_b)
     if out_a.shape != out_b.shape:
@@ -159,6 +162,7 @@ def merge_parts(parts: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
     disjoint key sets, from each part's ``parts[s]`` ``[T, H, D]`` and ``part_lse[s]`` ``[T, H]`` (the split-KV
     merge: the parts contiguous, ``out`` contiguous in its last dim). A part of weight 0 adds nothing even where it
     holds garbage; all parts empty give out 0 and lse -inf; a NaN part gives NaN."""
+    check_tensors("merge_parts", meta_ok=True, parts=parts, part_lse=part_lse, out=out, lse_out=lse_out)
     if parts.dim() != 4 or part_lse.shape != parts.shape[:3] or out.shape != parts.shape[1:] \
             or lse_out.shape != parts.shape[1:3]:
         raise ValueError(f"merge_parts: parts [S, T, H, D], part_lse [S, T, H], out [T, H, D] and lse_out [T, H] "
@@ -224,6 +228,7 @@ def rescale_partial(part: torch.Tensor, all_lse: torch.Tensor, rank: int,
     at index ``rank``). Returns ``(part * exp(lse_rank - L), L)`` with ``L = logsumexp_r lse_r`` (float32); summing
     the first over ranks gives the merged output. Empty parts weigh 0; an all-empty row gives 0 and -inf.
     """
+    check_tensors("rescale_partial", meta_ok=True, part=part, all_lse=all_lse, **({} if out is None else {"out": out}))
     world = all_lse.shape[0]
     if part.dim() != 3 or all_lse.dim() != 3 or all_lse.shape[1:] != part.shape[:2]:
         raise ValueError(f"rescale_partial: part [T, H, D] and all_lse [W, T, H] needed, got {list(part.shape)} "

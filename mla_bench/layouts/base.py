@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_bench.errors import describe
+from mla_bench.errors import check_tensors, describe
 from mla_bench.layouts.formats import FLT_MIN, all_finite
 from mla_bench.lengths import check_page_size
 
@@ -119,6 +119,7 @@ class CacheLayout(ABC):
         """Refuse anything but a tensor of shape ``[N, 576]``: one token a row."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != LATENT_DIM:
             raise ValueError(f"layout {self.name}: expected values of shape [N, {LATENT_DIM}], got {describe(x)}")
+        check_tensors(f"layout {self.name}", values=x)
 
     def check_dtype(self, x: torch.Tensor) -> None:
         """Refuse values other than float16 to float64: float8 / float4 are cache formats, not inputs."""
@@ -130,6 +131,7 @@ class CacheLayout(ABC):
                 or raw.shape[1] != self.bytes_per_token:
             raise ValueError(f"layout {self.name}: expected uint8 bytes of shape [N, {self.bytes_per_token}], "
                              f"got {describe(raw)}")
+        check_tensors(f"layout {self.name}", raw=raw)
 
     def __repr__(self) -> str:
         return f"<layout {self.name}: {self.bytes_per_token} B/token>"
@@ -169,7 +171,8 @@ class PagedCache:
     tensor_scale: float | None = None
 
     def __post_init__(self) -> None:
-        if self.data.dtype != torch.uint8 or self.data.dim() != 3 or self.data.shape[2] != self.layout.bytes_per_token:
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.uint8 or self.data.dim() != 3 \
+                or self.data.shape[2] != self.layout.bytes_per_token:
             raise ValueError(f"PagedCache for {self.layout.name}: data must be uint8 "
                              f"[num_blocks, page_size, {self.layout.bytes_per_token}], got {describe(self.data)}")
         if self.data.shape[1] < 1:

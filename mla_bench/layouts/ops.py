@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from mla_bench.errors import describe
+from mla_bench.errors import check_tensors, describe
 from mla_bench.layouts.base import PagedCache
 
 
 def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Encode ``values`` ``[N, 576]`` and store row ``i`` at slot ``slot_mapping[i]`` (skipped when < 0). Two tokens
     for one slot are refused: which one a kernel keeps is a race."""
+    check_cache("write_cache", cache, values=values, slot_mapping=slot_mapping)
     if not isinstance(values, torch.Tensor) or values.dim() != 2:
         raise ValueError(f"values must be a tensor [N, 576], got {describe(values)}")
     cache.layout.check_dtype(values)  # before the padding rows are zeroed: torch.where promoted a bool to int64
@@ -35,10 +36,19 @@ def write_cache(cache: PagedCache, values: torch.Tensor, slot_mapping: torch.Ten
 
 def gather_cache(cache: PagedCache, token_slots: torch.Tensor) -> torch.Tensor:
     """Decode the tokens at ``token_slots`` ``[M]`` into float64 ``[M, 576]``."""
+    check_cache("gather_cache", cache, token_slots=token_slots)
     check_slots("token_slots", token_slots)
     slots = token_slots.to(device=cache.data.device, dtype=torch.int64)
     check_slots_in_cache("token slots", slots, cache.num_slots)
     return cache.layout.dequantize(cache.rows()[slots], cache.tensor_scale)
+
+
+def check_cache(who: str, cache: PagedCache, **tensors: torch.Tensor) -> None:
+    """ValueError, prefixed ``who``, unless ``cache`` is a PagedCache and its data and each of ``tensors`` a tensor
+    off the meta device (``check_tensors``)."""
+    if not isinstance(cache, PagedCache):
+        raise ValueError(f"{who}: cache must be a PagedCache, got {describe(cache)}")
+    check_tensors(who, **{"cache.data": cache.data}, **tensors)
 
 
 def check_slots(name: str, slots: torch.Tensor, count: int | None = None) -> None:
