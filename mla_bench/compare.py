@@ -19,17 +19,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mla_bench.registry import EMPTY_LSE, LSE_BASES
-
 LN2 = math.log(2.0)
+LSE_BASES = ("e", "2")  # the lse conventions an impl may declare (``Capabilities``): its log's base,
+EMPTY_LSE = ("-inf", "+inf")  # and what it returns for a row that sees no key
 
 
-def check_real(name: str, tensor: torch.Tensor) -> None:
-    """ValueError unless ``tensor`` is a tensor of real floating point: a complex one lost its imaginary part in the
-    float64 cast (with a warning, and perfect metrics), bools and ints compared as numbers."""
+def check_real(name: str, tensor: torch.Tensor, who: str = "compare") -> None:
+    """ValueError, prefixed ``who``, unless ``tensor`` is a tensor of real floating point: a complex one lost its
+    imaginary part in the float64 cast (with a warning, and perfect metrics), bools and ints compared as numbers."""
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
         got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ValueError(f"compare: {name} must be a real floating-point tensor, got {got}")
+        raise ValueError(f"{who}: {name} must be a real floating-point tensor, got {got}")
 
 
 @dataclass
@@ -54,7 +54,7 @@ def normalize_lse(lse: torch.Tensor, base: str = "e", empty: str = "-inf") -> to
         raise ValueError(f"normalize_lse: base must be one of {LSE_BASES}, got {base!r}")
     if empty not in EMPTY_LSE:
         raise ValueError(f"normalize_lse: empty must be one of {EMPTY_LSE}, got {empty!r}")
-    check_real("lse", lse)
+    check_real("lse", lse, "normalize_lse")
     lse = lse.double()
     if empty == "+inf":
         lse = torch.where(torch.isposinf(lse), float("-inf"), torch.where(torch.isneginf(lse), float("nan"), lse))

@@ -99,7 +99,7 @@ def softmax_scale_problem(scale: Any) -> str | None:
     for checks that name every problem of their inputs at once."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         return f"softmax scale must be a finite positive number, got {scale!r}"
-    if scale > MAX_SOFTMAX_SCALE:  # finite in float64, where the reference computes: the kernels made NaN
+    if scale > MAX_SOFTMAX_SCALE:  # the kernels' own scale, scale * log2(e) in float32, would be inf (NaN outputs)
         return (f"softmax scale must be at most {MAX_SOFTMAX_SCALE:.6g} (float32's largest value over log2(e): the "
                 f"kernels scale scores by scale * log2(e) in float32), got {scale!r}")
     return None

@@ -13,20 +13,31 @@ import torch
 ENVIRONMENT = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")  # read by the bench when it picks and prepares devices
 
 
+def _working_directory() -> str | None:
+    """The working directory; None where it was deleted (an impl's temporary build directory, say)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return None
+
+
 @dataclass(frozen=True)
 class ProcessState:
     default_dtype: torch.dtype
     default_device: torch.device
-    directory: str
+    directory: str | None
     environment: tuple[tuple[str, str | None], ...]
 
     @classmethod
     def now(cls) -> "ProcessState":
-        return cls(torch.get_default_dtype(), torch.get_default_device(), os.getcwd(),
+        return cls(torch.get_default_dtype(), torch.get_default_device(), _working_directory(),
                    tuple((name, os.environ.get(name)) for name in ENVIRONMENT))
 
     def restore(self) -> list[str]:
-        """Put back each setting that differs from this state; what differed, as ``what (now X, was Y)``."""
+        """Put back each setting that differs from this state; what differed, as ``what (now X, was Y)``. A variable
+        that was unset and got a value is left: a default, as ``impls.triton`` sets the interpreter on a host
+        without a GPU before its kernels are defined (taking it back would leave later kernels compiled for a
+        GPU)."""
         now, changed = ProcessState.now(), []
         if now.default_dtype != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
@@ -34,14 +45,12 @@ class ProcessState:
         if now.default_device != self.default_device:  # None: no device context left on the CPU, as at start
             torch.set_default_device(None if self.default_device.type == "cpu" else self.default_device)
             changed.append(f"torch's default device (now {now.default_device}, was {self.default_device})")
-        if now.directory != self.directory:  # relative paths (a results directory, a peer's JIT cache) move with it
-            os.chdir(self.directory)
-            changed.append(f"the working directory (now {now.directory}, was {self.directory})")
+        if now.directory != self.directory and self.directory is not None:
+            os.chdir(self.directory)  # relative paths (a results directory, a peer's JIT cache) move with it
+            changed.append(f"the working directory (now {now.directory or 'a deleted directory'}, was "
+                           f"{self.directory})")
         for (name, was), (_, value) in zip(self.environment, now.environment):
-            if value != was:
-                if was is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = was
+            if value != was and was is not None:
+                os.environ[name] = was
                 changed.append(f"${name} (now {value!r}, was {was!r})")
         return changed

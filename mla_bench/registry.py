@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mla_bench.compare import EMPTY_LSE, LSE_BASES
 from mla_bench.errors import UnsupportedConfig, repeated, reraise_interrupt
 from mla_bench.layouts import LAYOUTS
 from mla_bench.process_state import ProcessState
@@ -30,8 +31,6 @@ from mla_bench.workload import DEVICE_TYPES, DTYPES, INDEX_TRANSFORMS, Mode, Wor
 
 ENTRY_POINT_GROUP = "mla_bench.impls"
 QUERY_LEN_KINDS = ("single", "uniform", "varlen")
-LSE_BASES = ("e", "2")
-EMPTY_LSE = ("-inf", "+inf")
 
 BUILTIN_IMPLS: dict[str, str] = {
     "torch_eager": "impls.torch_eager:TorchEager",
@@ -230,7 +229,11 @@ class ImplEntry:
                                  f"its results would carry another name; register it as {cls.name!r}")
             self._cls = cls
         state = ProcessState.now()
-        impl = self._cls()
+        try:
+            impl = self._cls()
+        except BaseException:
+            state.restore()  # a constructor that changed them and then raised leaves them as they were too
+            raise
         _left_alone(state, self.target, "making it")
         return impl
 

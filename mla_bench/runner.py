@@ -201,15 +201,26 @@ def _ran_on(device_id: str, results: Iterable[Result]) -> list[Result]:
 
 
 def run_suite(name: str, suite: Any, ctx) -> Iterator[Result]:
-    """The suite's Results; if the suite itself crashes (``sys.exit`` an impl raised too, where the suite let it
-    through), one ``error`` Result with the traceback ends it."""
+    """The suite's Results; if the suite itself crashes (``sys.exit`` or GeneratorExit an impl raised too, where the
+    suite let it through), one ``error`` Result with the traceback ends it. Driven by hand: a GeneratorExit that
+    ``close()`` throws into this generator arrives at its ``yield``, outside the handler, and ends it."""
+    results = None
     try:
-        yield from suite.run(ctx)
-    except BaseException as exc:  # noqa: BLE001 - a broken suite must not stop the other suites
-        if isinstance(exc, GeneratorExit):  # this generator closed by its consumer, not a crash
-            raise
-        reraise_interrupt(exc)
-        yield Result(name, name, "error", label="(suite)", message=f"suite {name} crashed:\n{traceback.format_exc()}")
+        while True:
+            try:
+                results = iter(suite.run(ctx)) if results is None else results
+                result = next(results)
+            except StopIteration:
+                return
+            except BaseException as exc:  # noqa: BLE001 - a broken suite must not stop the other suites
+                reraise_interrupt(exc)
+                yield Result(name, name, "error", label="(suite)",
+                             message=f"suite {name} crashed:\n{traceback.format_exc()}")
+                return
+            yield result
+    finally:
+        if hasattr(results, "close"):
+            results.close()
 
 
 def untested_impls(selection: Selection, run: Run) -> dict[str, Counter[str]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import numbers
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
@@ -131,11 +130,11 @@ class Workload:
         self._count("page_size")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        seed = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
+        seed = check_int("seed", self.seed, 0)
+        if seed >= SEED_LIMIT:
             raise ValueError(f"seed must be an int >= 0 and < 2**32 (torch's generator keeps a seed's low 32 bits, "
                              f"so larger seeds repeat smaller ones' inputs), got {seed!r}")
-        object.__setattr__(self, "seed", int(seed))
+        object.__setattr__(self, "seed", seed)
         if self.cache_device not in (None, *DEVICE_TYPES):
             raise ValueError(f"cache_device must be None or one of {DEVICE_TYPES}, got {self.cache_device!r}")
         if self.cache_device is not None and not self.mode.uses_cache:
@@ -157,10 +156,9 @@ class Workload:
                 raise ValueError(f"topk is only for sparse modes, not {mode.value}")
             if self.index_transform is not None:
                 raise ValueError(f"index_transform is only for sparse modes, not {mode.value}")
-        if mode is Mode.DCP:
-            self._count("dcp_world")
-            self._count("dcp_interleave")
-        elif (self.dcp_world, self.dcp_interleave) != (1, 1):
+        self._count("dcp_world")  # in every mode: a numpy 1 outside DCP was kept, and the label failed to serialize
+        self._count("dcp_interleave")
+        if mode is not Mode.DCP and (self.dcp_world, self.dcp_interleave) != (1, 1):
             raise ValueError(f"dcp_world / dcp_interleave are only for mode dcp, not {mode.value}")
         if mode is Mode.CHUNKED_PREFILL:
             if self.chunk_size is None:

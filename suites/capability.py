@@ -17,8 +17,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mla_bench.errors import reraise_interrupt
 from mla_bench.problem import Problem, build_problem
-from mla_bench.registry import ImplEntry
+from mla_bench.registry import Impl, ImplEntry
 from mla_bench.results import Result
 from mla_bench.workload import INDEX_TRANSFORMS, Mode, Workload
 from reports.console import plain
@@ -120,7 +121,7 @@ def run_matrix(impls: list[ImplEntry], layouts: Iterable[str], device: torch.dev
         refs: References | None = None
         for name, impl in loaded:
             progress(f"capability {name} {cell.name}")
-            if refs is None and impl.refusal(problem) is None:
+            if refs is None and _accepts(impl, problem):
                 refs = References.of(problem)
             result = _judge_cell(name, impl, cell, problem, refs)
             results.append(result)
@@ -159,6 +160,16 @@ def matrix_details(results: list[Result], matrix_cells: list[Cell]) -> dict:
         rows.setdefault((result.impl, result.details["row"]), {})[result.details["column"]] = result.status
     return {"columns": columns,
             "rows": [{"impl": impl, "op": op, "cells": statuses} for (impl, op), statuses in rows.items()]}
+
+
+def _accepts(impl: Impl, problem: Problem) -> bool:
+    """Whether ``impl`` takes ``problem`` (its ``refusal``, which an impl may override): one whose refusal raises is
+    judged all the same, and errs there, not here (a GeneratorExit ended the run)."""
+    try:
+        return impl.refusal(problem) is None
+    except BaseException as exc:  # noqa: BLE001
+        reraise_interrupt(exc)
+        return False
 
 
 def capability_table(details: dict) -> Table:

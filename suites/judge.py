@@ -115,12 +115,12 @@ class InputGuard:
 _LEFT_RUNNING: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
-def changes_named(inputs: list[str], settings: list[str]) -> str | None:
+def changes_named(inputs: list[str], settings: list[str], then: str = "restored for the next impl") -> str | None:
     """What an impl changed that the next impl would see: its ``inputs`` and the process's ``settings``
-    (``process_state``), both put back; None when nothing."""
+    (``process_state``), and what was done about it (``then``); None when nothing."""
     parts = ([f"wrote into its inputs: {', '.join(inputs)}"] if inputs else []) + \
         ([f"changed the process's settings: {', '.join(settings)}"] if settings else [])
-    return f"{'; '.join(parts)} (restored for the next impl)" if parts else None
+    return f"{'; '.join(parts)} ({then})" if parts else None
 
 
 def with_violation(status: str, message: str, violation: str | None) -> tuple[str, str]:
@@ -295,15 +295,20 @@ def _poisoned_run(impl: Impl, plan: object, problem: Problem) -> tuple[torch.Ten
         torch.cuda.synchronize(problem.device)
     caps = impl.capabilities
     answer = out.clone(), normalize_lse(lse.clone(), caps.lse_base, caps.empty_lse)
-    _spoil(out, lse)
+    _spoil(problem, out, lse)
     return answer
 
 
-def _spoil(*returned: torch.Tensor) -> None:
+def _spoil(problem: Problem, *returned: torch.Tensor) -> None:
     """NaN into the tensors a run returned, once copied: a second run that returns them again without writing them
     (outputs computed once, in ``plan``: stale on every CUDA-graph replay) returns NaN, whatever the impl's own
-    ``poison`` covers. An output that cannot be written in place (expanded, an inference tensor) is left as it is."""
+    ``poison`` covers. An output that cannot be written in place (expanded, an inference tensor), or that shares
+    memory with an input (a view of q: the impl would be blamed for this write), is left as it is."""
+    inputs = {value.untyped_storage().data_ptr() for _, _, value in _attributes(problem).values()
+              if isinstance(value, torch.Tensor)}
     for tensor in returned:
+        if tensor.untyped_storage().data_ptr() in inputs:
+            continue
         try:
             tensor.detach().fill_(math.nan)
         except RuntimeError:

@@ -157,7 +157,8 @@ def time_impl(impl: Impl, workload: Workload, device: torch.device, ceilings: ti
     damage, settings = inputs.damaged(), process.restore()
     if damage:  # the next impl must not time what this one left: its sets are made again
         inputs.discard()
-    violation = changes_named(["; ".join(damage)] if damage else [], settings)
+    then = "the sets are made again" + (" and the settings put back" if settings else "") + " for the next impl"
+    violation = changes_named(["; ".join(damage)], settings, then) if damage else changes_named([], settings)
     row.status, row.message = with_violation(row.status, row.message, violation)
     return row
 

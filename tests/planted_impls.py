@@ -434,6 +434,15 @@ class RaisesOwnBaseExceptionInRun(PlainDecode):
         raise OwnBaseException("cancelled")
 
 
+class RaisesGeneratorExitInRefusal(PlainDecode):
+    """Its ``refusal`` (which an impl may override) raises GeneratorExit: the roundtrip suite called it unguarded."""
+
+    name = "raises_generator_exit_in_refusal"
+
+    def refusal(self, problem):
+        raise GeneratorExit("from refusal")
+
+
 class RaisesOwnBaseExceptionWhenMade(PlainDecode):
     name = "raises_own_base_exception_when_made"
 

@@ -5,8 +5,10 @@ a broken impl class is refused when it is resolved, naming what is wrong."""
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
+import tempfile
 import textwrap
 import threading
 
@@ -96,6 +98,33 @@ class StartsTheWrite(planted.PlainDecode):
         self.go.set()
         self.done.wait(10)
         return problem
+
+
+class LeavesADeletedDirectory(planted.PlainDecode):
+    """Its plan builds in a temporary directory it moved into, and leaves the process there once it is deleted."""
+
+    name = "leaves_a_deleted_directory"
+
+    def plan(self, problem):
+        with tempfile.TemporaryDirectory() as build:
+            os.chdir(build)
+        return problem
+
+
+def test_an_impl_that_leaves_a_deleted_working_directory_fails_and_the_next_impl_passes():
+    """os.getcwd() raised once the directory was gone: every later impl's guard errored, nothing was put back."""
+    problem, here = _problem(), os.getcwd()
+    verdict = judge(LeavesADeletedDirectory(), problem)
+    assert verdict.status == "failed" and f"the working directory (now a deleted directory, was {here})" in \
+        "; ".join(verdict.violations), verdict.violations
+    assert os.getcwd() == here and judge(planted.PlainDecode(), problem).status == "passed"
+
+
+def test_an_output_that_is_a_view_of_an_input_is_judged_on_its_values_not_blamed_for_the_judges_write():
+    """The judge NaN-filled a returned view of q between its runs, then failed the impl for writing into q."""
+    verdict = judge(Bends(lambda p, out, lse: (p.q[..., :512], lse)), _problem())
+    assert verdict.status == "failed" and not any("wrote into its inputs" in v for v in verdict.violations), \
+        verdict.violations
 
 
 def test_a_write_by_a_thread_an_earlier_impl_left_running_names_that_thread():

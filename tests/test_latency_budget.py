@@ -233,6 +233,7 @@ def test_an_impl_that_writes_into_the_shared_sets_fails_and_the_next_impl_gets_n
     writer, clean = _Writes(plans, write), _Planned(plans, 0)
     wrote = latency.time_impl(writer, workload, device, ceilings, sets)
     assert wrote.status == "failed" and "wrote into its inputs: set 0: " in wrote.message and says in wrote.message
+    assert wrote.message.endswith("(the sets are made again for the next impl)"), wrote.message
     after = latency.time_impl(clean, workload, device, ceilings, sets)
     assert after.status == "passed" and len(built) == 2  # made again from the workload, as the first were
     assert clean.problems[0] is not writer.problems[0] and torch.equal(clean.problems[0].q, build_problem(

@@ -163,6 +163,14 @@ def test_numpy_ints_are_taken_by_every_workload_field_as_by_the_lengths(mode, fi
     assert Workload.uniform("decode", np.int64(value), 1, 5).batch == value
 
 
+def test_numpy_dcp_fields_of_one_outside_dcp_are_stored_as_ints():
+    """Outside mode dcp a numpy 1 passed the (1, 1) comparison and was kept: the label and to_dict failed to
+    serialize (review of 3176da7)."""
+    w = Workload(mode="decode", q_lens=(1,), kv_lens=(random.randint(2, 9),), dcp_world=np.int64(1),
+                 dcp_interleave=np.int64(1))
+    assert (type(w.dcp_world), type(w.dcp_interleave)) == (int, int) and json.dumps(w.to_dict()) and w.label
+
+
 @pytest.mark.parametrize("kv_lens", [(2 ** 31,), (2 ** 30, 2 ** 30)])
 def test_cached_tokens_past_the_int32_offsets_are_refused_by_the_workload(kv_lens):
     """kv_lens=(2**31,) was taken, then build_problem failed on torch's int32 overflow."""

@@ -136,7 +136,7 @@ def test_a_gpu_index_past_the_visible_ones_is_refused_before_the_run(monkeypatch
 
 
 @pytest.mark.parametrize("planted_name", ["ExitsInRun", "RaisesGeneratorExitInRun", "RaisesOwnBaseExceptionInRun",
-                                          "RaisesOwnBaseExceptionWhenMade"])
+                                          "RaisesOwnBaseExceptionWhenMade", "RaisesGeneratorExitInRefusal"])
 def test_an_impl_raising_a_base_exception_in_process_is_an_error_result_of_every_suite(planted_name):
     """In-process, sys.exit(0) in run ended the whole run with status 0 and no run file (in the placement suite after
     the others were fixed); GeneratorExit, or an impl's own BaseException subclass, ended it with a traceback."""
@@ -149,6 +149,23 @@ def test_an_impl_raising_a_base_exception_in_process_is_an_error_result_of_every
         assert ours["error"] >= 1 and not ours["passed"] and theirs["passed"] >= 1 and not theirs["error"], \
             (suite, ours, theirs)
     assert not run.ok
+
+
+class _RaisesAfterOne:
+    """A suite whose run yields one result, then lets an impl's GeneratorExit through."""
+
+    def run(self, ctx):
+        yield Result("fake", "fake", "passed", label="one")
+        raise GeneratorExit("an impl's")
+
+
+def test_a_suite_that_lets_a_generator_exit_through_ends_in_an_error_result_and_closing_it_still_works():
+    """run_suite re-raised every GeneratorExit, as it could not tell one raised inside from one close() throws in."""
+    results = list(runner.run_suite("fake", _RaisesAfterOne(), None))
+    assert [r.status for r in results] == ["passed", "error"] and "GeneratorExit: an impl's" in results[1].message
+    opened = runner.run_suite("fake", _RaisesAfterOne(), None)
+    assert next(opened).label == "one"
+    opened.close()  # a GeneratorExit thrown in at the yield ends it, with no "generator ignored GeneratorExit"
 
 
 def test_an_impl_that_changes_the_processs_settings_fails_and_the_next_impls_see_them_as_they_were():

@@ -317,6 +317,27 @@ def test_an_impl_that_changes_the_processs_settings_when_loaded_is_refused_and_t
     assert (os.environ.get("TRITON_INTERPRET"), torch.get_default_dtype()) == before
 
 
+def test_a_constructor_that_changes_the_processs_settings_and_raises_leaves_them_as_they_were(tmp_path, monkeypatch):
+    """Only a constructor that returned had them put back: one that set float64 and then raised left it for every
+    later impl (review of 3901129)."""
+    mod = ("import torch\nfrom impls.torch_eager import TorchEager\n\n\nclass MyMLA(TorchEager):\n"
+           "    def __init__(self):\n        torch.set_default_dtype(torch.float64)\n"
+           "        raise RuntimeError('no')\n")
+    package = _package(tmp_path, monkeypatch, mod=mod)
+    with pytest.raises(RuntimeError, match="no"):
+        resolve(f"{package}.mod:MyMLA").load()
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_an_unset_variable_given_a_default_on_import_is_no_change(tmp_path, monkeypatch):
+    """impls.triton sets TRITON_INTERPRET=1 where no GPU is visible and it was unset, before its kernels are defined:
+    the import check refused the first Triton impl and deleted the variable, so later kernels compiled for a GPU."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    package = _package(tmp_path, monkeypatch, mod="import os\nfrom impls.torch_eager import TorchEager as MyMLA\n"
+                                                  "os.environ.setdefault('TRITON_INTERPRET', '1')\n")
+    assert resolve(f"{package}.mod:MyMLA").load().name == "torch_eager" and os.environ["TRITON_INTERPRET"] == "1"
+
+
 @pytest.mark.parametrize("modes, field", [
     ({"decode"}, "page_sizes"), ({"decode"}, "layouts"), ({"prefill"}, "dtypes"), ({"decode"}, "head_counts"),
     ({"decode", "sparse_decode"}, "index_transforms"),

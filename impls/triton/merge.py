@@ -107,8 +107,8 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
         raise ValueError(f"merge_attn_states: result shape {list(out.shape)} differs from {list(out_a.shape)}")
     if lse_out.dtype != torch.float32:  # the kernel writes the lse in float32: bf16 rounded it
         raise ValueError(f"merge_attn_states: lse_out must be float32, got {lse_out.dtype}")
-    common.check_placed_outputs("merge_attn_states", "out_a", out_a.device, dict(lse_a=lse_a, out_b=out_b, lse_b=lse_b),
-                         out=out, lse_out=lse_out)
+    common.check_placed_outputs("merge_attn_states", "out_a", out_a.device,
+                                dict(lse_a=lse_a, out_b=out_b, lse_b=lse_b), out=out, lse_out=lse_out)
     tokens, heads, dim = out_a.shape
     if tokens and heads:
         block_r, block_d = _tiles(dim)

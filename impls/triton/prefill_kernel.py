@@ -13,7 +13,6 @@ of the block skip the mask; the few on the causal diagonal apply it.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from impls.triton import common
 from impls.triton.common import INTERPRETING, cast, check_power_of_two, mma
 from impls.triton.merge import LOG2E
 from mla_bench.dims import softmax_scale_problem
+from mla_bench.lengths import check_int
 
 NOPE, ROPE, VDIM = 128, 64, 128
 
@@ -188,8 +188,7 @@ def check_max_q_len(max_q_len: int, tokens: int, batch: int) -> None:
     (its run is captured in CUDA graphs): the plans check the offsets against their host lengths and take it from
     those. Nor is it held to ``ceil(tokens / batch)``: a context chunk's offsets name some of ``q``'s requests only.
     An upper bound is enough (1 where the named requests have no queries)."""
-    if isinstance(max_q_len, bool) or not isinstance(max_q_len, numbers.Integral):
-        raise ValueError(f"mha_prefill: max_q_len must be an int, got {max_q_len!r}")
+    check_int("mha_prefill: max_q_len", max_q_len)
     if tokens and batch and not 1 <= max_q_len <= tokens:
         raise ValueError(f"mha_prefill: max_q_len must be the longest request's query count, in [1, {tokens}] "
                          f"(q's rows), got {max_q_len}")
