@@ -476,7 +476,8 @@ def test_reference_paged_transform_refuses_a_slot_that_int32_indices_would_wrap(
     table = _random_table(rng, page_size, kv_lens)
     table[1, 0] = 2 ** 31 // page_size + rng.randint(0, 1000)
     topk = torch.full((2, 3), kv_lens[0] - 1, dtype=torch.int32)
-    topk[1, 2] = rng.randrange(min(page_size, kv_lens[1]))  # token 1 (request 1), in its first page
+    topk[1] = -1  # token 1 (request 1) reads one position only: the others would wrap first, in random order
+    topk[1, 2] = rng.randrange(min(page_size, kv_lens[1]))  # in its first page
     slot = int(table[1, 0]) * page_size + int(topk[1, 2])
     with pytest.raises(ValueError, match=rf"token 1, top-k index 2: .* block_table\[1, 0\], whose slot {slot} "
                                          r"exceeds torch.int32's largest value 2147483647"):
