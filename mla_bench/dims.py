@@ -99,6 +99,8 @@ def softmax_scale_problem(scale: Any) -> str | None:
     for checks that name every problem of their inputs at once."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         return f"softmax scale must be a finite positive number, got {scale!r}"
+    if float(scale) == 0:  # a Fraction(1, 10**400): positive, but 0 as the float every computation takes
+        return f"softmax scale must be a finite positive number, got {scale!r}, which is 0 as a float"
     if scale > MAX_SOFTMAX_SCALE:  # the kernels' own scale, scale * log2(e) in float32, would be inf (NaN outputs)
         return (f"softmax scale must be at most {MAX_SOFTMAX_SCALE:.6g} (float32's largest value over log2(e): the "
                 f"kernels scale scores by scale * log2(e) in float32), got {scale!r}")

@@ -409,6 +409,15 @@ def test_normalize_lse_refuses_a_convention_capabilities_cannot_declare(conventi
         normalize_lse(torch.randn(3, 4), **conventions)
 
 
+def test_a_softmax_scale_that_is_zero_as_a_float_is_refused():
+    """Fraction(1, 10**400) passed as positive and then acted as a scale of 0."""
+    from fractions import Fraction
+
+    from mla_bench.dims import softmax_scale_problem
+    assert softmax_scale_problem(Fraction(1, 10 ** random.randint(400, 500))).endswith("which is 0 as a float")
+    assert softmax_scale_problem(Fraction(1, 10)) is None and softmax_scale_problem(5e-324) is None
+
+
 def test_an_lse_of_the_other_empty_row_convention_is_a_mismatch():
     """An impl that declared FlashMLA's +inf for empty rows and returned -inf passed: -inf was left as it was."""
     live = torch.randn(3, dtype=torch.float64)

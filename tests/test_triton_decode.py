@@ -14,6 +14,7 @@ import math
 import re
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -1486,12 +1487,20 @@ def test_decode_and_chunked_prefill_plans_check_the_gpu_compiles_e4m3(monkeypatc
     (dict(programs_per_sm=2.5), "DecodeConfig.programs_per_sm must be a positive int, got 2.5"),
     (dict(min_split=0), "DecodeConfig.min_split must be a positive int, got 0"),
     (dict(min_split=-5), "DecodeConfig.min_split must be a positive int, got -5"),
+    (dict(block_m=16.0), "DecodeConfig.block_m must be a positive int, got 16.0"),
+    (dict(block_n=24), "DecodeConfig.block_n must be a power of two >= 16, got 24"),
 ])
 def test_decode_config_refuses_warps_and_counts_its_launches_cannot_take(fields, message):
     """Each was taken: 3 warps failed only at the CUDA backend's assert, num_splits 2.5 with a TypeError in plan, the
     zeros and negatives in the schedule or the launch."""
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         DecodeConfig(**fields)
+
+
+def test_decode_config_takes_numpy_tiles_as_ints():
+    """Numpy counts were taken, numpy tiles refused as "must be a power of two >= 16, got np.int64(16)"."""
+    config = DecodeConfig(block_m=np.int64(16), block_n=np.int64(64), merge_splits=np.int64(4))
+    assert (type(config.block_m), type(config.block_n), type(config.merge_splits)) == (int, int, int)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -218,14 +218,14 @@ class DecodeConfig:
         """Refuse what fails only at the first launch (inside Triton, some only on a GPU) or later in plan: tiles and
         warps that are not powers of two (a Gluon tile's warps are checked with its tile: decode_ws runs 12), counts
         that are not ints >= 1."""
+        counts = ("block_m", "block_n", "num_warps", "num_stages", "programs_per_sm", "min_split")
+        counts += tuple(name for name in ("num_splits", "merge_splits") if getattr(self, name) is not None)
+        for name in counts:  # numpy ints stored as the Python ints Triton takes
+            object.__setattr__(self, name, check_int(f"DecodeConfig.{name}", getattr(self, name), 1))
         for name in ("block_m", "block_n"):
             common.check_power_of_two(self, name, 16)
         if self.merge_splits is not None:
             common.check_power_of_two(self, "merge_splits")
-        counts = ("num_warps", "num_stages", "programs_per_sm", "min_split") + ("num_splits",) * (
-            self.num_splits is not None)
-        for name in counts:  # numpy ints stored as the Python ints Triton takes
-            object.__setattr__(self, name, check_int(f"DecodeConfig.{name}", getattr(self, name), 1))
         if not self.gluon:
             common.check_power_of_two(self, "num_warps")
             if self.num_warps > 16:  # 512 threads: the most the Triton split kernel is launched with
