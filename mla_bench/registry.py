@@ -13,13 +13,14 @@ plus any distribution that registers an entry point in the group ``mla_bench.imp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch
 
@@ -228,14 +229,8 @@ class ImplEntry:
                 raise ValueError(f"{self.target} is registered as {self.name!r} but its class is named {cls.name!r}: "
                                  f"its results would carry another name; register it as {cls.name!r}")
             self._cls = cls
-        state = ProcessState.now()
-        try:
-            impl = self._cls()
-        except BaseException:
-            state.restore()  # a constructor that changed them and then raised leaves them as they were too
-            raise
-        _left_alone(state, self.target, "making it")
-        return impl
+        with _left_alone(self.target, "making it"):
+            return self._cls()
 
 
 PROJECT_PACKAGES = ("mla_bench", "impls", "reference", "suites")
@@ -271,9 +266,17 @@ def _broken(target: str, module_name: str, exc: BaseException, why: str = "") ->
                       f"{''.join(traceback.format_exception(exc))}")
 
 
-def _left_alone(state: ProcessState, target: str, doing: str) -> None:
-    """ValueError naming what ``doing`` changed of the process's settings since ``state`` (put back): every impl
-    shares them (``process_state``)."""
+@contextlib.contextmanager
+def _left_alone(target: str, doing: str) -> Iterator[None]:
+    """Around an impl's import or construction (``doing``): the process's settings (``process_state``), which every
+    impl shares, are put back however it ends (a constructor that changed them and then raised left them changed),
+    and a ValueError names what it changed when it ended normally."""
+    state = ProcessState.now()
+    try:
+        yield
+    except BaseException:
+        state.restore()
+        raise
     changed = state.restore()
     if changed:
         raise ValueError(f"{target}: {doing} changed the settings every impl of the process shares: "
@@ -286,20 +289,17 @@ def load_class(target: str) -> type[Impl]:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"an impl target is 'module:Class', got {target!r}")
-    state = ProcessState.now()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        state.restore()
-        if _missing_dependency(exc, module_name):
-            raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
-        raise _broken(target, module_name, exc, " (a name missing from the impl's own code or the project's, not an "
-                                                 "absent package)") from exc
-    except BaseException as exc:  # noqa: BLE001 - the impl's module is broken (sys.exit too): a refusal that says
-        reraise_interrupt(exc)  # so, with the trace, not the caller's end
-        state.restore()
-        raise _broken(target, module_name, exc) from exc
-    _left_alone(state, target, f"importing {module_name}")
+    with _left_alone(target, f"importing {module_name}"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            if _missing_dependency(exc, module_name):
+                raise ImplNotInstalled(f"{target}: cannot import {module_name} ({exc})") from exc
+            raise _broken(target, module_name, exc, " (a name missing from the impl's own code or the project's, "
+                                                     "not an absent package)") from exc
+        except BaseException as exc:  # noqa: BLE001 - the impl's module is broken (sys.exit too): a refusal that
+            reraise_interrupt(exc)  # says so, with the trace, not the caller's end
+            raise _broken(target, module_name, exc) from exc
     if not hasattr(module, attr):
         raise ValueError(f"{target}: module {module_name} has no attribute {attr!r}")
     cls = getattr(module, attr)
