@@ -34,10 +34,7 @@ class ProcessState:
                    tuple((name, os.environ.get(name)) for name in ENVIRONMENT))
 
     def restore(self) -> list[str]:
-        """Put back each setting that differs from this state; what differed, as ``what (now X, was Y)``. A variable
-        that was unset and got a value is left: a default, as ``impls.triton`` sets the interpreter on a host
-        without a GPU before its kernels are defined (taking it back would leave later kernels compiled for a
-        GPU)."""
+        """Put back each setting that differs from this state; what differed, as ``what (now X, was Y)``."""
         now, changed = ProcessState.now(), []
         if now.default_dtype != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
@@ -50,7 +47,23 @@ class ProcessState:
             changed.append(f"the working directory (now {now.directory or 'a deleted directory'}, was "
                            f"{self.directory})")
         for (name, was), (_, value) in zip(self.environment, now.environment):
-            if value != was and was is not None:
+            if value == was or (was is None and _is_the_benchs_default(name, value)):
+                continue
+            if was is None:
+                del os.environ[name]
+            else:
                 os.environ[name] = was
-                changed.append(f"${name} (now {value!r}, was {was!r})")
+            changed.append(f"${name} (now {_shown(value)}, was {_shown(was)})")
         return changed
+
+
+def _is_the_benchs_default(name: str, value: str | None) -> bool:
+    """Whether an unset variable got the value the bench itself gives it on this host: ``impls.triton`` switches the
+    interpreter on where no GPU is visible, before its kernels are defined (taking it back would leave later kernels
+    compiled for a GPU). Anything else is a change, the interpreter switched on where a GPU is visible included (the
+    later Triton kernels would run interpreted)."""
+    return name == "TRITON_INTERPRET" and value == "1" and not torch.cuda.is_available()
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)

@@ -22,6 +22,8 @@ from mla_bench.problem import build_problem
 from mla_bench.workload import Workload
 from reference.absorbed import latent_mqa
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # plan_decode takes CPU tensors only in the interpreter
+
 
 def random_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
     """A valid decode mix of 2-5 requests, a padding request (no context, one query) among them now and then."""
@@ -32,7 +34,7 @@ def random_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
 def plan(q_lens, kv_lens, visible_lens=None, problem_q_lens=(1, 2)):
     """plan_decode of the lengths given over a decode problem of ``problem_q_lens`` tokens (up to 40 keys each)."""
     problem = build_problem(Workload(mode="decode", q_lens=problem_q_lens, kv_lens=(40,) * len(problem_q_lens),
-                                     page_size=16, seed=random.randrange(100)))
+                                     page_size=16, seed=random.randrange(100)), DEVICE)
     return plan_decode(problem.q, problem.cache, problem.meta.block_table, q_lens, kv_lens, problem.scale,
                        visible_lens)
 
@@ -104,7 +106,7 @@ def test_only_a_shard_may_have_queries_longer_than_its_keys():
     kv = random.randint(1, 8)
     with pytest.raises(ValueError, match=rf"request 1: query longer than context \(q_len={kv + 1} > kv_len={kv}\)"):
         plan((1, kv + 1), (9, kv), problem_q_lens=(1, kv + 1))
-    visible = torch.tensor([9, *range(1, kv + 1), kv], dtype=torch.int32)
+    visible = torch.tensor([9, *range(1, kv + 1), kv], dtype=torch.int32, device=DEVICE)
     assert plan((1, kv + 1), (9, kv), visible, problem_q_lens=(1, kv + 1)).visible is visible
 
 

@@ -329,13 +329,32 @@ def test_a_constructor_that_changes_the_processs_settings_and_raises_leaves_them
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_an_unset_variable_given_a_default_on_import_is_no_change(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpu_visible", [False, True])
+def test_an_unset_variable_given_a_value_is_a_change_unless_it_is_the_benchs_own_default(tmp_path, monkeypatch,
+                                                                                         gpu_visible):
     """impls.triton sets TRITON_INTERPRET=1 where no GPU is visible and it was unset, before its kernels are defined:
-    the import check refused the first Triton impl and deleted the variable, so later kernels compiled for a GPU."""
+    the import check refused the first Triton impl and deleted the variable, so later kernels compiled for a GPU.
+    On a GPU host the same value is a change (later Triton kernels would run interpreted): it passed unseen there."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_visible)
     package = _package(tmp_path, monkeypatch, mod="import os\nfrom impls.torch_eager import TorchEager as MyMLA\n"
                                                   "os.environ.setdefault('TRITON_INTERPRET', '1')\n")
-    assert resolve(f"{package}.mod:MyMLA").load().name == "torch_eager" and os.environ["TRITON_INTERPRET"] == "1"
+    if not gpu_visible:
+        assert resolve(f"{package}.mod:MyMLA").load().name == "torch_eager" and os.environ["TRITON_INTERPRET"] == "1"
+        return
+    with pytest.raises(ValueError, match=re.escape("$TRITON_INTERPRET (now '1', was unset)")):
+        resolve(f"{package}.mod:MyMLA").load()
+    assert "TRITON_INTERPRET" not in os.environ
+
+
+def test_an_unset_cuda_visible_devices_given_a_value_is_refused_and_unset_again(tmp_path, monkeypatch):
+    """Workers started later inherit it: an impl that hid the GPUs from them passed as no change."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    package = _package(tmp_path, monkeypatch, mod="import os\nfrom impls.torch_eager import TorchEager as MyMLA\n"
+                                                  "os.environ['CUDA_VISIBLE_DEVICES'] = ''\n")
+    with pytest.raises(ValueError, match=re.escape("$CUDA_VISIBLE_DEVICES (now '', was unset)")):
+        resolve(f"{package}.mod:MyMLA").load()
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
 @pytest.mark.parametrize("modes, field", [
