@@ -16,6 +16,8 @@ from mla_bench.layouts import NOPE_DIM
 from mla_bench.layouts.ops import gather_cache
 from reference.core import attend
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernels take CPU tensors only interpreted
+
 
 def test_the_correctness_sweep_covers_every_layout_page_size_and_query_mode():
     workloads = correctness_workloads()
@@ -50,7 +52,7 @@ def test_a_shape_of_any_head_count_makes_its_workload(heads, preset):
 
 def test_a_timing_problem_is_a_valid_input():
     shape = Shape(16, 2, 45, q_len=2, page_size=16, layout="fp8_ds_mla")
-    problem = timing_problem(shape, torch.device("cpu"), seed=1)
+    problem = timing_problem(shape, DEVICE, seed=1)
     impl = triton_impl(None)
     out, lse = impl.run(impl.plan(problem))
     keys = gather_cache(problem.cache, problem.meta.token_slots)
