@@ -255,3 +255,29 @@ def test_the_write_check_catches_a_writer_that_writes_padding_rows():
                                     torch.device(DEVICE), seed=0)
     assert metrics["mismatched_bytes"] > 0
     assert any("bytes differ" in p for p in problems)
+
+
+def test_kernels_defined_while_the_interpreter_setting_was_changed_are_refused(tmp_path, monkeypatch):
+    """An impl that set TRITON_INTERPRET on import and imported a module of ours is refused and the variable put
+    back, but the kernels defined meanwhile kept the other setting: later Triton impls ran interpreted on a GPU,
+    timed as compiled, with no word (review of 72f23e7). Every Triton impl's refusal now names the module."""
+    import importlib.util
+    import sys
+
+    from impls.triton.decode import TritonDecode
+    from mla_bench.problem import build_problem
+    from mla_bench.workload import Workload
+
+    problem = build_problem(Workload(mode="decode", q_lens=(1,), kv_lens=(5,), page_size=16), DEVICE)
+    assert triton_unavailable(DEVICE) is None and TritonDecode().refusal(problem) is None
+    (tmp_path / "late.py").write_text("import triton\n\n\n@triton.jit\ndef kernel(x):\n    pass\n")
+    with monkeypatch.context() as changed:
+        changed.setenv("TRITON_INTERPRET", "1" if DEVICE == "cuda" else "0")  # what this host does not run
+        spec = importlib.util.spec_from_file_location("impls.triton.late", tmp_path / "late.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "impls.triton.late", module)
+    says = (f"the Triton kernels of impls.triton.late were defined {'interpreted' if DEVICE == 'cuda' else 'compiled'}"
+            " but Triton")
+    assert triton_unavailable(DEVICE).startswith(says), triton_unavailable(DEVICE)
+    assert TritonDecode().refusal(problem).startswith(says), TritonDecode().refusal(problem)

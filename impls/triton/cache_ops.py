@@ -53,7 +53,7 @@ def triton_unavailable(device: torch.device | str) -> str | None:
         return "Triton kernels on CPU need TRITON_INTERPRET=1 set before the kernels are imported"
     if device.type not in ("cpu", "cuda"):
         return f"no Triton backend for device {device.type}"
-    return None
+    return common.stale_kernels()
 
 
 def has_kernel(layout: CacheLayout) -> bool:

@@ -13,15 +13,40 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def stale_kernels() -> str | None:
+    """Why this process's Triton kernels cannot be trusted, or None. Triton makes a kernel compiled or interpreted
+    when it is defined, from ``TRITON_INTERPRET``: a module of ours imported while an impl had changed it (the bench
+    puts the variable back, not the kernels defined meanwhile) would run interpreted on a GPU, timed as if compiled,
+    or compiled over CPU tensors. Gluon kernels are always compiled, so only ``triton.jit`` ones are read."""
+    interpreting = bool(knobs.runtime.interpret)
+    stale = sorted(name for name, module in list(sys.modules.items())
+                   if name.startswith("impls.triton") and any(_defined_otherwise(value, interpreting)
+                                                               for value in vars(module).values()))
+    if not stale:
+        return None
+    return (f"the Triton kernels of {', '.join(stale)} were defined {'compiled' if interpreting else 'interpreted'} "
+            f"but Triton {'interprets' if interpreting else 'compiles'} now: TRITON_INTERPRET changed while they were "
+            f"imported (an impl that set it?); run again in a new process")
+
+
+def _defined_otherwise(value: object, interpreting: bool) -> bool:
+    """Whether ``value`` is a ``triton.jit`` kernel defined under the other setting (Gluon's subclass is excluded)."""
+    return type(value) in (InterpretedFunction, JITFunction) and isinstance(value, InterpretedFunction) != interpreting
 
 
 def has_wgmma(device: torch.device) -> bool:

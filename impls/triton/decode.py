@@ -821,7 +821,7 @@ class TritonDecode(Impl):
         reason = super().refusal(problem)
         if reason is None and problem.device.type == "cpu" and not INTERPRETED:
             reason = "device cpu without TRITON_INTERPRET"
-        return reason
+        return reason or common.stale_kernels()
 
     def plan(self, problem: Problem) -> DecodePlan:
         meta = problem.meta
