@@ -50,7 +50,7 @@ class ProcessState:
             if value == was or (was is None and _is_the_benchs_default(name, value)):
                 continue
             if was is None:
-                del os.environ[name]
+                os.environ.pop(name, None)  # a thread the impl left may have unset it meanwhile
             else:
                 os.environ[name] = was
             changed.append(f"${name} (now {_shown(value)}, was {_shown(was)})")
