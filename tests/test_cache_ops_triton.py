@@ -7,6 +7,12 @@ Python API on its edge cases.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -262,7 +268,6 @@ def test_kernels_defined_while_the_interpreter_setting_was_changed_are_refused(t
     back, but the kernels defined meanwhile kept the other setting: later Triton impls ran interpreted on a GPU,
     timed as compiled, with no word (review of 72f23e7). Every Triton impl's refusal now names the module."""
     import importlib.util
-    import sys
 
     from impls.triton.decode import TritonDecode
     from mla_bench.problem import build_problem
@@ -281,3 +286,37 @@ def test_kernels_defined_while_the_interpreter_setting_was_changed_are_refused(t
             " but Triton")
     assert triton_unavailable(DEVICE).startswith(says), triton_unavailable(DEVICE)
     assert TritonDecode().refusal(problem).startswith(says), TritonDecode().refusal(problem)
+
+
+def test_the_interpreter_knob_set_from_python_is_refused_and_a_blocked_module_is_no_error(monkeypatch):
+    """``triton.knobs.runtime.interpret = ...`` sets TRITON_INTERPRET and keeps an override that the bench's restore
+    of the variable leaves: kernels imported later took the override, unseen (helper 95). A module blocked in
+    sys.modules (None) raised TypeError inside every refusal."""
+    from triton import knobs
+
+    monkeypatch.setitem(sys.modules, "impls.triton.blocked", None)
+    assert triton_unavailable(DEVICE) is None
+    try:
+        with monkeypatch.context() as restored:
+            restored.setenv("TRITON_INTERPRET", "0")  # then put back as the bench does (set, or unset on a GPU host)
+            knobs.runtime.interpret = DEVICE == "cuda"
+        assert re.match("triton.knobs.runtime.interpret is (True|False) but TRITON_INTERPRET says otherwise",
+                        triton_unavailable(DEVICE) or "")
+    finally:
+        del knobs.runtime.interpret
+    assert triton_unavailable(DEVICE) is None
+
+
+@pytest.mark.parametrize("value", ["true", "on", "2", "false"])
+def test_every_module_reads_the_interpreter_setting_as_triton_does(value):
+    """``common.INTERPRETING`` (tile sizes, float32 upcasts) took anything but "" and "0" as on, where triton.jit
+    takes only 1/true/yes/on/y: with "false" or "2" the kernels compiled with the interpreter's choices (helper 95)."""
+    code = ("from triton.runtime.interpreter import InterpretedFunction\n"
+            "from impls.triton import common, decode\n"
+            "print(common.INTERPRETING, isinstance(decode._decode_split_kernel, InterpretedFunction), "
+            "common.stale_kernels())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": value}, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    on = str(value in ("true", "on"))
+    assert done.stdout.split() == [on, on, "None"], done.stdout

@@ -12,7 +12,6 @@ On a GPU (the flag ``INTERP`` / ``UPCAST`` False) both are plain ``tl.dot`` and 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -25,18 +24,22 @@ from triton.runtime.jit import JITFunction
 from mla_bench.errors import UnsupportedConfig
 from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETING = bool(knobs.runtime.interpret)  # as triton.jit decides: "true" and "on" are on, "2" is off
 
 
 def stale_kernels() -> str | None:
     """Why this process's Triton kernels cannot be trusted, or None. Triton makes a kernel compiled or interpreted
-    when it is defined, from ``TRITON_INTERPRET``: a module of ours imported while an impl had changed it (the bench
-    puts the variable back, not the kernels defined meanwhile) would run interpreted on a GPU, timed as if compiled,
-    or compiled over CPU tensors. Gluon kernels are always compiled, so only ``triton.jit`` ones are read."""
+    when it is defined, from ``TRITON_INTERPRET`` or ``triton.knobs.runtime.interpret`` set from Python: a module of
+    ours imported while an impl had changed either (the bench puts the variable back, not the kernels defined
+    meanwhile, nor the knob) would run interpreted on a GPU, timed as if compiled, or compiled over CPU tensors. Gluon
+    kernels are always compiled, so only ``triton.jit`` ones are read."""
     interpreting = bool(knobs.runtime.interpret)
+    if interpreting != knobs.getenv_bool("TRITON_INTERPRET", False):
+        return (f"triton.knobs.runtime.interpret is {interpreting} but TRITON_INTERPRET says otherwise: it was set "
+                f"from Python (an impl that set it?); run again in a new process")
     stale = sorted(name for name, module in list(sys.modules.items())
-                   if name.startswith("impls.triton") and any(_defined_otherwise(value, interpreting)
-                                                               for value in vars(module).values()))
+                   if name.startswith("impls.triton") and module is not None
+                   and any(_defined_otherwise(value, interpreting) for value in vars(module).values()))
     if not stale:
         return None
     return (f"the Triton kernels of {', '.join(stale)} were defined {'compiled' if interpreting else 'interpreted'} "
