@@ -404,6 +404,18 @@ class SetsTheDefaultDtype(PlainDecode):
         return answer
 
 
+class AllowsTF32(PlainDecode):
+    """Allows TF32 matmuls in ``run`` (and leaves them), as many model codebases do on import: torch_eager's float32
+    problems after it would round their products to TF32 and fail their tolerance, under torch_eager's name."""
+
+    name = "allows_tf32"
+
+    def run(self, p):
+        answer = super().run(p)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return answer
+
+
 class ChangesDirectory(PlainDecode):
     """Moves the process to ``$PLANTED_CHDIR`` in ``run``: a relative ``--out`` then sent the run's files there."""
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import planted_impls as planted
+from mla_bench.process_state import ProcessState
 from mla_bench.registry import ImplNotInstalled, discover
 from mla_bench.results import Device, Result, Run, load_run, save_run
 from mla_bench import environment, runner
@@ -168,16 +169,22 @@ def test_a_suite_that_lets_a_generator_exit_through_ends_in_an_error_result_and_
     opened.close()  # a GeneratorExit thrown in at the yield ends it, with no "generator ignored GeneratorExit"
 
 
-def test_an_impl_that_changes_the_processs_settings_fails_and_the_next_impls_see_them_as_they_were():
-    """An impl that set the default dtype to float64 made torch_eager's next problems error, unnamed."""
-    run = execute(RunOptions(impls=["planted_impls:SetsTheDefaultDtype", "torch_eager"], device="cpu", preset="tiny",
+@pytest.mark.parametrize("planted_class, says", [
+    ("SetsTheDefaultDtype", "torch's default dtype (now torch.float64, was torch.float32)"),
+    ("AllowsTF32", "torch.backends.cuda.matmul.fp32_precision (now 'tf32', was "),
+])
+def test_an_impl_that_changes_the_processs_settings_fails_and_the_next_impls_see_them_as_they_were(planted_class,
+                                                                                                   says):
+    """An impl that set the default dtype to float64 made torch_eager's next problems error, unnamed; one that allowed
+    TF32 would have torch_eager's float32 problems on a GPU fail their tolerance."""
+    before = ProcessState.now()
+    run = execute(RunOptions(impls=[f"planted_impls:{planted_class}", "torch_eager"], device="cpu", preset="tiny",
                              modes=["decode"], layouts=["bf16"], suites=["accuracy", "placement"]))
     statuses = _statuses(run)
-    assert set(statuses["sets_the_default_dtype"]) == {"failed"} and set(statuses["torch_eager"]) == {"passed"}, \
-        statuses
-    assert all("changed the process's settings: torch's default dtype (now torch.float64, was torch.float32)"
-               in r.message for r in run.results if r.impl == "sets_the_default_dtype")
-    assert torch.get_default_dtype() == torch.float32
+    name = getattr(planted, planted_class).name
+    assert set(statuses[name]) == {"failed"} and set(statuses["torch_eager"]) == {"passed"}, statuses
+    assert all(f"changed the process's settings: {says}" in r.message for r in run.results if r.impl == name)
+    assert ProcessState.now() == before
 
 
 def test_a_worker_that_stalls_past_the_stall_timeout_is_killed_with_its_children_and_the_others_run_on(

@@ -467,3 +467,28 @@ def test_tolerance_for_refuses_a_layout_it_does_not_know(layout):
     """An unknown layout (a typo, None) got the kernel bound as its e2e bound, silently looser or tighter."""
     with pytest.raises(ValueError, match=r"no tolerance for cache layout .*; known: bf16, fp8_e4m3, .*nvfp4"):
         tolerance_for("bfloat16", layout, "e2e")
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda: torch.set_float32_matmul_precision("medium"), "torch.backends.mkldnn.matmul.fp32_precision (now 'bf16'"),
+    (lambda: setattr(torch.backends, "fp32_precision", "tf32"), "torch.backends.fp32_precision (now 'tf32'"),
+    (lambda: setattr(torch.backends.mkldnn, "fp32_precision", "bf16"), "torch.backends.mkldnn.fp32_precision (now "),
+    (lambda: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction",
+                     not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
+     "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction (now "),
+    (lambda: setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction",
+                     not torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+     "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction (now "),
+    (lambda: torch.use_deterministic_algorithms(True, warn_only=True),
+     "torch's deterministic algorithms (now on, warning only, was off)"),
+])
+def test_torchs_numerics_switches_are_process_settings_named_and_put_back(change, says):
+    """TF32 or bf16 matmuls allowed, or deterministic algorithms switched on, by one impl changed the numbers (or
+    raised) in every later impl of the process, under their names."""
+    from mla_bench.process_state import ProcessState
+
+    before = ProcessState.now()
+    change()
+    changed = before.restore()
+    assert any(says in c for c in changed), changed
+    assert ProcessState.now() == before
