@@ -16,8 +16,8 @@ import torch
 ENVIRONMENT = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")  # read by the bench when it picks and prepares devices
 # torch.backends switches that change the numbers other impls compute, read through the float32-precision API of
 # torch >= 2.9 (the legacy allow_tf32 and set_float32_matmul_precision write it; reading the legacy ones raises once
-# both APIs were used)
-NUMERICS = ("fp32_precision", "cuda.matmul.fp32_precision", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision",
+# both APIs were used). Not mkldnn.fp32_precision: its setter writes the generic one (torch 2.11 and 2.13).
+NUMERICS = ("fp32_precision", "cuda.matmul.fp32_precision", "mkldnn.matmul.fp32_precision",
             "cuda.matmul.allow_bf16_reduced_precision_reduction", "cuda.matmul.allow_fp16_reduced_precision_reduction")
 
 

@@ -472,7 +472,8 @@ def test_tolerance_for_refuses_a_layout_it_does_not_know(layout):
 @pytest.mark.parametrize("change, says", [
     (lambda: torch.set_float32_matmul_precision("medium"), "torch.backends.mkldnn.matmul.fp32_precision (now 'bf16'"),
     (lambda: setattr(torch.backends, "fp32_precision", "tf32"), "torch.backends.fp32_precision (now 'tf32'"),
-    (lambda: setattr(torch.backends.mkldnn, "fp32_precision", "bf16"), "torch.backends.mkldnn.fp32_precision (now "),
+    (lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+     "torch.backends.mkldnn.matmul.fp32_precision (now 'bf16'"),
     (lambda: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction",
                      not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
      "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction (now "),
