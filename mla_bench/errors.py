@@ -26,6 +26,12 @@ def describe(value: object) -> str:
     return f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
+def given(**values: object) -> dict[str, object]:
+    """The entries of ``values`` that are not None: the optional tensors (outputs, visible lengths) a caller passed,
+    for the checks that take every tensor they name."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def check_tensors(who: str, meta_ok: bool = False, **tensors: object) -> None:
     """ValueError, prefixed ``who`` (when given), naming each of ``tensors`` that is not a torch.Tensor or, unless
     ``meta_ok`` (a later placement check names it), lies on the meta device, which holds no values (checks that read

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.dims import check_softmax_scale
-from mla_bench.errors import check_tensors
+from mla_bench.errors import check_tensors, given
 from mla_bench.lengths import check_int, check_lengths  # also imported from here by the reference modules
 
 
@@ -41,10 +41,10 @@ def check_rows(name: str, tensor: torch.Tensor, rows: int, what: str) -> None:
 
 def check_same_device(**tensors: torch.Tensor) -> None:
     """The given ``tensors`` (None: absent) share one device, and it is not the meta device (no values to read)."""
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    devices = {name: t.device for name, t in given(**tensors).items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"inputs are on different devices: {', '.join(f'{n}={d}' for n, d in devices.items())}")
-    check_tensors("", **{name: t for name, t in tensors.items() if t is not None})
+    check_tensors("", **given(**tensors))
 
 
 def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: torch.Tensor,
@@ -59,11 +59,6 @@ def check_ragged_rows(q_lens, kv_lens, q: torch.Tensor, keys_name: str, keys: to
     check_rows("q", q, sum(q_lens), "sum(q_lens)")
     check_rows(keys_name, keys, sum(kv_lens), "sum(kv_lens)")
     return q_lens, kv_lens
-
-
-def check_positive(name: str, value: int) -> None:
-    """ValueError unless ``value`` is a positive int, Python or numpy as lengths are (not a bool)."""
-    check_int(name, value, 1)
 
 
 def check_values(scale: float, **tensors: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.layouts import LATENT_DIM, NOPE_DIM, ROPE_DIM
-from reference.checks import check_lengths, check_positive, check_same_device, check_shape, check_tensor, check_values
+from reference.checks import check_int, check_lengths, check_same_device, check_shape, check_tensor, check_values
 from reference.core import attend_prechecked, causal_visible, ragged_attention_prechecked
 from reference.merge import merge_attn_states
 from reference.mha import mha_keys, up_project
@@ -58,7 +58,7 @@ def chunked_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v
                     scale: float, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` / ``k_nope`` / ``k_pe`` / ``v`` hold the new tokens (ragged by ``q_lens``); ``context`` ``[sum ctx, 576]``
     the context latent of each request, request after request."""
-    check_positive("chunk_size", chunk_size)
+    check_int("chunk_size", chunk_size, 1)
     q_lens, kv_lens = check_prefill_inputs(q, k_nope, k_pe, v, context, w_uk, w_uv, q_lens, kv_lens, scale)
     heads, dv = q.shape[1], v.shape[-1]
     out = torch.zeros(q.shape[0], heads, dv, dtype=torch.float64, device=q.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mla_bench.metadata.reference import dcp_rank_of_position
-from reference.checks import check_positive
+from reference.checks import check_int
 
 
 def part_positions(pieces: list[tuple[int, int, int]], rank: int, world: int,
@@ -52,8 +52,8 @@ def reorg(parts: list[torch.Tensor], pieces: list[tuple[int, int, int]], world: 
 def _check_chunk(pieces: list[tuple[int, int, int]], world: int, interleave: int) -> None:
     """ValueError unless ``world`` and ``interleave`` are positive ints (0 divided by zero) and every piece has
     ``0 <= start <= end`` (a negative position was given a rank, as if it were a token)."""
-    check_positive("world", world)
-    check_positive("interleave", interleave)
+    check_int("world", world, 1)
+    check_int("interleave", interleave, 1)
     for i, (request, start, end) in enumerate(pieces):
         if not 0 <= start <= end:
             raise ValueError(f"piece {i} (request {request}) must have 0 <= start <= end, got start={start}, "

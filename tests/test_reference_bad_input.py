@@ -230,7 +230,8 @@ def test_dcp_reorg_refuses_a_world_or_interleave_of_zero_and_negative_positions(
 
 
 def test_world_interleave_and_chunk_size_take_numpy_ints_as_lengths_do():
-    """check_positive refused numpy ints ('world must be a positive int, got 2') that q_lens / kv_lens take."""
+    """The world, interleave and chunk-size checks refused numpy ints ('world must be a positive int, got 2') that
+    q_lens / kv_lens take."""
     dcp = dcp_latent_mqa(Q, KV, (3,), (10,), 0.1, 2, 2)
     assert all(torch.equal(a, b) for a, b in zip(dcp_latent_mqa(Q, KV, (3,), (10,), 0.1, numpy.int64(2),
                                                                  numpy.int32(2)), dcp))

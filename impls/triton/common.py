@@ -21,7 +21,7 @@ from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, given
 from mla_bench.layouts.ops import check_slots, check_slots_in_cache
 
 INTERPRETING = bool(knobs.runtime.interpret)  # as triton.jit decides: "true" and "on" are on, "2" is off
@@ -128,7 +128,7 @@ def output_problems(out: torch.Tensor | None, lse: torch.Tensor | None, tokens: 
                         f"{out.dtype} {list(out.shape)} strides {out.stride()}")
     if lse is not None and (tuple(lse.shape) != (tokens, heads) or lse.dtype != torch.float32):
         problems.append(f"lse must be [{tokens}, {heads}] float32, got {lse.dtype} {list(lse.shape)}")
-    return problems + overlap_problems(**{name: t for name, t in (("out", out), ("lse", lse)) if t is not None})
+    return problems + overlap_problems(**given(out=out, lse=lse))
 
 
 def check_placed(device: torch.device, where: str, **tensors: torch.Tensor) -> None:

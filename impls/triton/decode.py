@@ -70,7 +70,7 @@ from impls.triton.decode_rs_fp8 import _decode_split_kernel_rs_fp8
 from impls.triton.decode_ws import _decode_split_kernel_ws
 from impls.triton.latent_io import cache_tensor_scale
 from mla_bench.dims import check_softmax_scale
-from mla_bench.errors import UnsupportedConfig
+from mla_bench.errors import UnsupportedConfig, given
 from mla_bench.layouts import LATENT_DIM, PagedCache
 from mla_bench.layouts.ops import check_cache
 from mla_bench.lengths import check_int, check_lengths
@@ -480,8 +480,7 @@ def plan_decode(q: torch.Tensor, cache: PagedCache, block_table: torch.Tensor, q
                 kv_lens: Sequence[int], scale: float, visible_lens: torch.Tensor | None = None,
                 config: DecodeConfig | None = None) -> DecodePlan:
     """Validate, schedule and allocate for one decode step (see the module docstring)."""
-    check_cache("triton_decode", cache, q=q, block_table=block_table,
-                **({} if visible_lens is None else {"visible_lens": visible_lens}))
+    check_cache("triton_decode", cache, q=q, block_table=block_table, **given(visible_lens=visible_lens))
     q_lens, kv_lens = map(list, check_lengths(q_lens, kv_lens, queries_may_exceed_keys=visible_lens is not None))
     _check_supported(q, cache)
     device = q.device

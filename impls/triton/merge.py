@@ -16,7 +16,7 @@ import triton.language as tl
 
 from impls.triton import common
 from impls.triton.common import INTERPRETING, cast
-from mla_bench.errors import check_tensors
+from mla_bench.errors import check_tensors, given
 
 LOG2E = 1.4426950408889634
 
@@ -95,7 +95,7 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     otherwise they are allocated like part a's (out) and as float32 (lse).
     """
     check_tensors("merge_attn_states", meta_ok=True, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b,
-                  **{name: t for name, t in (("out", out), ("lse_out", lse_out)) if t is not None})
+                  **given(out=out, lse_out=lse_out))
     _check_part("part a", out_a, lse_a)
     _check_part("part b", out_b, lse_b)
     if out_a.shape != out_b.shape:
@@ -228,7 +228,7 @@ def rescale_partial(part: torch.Tensor, all_lse: torch.Tensor, rank: int,
     at index ``rank``). Returns ``(part * exp(lse_rank - L), L)`` with ``L = logsumexp_r lse_r`` (float32); summing
     the first over ranks gives the merged output. Empty parts weigh 0; an all-empty row gives 0 and -inf.
     """
-    check_tensors("rescale_partial", meta_ok=True, part=part, all_lse=all_lse, **({} if out is None else {"out": out}))
+    check_tensors("rescale_partial", meta_ok=True, part=part, all_lse=all_lse, **given(out=out))
     world = all_lse.shape[0]
     if part.dim() != 3 or all_lse.dim() != 3 or all_lse.shape[1:] != part.shape[:2]:
         raise ValueError(f"rescale_partial: part [T, H, D] and all_lse [W, T, H] needed, got {list(part.shape)} "

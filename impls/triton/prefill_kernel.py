@@ -23,6 +23,7 @@ from impls.triton import common
 from impls.triton.common import INTERPRETING, cast, check_power_of_two, mma
 from impls.triton.merge import LOG2E
 from mla_bench.dims import softmax_scale_problem
+from mla_bench.errors import given
 from mla_bench.lengths import check_int
 
 NOPE, ROPE, VDIM = 128, 64, 128
@@ -199,8 +200,8 @@ def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, tokens: i
     """ValueError naming a given ``out`` that is not floating point ``[tokens, heads, 128]`` contiguous in its last
     dim, or ``lse`` not float32 ``[tokens, heads]``, or either off ``device`` or overlapping itself: the kernel writes
     them as such (an int out and an int or bf16 lse were truncated)."""
-    given = {name: tensor for name, tensor in (("out", out), ("lse", lse)) if tensor is not None}
-    problems = common.output_problems(out, lse, tokens, heads, VDIM) + common.misplaced(device, "q", **given)
+    problems = (common.output_problems(out, lse, tokens, heads, VDIM)
+                + common.misplaced(device, "q", **given(out=out, lse=lse)))
     if problems:
         raise ValueError("mha_prefill: " + "; ".join(problems))
 

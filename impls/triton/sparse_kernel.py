@@ -40,7 +40,7 @@ from impls.triton.latent_io import LAYOUT_CODES, SCALED_CODES, load_nope_tile, l
 from impls.triton.merge import LOG2E, merge_parts
 from impls.triton.sparse_wgmma import _sparse_kernel_wgmma
 from mla_bench.dims import softmax_scale_problem
-from mla_bench.errors import UnsupportedConfig, check_tensors
+from mla_bench.errors import UnsupportedConfig, check_tensors, given
 from mla_bench.layouts import LATENT_DIM, LAYOUTS, NOPE_DIM
 from mla_bench.layouts.base import check_tensor_scale
 
@@ -279,8 +279,7 @@ def check_inputs(q: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, lay
     the layout's row width, the softmax scale, and the per-layer scale of a layout that has one (``fp8_e4m3``; the
     other layouts ignore ``tensor_scale``, as their codecs do). Host-only, so that a plan refuses what its run
     would."""
-    check_tensors(name, q=q, indices=indices, rows=rows,
-                  **{key: t for key, t in (("out", out), ("lse", lse)) if t is not None})
+    check_tensors(name, q=q, indices=indices, rows=rows, **given(out=out, lse=lse))
     problems = []
     if q.dim() != 3 or q.shape[2] != LATENT_DIM or q.stride(-1) != 1 or q.dtype not in (torch.bfloat16,
                                                                                            torch.float16):
