@@ -11,6 +11,7 @@ import datetime
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -116,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _usage_error(problem)
     for note in selection.notes:
         notes_console.print(Text(note, style="yellow"))
-    with _RichProgress() as progress:
+    with _progress() as progress:
         run = run_selection(selection, progress)
     path = save_run(run, out / "run.json")
     print_capability_matrix(run.results, console)
@@ -206,6 +207,34 @@ class _RichProgress:
 
     def __exit__(self, *exc) -> None:
         self._bar.__exit__(*exc)
+
+
+class _LineProgress:
+    """One line on stderr per workload step as it begins, for logs and CI, where a bar is drawn only once the run
+    ends: a long run shows that it moves, and a run that hangs names the step it hangs on."""
+
+    def __enter__(self) -> "_LineProgress":
+        self._start = time.monotonic()
+        self._done = 0
+        self._total: int | None = None
+        return self
+
+    def start(self, total: int | None) -> None:
+        self._total, self._done = total, 0
+
+    def advance(self, label: str) -> None:
+        self._done += 1
+        minutes, seconds = divmod(int(time.monotonic() - self._start), 60)
+        count = f"{self._done}/{self._total}" if self._total is not None else f"{self._done}"
+        print(f"[{count} {minutes}:{seconds:02d}] {label}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress() -> _RichProgress | _LineProgress:
+    """A bar on a terminal, else a line per step."""
+    return _RichProgress() if Console(stderr=True).is_terminal else _LineProgress()
 
 
 # ---- report, compare, gate --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from mla_bench.cli import main
 from mla_bench.results import Device, Result, Run, load_run, save_run
@@ -46,6 +47,21 @@ def test_run_rerun_gate_compare_and_report(tmp_path, capsys):
     assert (tmp_path / "r" / "x.html").exists() and (tmp_path / "r" / "x-errors-0.png").exists()
     run = load_run(again)
     assert {r.status for r in run.results} <= {"passed", "unsupported"} and run.environment["torch"]
+
+
+def test_a_run_logged_to_a_file_prints_a_line_per_step_as_it_begins(tmp_path, capsys, monkeypatch):
+    """Where stderr is no terminal (CI, a log) rich draws its bar only when the run ends: a line per step shows a long
+    run moving and names the step a hung run is in."""
+    code, path = _run(tmp_path, "a", "--impl", "torch_eager", "--mode", "decode", "--no-report")
+    steps = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    counts = [re.match(r"\[(\d+)/(\d+) \d+:\d\d\] ", line) for line in steps]
+    assert code == 0 and all(counts) and len(steps) > 3
+    assert [int(m[1]) for m in counts] == list(range(1, len(steps) + 1)) and {int(m[2]) for m in counts} == {len(steps)}
+    labels = {line[m.end():] for line, m in zip(steps, counts)}
+    assert {r.label for r in load_run(path).results if r.suite == "accuracy"} <= labels
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))  # a terminal gets the bar instead
+    assert _run(tmp_path, "b", "--impl", "torch_eager", "--mode", "decode", "--no-report")[0] == 0
+    assert not re.search(r"^\[\d+/\d+ ", capsys.readouterr().err, re.M)
 
 
 def test_gate_fails_on_a_less_accurate_impl_and_on_a_new_failure(tmp_path, capsys):
