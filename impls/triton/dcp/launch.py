@@ -1,46 +1,38 @@
 """Run DCP for real: one process per rank, torch.distributed (gloo on CPU, NCCL with one GPU per rank).
 
-``run_dcp`` starts ``W`` spawned processes. Each takes the problem (rebuilt from the workload's seed, or loaded
-from the Problem it was given), cuts its shard, and runs ``dcp_step`` with the chosen shard attention; rank
-``r`` returns its heads of the output and the combined lse. Optionally each step is timed on the GPU (CUDA
-events, warm-up first, median) and the chunked-prefill context reorg is checked against the unsharded cache.
-NVLink multicast stays off in NCCL and PyTorch (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
+``run_dcp`` sends a job to ``W`` rank processes (``ranks``: spawned once, kept for later runs). Each rank takes the
+problem (rebuilt from the workload's seed, or loaded from the Problem it was given), cuts its shard, and runs
+``dcp_step`` with the chosen shard attention; rank ``r`` returns its heads of the output and the combined lse.
+Optionally each step is timed on the GPU (CUDA events, warm-up first, median) and the chunked-prefill context reorg
+is checked against the unsharded cache.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import statistics
 import tempfile
-import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from impls.triton.chunked import context_segments
 from impls.triton.dcp.attention import shard_attention
 from impls.triton.dcp.comm import HeadComm
+from impls.triton.dcp.ranks import pool
 from impls.triton.dcp.reorg import gather_context_chunk
 from impls.triton.dcp.shard import build_shard, synthetic_shard
 from impls.triton.dcp.step import dcp_step
 from impls.triton.latent_io import gather_latent
 from impls.triton.merge import rescale_partial
 from mla_bench.layouts import LATENT_DIM
-from mla_bench.lifetime import die_with_parent
 from mla_bench.metadata.reference import check_dcp, cumulative
 from mla_bench.problem import TORCH_DTYPES, Problem, build_problem
 from mla_bench.timing import SLEEP_CYCLES, capture_graphs, warm_up
 from mla_bench.workload import Mode, Workload
-
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
 
 @dataclass
 class DcpSpec:
@@ -48,7 +40,6 @@ class DcpSpec:
 
     world: int
     interleave: int
-    backend: str
     attention: Any = "triton_decode"  # a name in SHARD_ATTENTIONS, or a picklable ShardAttention
     rescale: Any = rescale_partial
     time_iters: int = 0               # > 0: time that many CUDA-graph replays of a step on the GPU
@@ -118,90 +109,34 @@ def _check_reorg(problem: Problem, shard, comm: HeadComm, chunk: int) -> float:
     return worst
 
 
-def _worker(rank: int, spec: DcpSpec, source: Workload | str, workdir: str, parent: int) -> None:
-    die_with_parent(parent)  # a rank outlives no worker, however the worker ends
-    for key, value in SAFE_ENV.items():
-        os.environ[key] = value
-    torch.set_num_threads(1)
-    try:
-        device = torch.device("cuda", rank) if spec.backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(spec.backend, init_method=f"file://{workdir}/store", rank=rank,
-                                world_size=spec.world)
-        if spec.synthetic:
-            q, shard = synthetic_shard(source, rank, device)
-            problem, scale = None, source.dims.softmax_scale
-        else:
-            problem = _problem_for(source, device)
-            q, shard, scale = problem.q, build_shard(problem, rank, spec.world, spec.interleave), problem.scale
-        attention = shard_attention(spec.attention)
-        prepared = attention.prepare(shard, scale, q.shape[1])
-        comm = HeadComm(q.shape[1], rank, spec.world)
+def _rank_job(rank: int, device: torch.device, spec: DcpSpec, source: Workload | str) -> dict[str, Any]:
+    """One rank's part of a run (``ranks.RankPool`` runs it on every rank): its shard's attention, combined over the
+    ranks, then what ``spec`` asks besides."""
+    if spec.synthetic:
+        q, shard = synthetic_shard(source, rank, device)
+        problem, scale = None, source.dims.softmax_scale
+    else:
+        problem = _problem_for(source, device)
+        q, shard, scale = problem.q, build_shard(problem, rank, spec.world, spec.interleave), problem.scale
+    attention = shard_attention(spec.attention)
+    prepared = attention.prepare(shard, scale, q.shape[1])
+    comm = HeadComm(q.shape[1], rank, spec.world)
 
-        def step():
-            return dcp_step(q, comm, attention, prepared, spec.rescale)
+    def step():
+        return dcp_step(q, comm, attention, prepared, spec.rescale)
 
-        out, lse = step()
-        result: dict[str, Any] = {} if spec.synthetic else {"out": out.cpu(), "lse": lse.cpu()}
-        if spec.time_iters and device.type == "cuda":
-            result["step_ms"] = _timed_steps(step, spec.time_iters)
-            result["attention_ms"] = _timed_steps(lambda: attention(q, prepared), spec.time_iters)
-        if spec.reorg_chunk and problem is not None:
-            result["reorg_max_diff"] = _check_reorg(problem, shard, comm, spec.reorg_chunk)
-        torch.save(result, Path(workdir, f"result_{rank}.pt"))
-        dist.barrier()
-    except BaseException:
-        Path(workdir, f"error_{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set environment variables while processes start (they inherit them), then restore ours."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    out, lse = step()
+    result: dict[str, Any] = {} if spec.synthetic else {"out": out.cpu(), "lse": lse.cpu()}
+    if spec.time_iters and device.type == "cuda":
+        result["step_ms"] = _timed_steps(step, spec.time_iters)
+        result["attention_ms"] = _timed_steps(lambda: attention(q, prepared), spec.time_iters)
+    if spec.reorg_chunk and problem is not None:
+        result["reorg_max_diff"] = _check_reorg(problem, shard, comm, spec.reorg_chunk)
+    return result
 
 
 def default_backend(world: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-
-
-FAILED_RANK_GRACE_S = 10.0  # after one rank fails, how long the others get to finish or fail on their own
-
-
-def _wait(procs: list, workdir: Path, timeout_s: float) -> list:
-    """Wait for the ranks until ``timeout_s``, or until ``FAILED_RANK_GRACE_S`` after one of them failed (an exit
-    code other than 0, or an error file): its peers may wait in a collective for ever, as NCCL does not notice a dead
-    rank. Stops (terminates, then kills) those still running and returns them."""
-    deadline, failed_at = time.monotonic() + timeout_s, None
-    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
-        if failed_at is None and (any(proc.exitcode not in (None, 0) for proc in procs)
-                                  or any(workdir.glob("error_*.txt"))):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > FAILED_RANK_GRACE_S:
-            break
-        time.sleep(0.05)
-    hung = [proc for proc in procs if proc.is_alive()]
-    for proc in hung:
-        proc.terminate()
-    for proc in hung:
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-    return hung
 
 
 def run_dcp(source: Workload | Problem, world: int | None = None, interleave: int | None = None,
@@ -236,33 +171,18 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
     if world != workload.dcp_world or interleave != workload.dcp_interleave:
         workload = workload.replace(dcp_world=world, dcp_interleave=interleave)
         source = workload if isinstance(source, Workload) else source
-    spec = DcpSpec(world, interleave, backend, attention, rescale, time_iters, reorg_chunk, synthetic)
-    for key, value in SAFE_ENV.items():
-        os.environ[key] = value  # inherited by the spawned ranks
-    with tempfile.TemporaryDirectory(prefix="mla-dcp-") as workdir:
-        if isinstance(source, Problem):
-            arg: Workload | str = str(Path(workdir, "problem.pt"))
-            torch.save(_move(copy.copy(source), torch.device("cpu")), arg)
-        else:
-            arg = source
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(rank, spec, arg, workdir, os.getpid()), daemon=True)
-                 for rank in range(world)]
-        # gloo ranks compute on the CPU: Triton's interpreter there, even on a GPU host
-        with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
-            for proc in procs:
-                proc.start()
-        hung = _wait(procs, Path(workdir), timeout_s)
-        codes = [proc.exitcode for proc in procs]
-        errors = sorted(Path(workdir).glob("error_*.txt"), key=lambda path: path.stat().st_mtime)
-        if errors:  # the first to fail is the likely cause: the others mostly lost their peer
-            later = "".join(f"\n--- then {e.stem}: {e.read_text().strip().splitlines()[-1]}" for e in errors[1:])
-            raise RuntimeError(f"DCP rank failed ({errors[0].stem}, the first of {len(errors)} to report; exit codes "
-                               f"{codes}):\n{errors[0].read_text()}{later}")
-        if hung or any(code != 0 for code in codes):
-            raise RuntimeError(f"DCP ranks did not finish (exit codes {codes}; {len(hung)} still running were "
-                               f"stopped, {timeout_s:.0f} s allowed)")
-        results = [torch.load(Path(workdir, f"result_{rank}.pt")) for rank in range(world)]
+    spec = DcpSpec(world, interleave, attention, rescale, time_iters, reorg_chunk, synthetic)
+    ranks = pool(world, backend)
+    if not isinstance(source, Problem):
+        return _outcome(ranks.run(_rank_job, (spec, source), timeout_s), workload, synthetic)
+    with tempfile.TemporaryDirectory(prefix="mla-dcp-problem-") as workdir:
+        path = str(Path(workdir, "problem.pt"))  # saved once, loaded by every rank
+        torch.save(_move(copy.copy(source), torch.device("cpu")), path)
+        return _outcome(ranks.run(_rank_job, (spec, path), timeout_s), workload, synthetic)
+
+
+def _outcome(results: list[dict[str, Any]], workload: Workload, synthetic: bool) -> DcpOutcome:
+    """The ranks' results as one: heads concatenated in rank order, timings per rank."""
     reorg = [r["reorg_max_diff"] for r in results if "reorg_max_diff" in r]
     timings = {key: [r[key] for r in results if key in r] for key in ("step_ms", "attention_ms")}
     if synthetic:

@@ -1,0 +1,106 @@
+"""The kept DCP rank processes (``impls.triton.dcp.ranks``): later jobs reuse them; a job finds them as fresh
+processes would be; a job that fails, hangs or is interrupted ends them, and the next job starts new ones."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from impls.triton.dcp import ranks
+from impls.triton.dcp.ranks import RankFailure, RankPool, pool
+
+
+def whoami(rank, device):
+    """Each rank's process, and a collective over the group (a rank that left it would hang the job)."""
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    return {"pid": os.getpid(), "sum": float(total), "dtype": str(torch.get_default_dtype()),
+            "interpret": os.environ.get("TRITON_INTERPRET"), "nvls": os.environ.get("NCCL_NVLS_ENABLE")}
+
+
+def sets_float64(rank, device):
+    torch.set_default_dtype(torch.float64)
+    return whoami(rank, device)
+
+
+def sleeps(rank, device):
+    time.sleep(600)
+
+
+def fails_on_rank_1(rank, device):
+    if rank == 1:
+        raise ValueError("planted: rank 1 fails")
+    return whoami(rank, device)
+
+
+@pytest.fixture
+def gloo_pair():
+    ranks.close_pool()
+    yield pool(2, "gloo")
+    ranks.close_pool()
+
+
+def test_later_jobs_run_on_the_same_ranks_in_one_group(monkeypatch):
+    ranks.close_pool()
+    # as on a GPU host, where the pool alone gives it to gloo ranks (on a CPU host, impls.triton's import does too)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gloo_pair = pool(2, "gloo")
+    monkeypatch.undo()
+    first = gloo_pair.run(whoami, (), timeout_s=120)
+    second = pool(2, "gloo").run(whoami, (), timeout_s=120)
+    assert [r["sum"] for r in first + second] == [3.0] * 4
+    assert [r["pid"] for r in first] == [r["pid"] for r in second] == [p.pid for p in gloo_pair.procs]
+    assert len({r["pid"] for r in first}) == 2 and os.getpid() not in {r["pid"] for r in first}
+    assert {r["interpret"] for r in first} == {"1"} and {r["nvls"] for r in first} == {"0"}  # gloo ranks: on the CPU
+    ranks.close_pool()
+
+
+def test_a_job_finds_the_process_settings_a_fresh_rank_has(gloo_pair):
+    assert {r["dtype"] for r in gloo_pair.run(sets_float64, (), timeout_s=120)} == {"torch.float64"}
+    assert {r["dtype"] for r in gloo_pair.run(whoami, (), timeout_s=120)} == {"torch.float32"}
+
+
+def test_a_failed_job_names_its_rank_and_ends_the_ranks_and_the_next_job_starts_new_ones(gloo_pair):
+    before = [p.pid for p in gloo_pair.procs]
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"DCP rank failed \(error_1, the first of [12] to report") as failure:
+        gloo_pair.run(fails_on_rank_1, (), timeout_s=300)
+    assert "planted: rank 1 fails" in str(failure.value) and time.monotonic() - start < 60
+    assert not any(p.is_alive() for p in gloo_pair.procs) and not gloo_pair.workdir.exists()
+    again = pool(2, "gloo")
+    assert again is not gloo_pair and [r["sum"] for r in again.run(whoami, (), timeout_s=120)] == [3.0, 3.0]
+    assert not {p.pid for p in again.procs} & set(before)
+
+
+def test_a_job_past_its_time_is_stopped(gloo_pair):
+    with pytest.raises(RankFailure, match=r"DCP ranks did not finish \(exit codes \[-15, -15\]; those still running "
+                                          r"were stopped, 3 s allowed\)"):
+        gloo_pair.run(sleeps, (), timeout_s=3)
+    assert not any(p.is_alive() for p in gloo_pair.procs)
+
+
+def test_an_interrupted_wait_ends_the_ranks_so_no_later_job_finds_them_in_this_one(gloo_pair, monkeypatch):
+    def interrupted(jobdir, timeout_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gloo_pair, "_wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gloo_pair.run(sleeps, (), timeout_s=60)
+    assert not any(p.is_alive() for p in gloo_pair.procs)
+
+
+def test_a_job_that_cannot_cross_to_the_ranks_is_refused_and_the_ranks_stay(gloo_pair):
+    with pytest.raises(Exception, match="pickle|lambda"):
+        gloo_pair.run(lambda rank, device: {}, (), timeout_s=60)
+    assert gloo_pair.alive and [r["sum"] for r in gloo_pair.run(whoami, (), timeout_s=120)] == [3.0, 3.0]
+
+
+def test_another_shape_closes_the_kept_pool(gloo_pair):
+    three = pool(3, "gloo")
+    assert three is not gloo_pair and not any(p.is_alive() for p in gloo_pair.procs)
+    assert [r["sum"] for r in three.run(whoami, (), timeout_s=120)] == [6.0] * 3
+    assert isinstance(three, RankPool) and pool(3, "gloo") is three
