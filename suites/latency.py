@@ -15,7 +15,7 @@ select) and each as a fraction of the device's copy bandwidth and bf16 matmul ra
 once per device as the ``ceilings`` result). The details also say what the row cost the run (``wall_s``, of which
 ``build_s`` made the sets it was first to ask for), an impl's error or refusal in ``plan`` included.
 On CPU there is no latency: each impl gets one ``unsupported`` result saying so. Nor for decode context parallel
-(``DCP_REASON``): each run of it is a multi-process run, seconds of process start-up that events would report.
+(``DCP_REASON``): each run of it is a job for other processes, whose hand-off events would report.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from suites.base import RunContext, load_impls, refusal
 from suites.judge import changed_fields, changes_named, fingerprint, with_violation
 
 CPU_REASON = "latency is measured on CUDA devices only; on CPU (Triton interpreter) only correctness is checked"
-DCP_REASON = ("latency is not measured for dcp: each run starts its ranks as processes of their own, so events on "
-              "this process's GPU would time their start-up (`python -m suites.bench_paths --parts dcp` times each "
-              "rank's step as a graph replay)")
+DCP_REASON = ("latency is not measured for dcp: each run is a job for rank processes of their own, so events on "
+              "this process's GPU would time the job's hand-off and the problem's copies, not the step (`python -m "
+              "suites.bench_paths --parts dcp` times each rank's step as a graph replay)")
 MEMORY_FRACTION = 0.3  # the rotating input sets may use at most this share of the free device memory
 # Each (impl, workload) is timed over about this long of launches, so that its slices sample any slower spell (see
 # timing.TimingStats.spread), however short a launch: up to 18,000 launches of a 22 us decode.

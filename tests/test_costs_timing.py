@@ -190,8 +190,8 @@ def test_the_latency_suite_times_a_tiny_workload_on_max_sets_and_says_its_l2_is_
 
 
 def test_the_latency_suite_does_not_time_a_multi_process_dcp_run():
-    """Each run of triton_dcp starts its ranks as processes: events around it timed seconds of start-up per launch,
-    over up to MAX_SETS input sets and hundreds of launches (hours for one workload)."""
+    """Each run of triton_dcp is a job for rank processes: events around it time the hand-off (seconds of start-up
+    per launch before the ranks were kept), over up to MAX_SETS input sets and hundreds of launches."""
     from impls.triton.dcp.impl import TritonDcp
     from suites.latency import time_impl
     workload = Workload(Mode.DCP, (1, 1), (33, 40), page_size=16, dcp_world=2)

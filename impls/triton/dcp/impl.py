@@ -1,6 +1,7 @@
-"""``triton_dcp``: the DCP path as a registered impl, each call a real multi-process run (see ``launch``); each
-rank attends its shard with the Triton paged decode (``attention="triton_decode"``, the default). An impl made with
-another shard attention declares that attention's layouts: a layout it cannot read is refused before any rank runs."""
+"""``triton_dcp``: the DCP path as a registered impl, each call a job for real rank processes (``launch``,
+``ranks``); each rank attends its shard with the Triton paged decode (``attention="triton_decode"``, the default).
+An impl made with another shard attention declares that attention's layouts: a layout it cannot read is refused
+before any rank runs."""
 
 from __future__ import annotations
 
