@@ -3,8 +3,16 @@ processes would be; a job that fails, hangs or is interrupted ends them, and the
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.util
 import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +30,35 @@ def whoami(rank, device):
             "interpret": os.environ.get("TRITON_INTERPRET"), "nvls": os.environ.get("NCCL_NVLS_ENABLE")}
 
 
-def sets_float64(rank, device):
+def whatever_a_job_set(rank, device):
+    return {"dtype": str(torch.get_default_dtype()), "threads": torch.get_num_threads(), "draw": float(torch.rand(1)),
+            "variable": os.environ.get("MLA_BENCH_TEST_VARIABLE")}
+
+
+def sets_everything(rank, device):
     torch.set_default_dtype(torch.float64)
-    return whoami(rank, device)
+    torch.set_num_threads(3)
+    torch.manual_seed(1234)
+    os.environ["MLA_BENCH_TEST_VARIABLE"] = "set by a job"
+    return whatever_a_job_set(rank, device)
+
+
+def leaves_a_collective_unmatched(rank, device):
+    if rank == 0:
+        dist.all_reduce(torch.tensor([100, -100]), async_op=True)  # rank 1 never joins it
+    return {}
+
+
+def destroys_the_group(rank, device):
+    dist.destroy_process_group()
+    return {}
+
+
+def fails_after_the_last_collective(rank, device):
+    whoami(rank, device)
+    if rank == 1:
+        raise ValueError("planted: rank 1 fails once its peer is done")
+    return {}
 
 
 def sleeps(rank, device):
@@ -60,8 +94,66 @@ def test_later_jobs_run_on_the_same_ranks_in_one_group(monkeypatch):
 
 
 def test_a_job_finds_the_process_settings_a_fresh_rank_has(gloo_pair):
-    assert {r["dtype"] for r in gloo_pair.run(sets_float64, (), timeout_s=120)} == {"torch.float64"}
-    assert {r["dtype"] for r in gloo_pair.run(whoami, (), timeout_s=120)} == {"torch.float32"}
+    fresh = gloo_pair.run(whatever_a_job_set, (), timeout_s=120)
+    changed = gloo_pair.run(sets_everything, (), timeout_s=120)
+    assert [r["threads"] for r in changed] == [3, 3] and {r["dtype"] for r in changed} == {"torch.float64"}
+    assert gloo_pair.run(whatever_a_job_set, (), timeout_s=120) == fresh  # the random draws included
+    assert [r["threads"] for r in fresh] == [1, 1] and {r["variable"] for r in fresh} == {None}
+
+
+@pytest.mark.parametrize("job, message", [(leaves_a_collective_unmatched, "out of step after job 1"),
+                                          (destroys_the_group, "the job destroyed the process group")])
+def test_a_job_that_leaves_the_group_out_of_step_fails_itself_not_the_next(gloo_pair, job, message):
+    with pytest.raises(RankFailure, match=message):
+        gloo_pair.run(job, (), timeout_s=60)
+    assert [r["sum"] for r in pool(2, "gloo").run(whoami, (), timeout_s=60)] == [3.0, 3.0]
+
+
+def test_a_failure_once_the_peers_are_done_is_reported_without_waiting_for_them(gloo_pair):
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="planted: rank 1 fails once its peer is done"):
+        gloo_pair.run(fails_after_the_last_collective, (), timeout_s=120)
+    assert time.monotonic() - start < ranks.FAILED_RANK_GRACE_S  # rank 0 waits idle: nothing more can come
+
+
+def test_a_rank_that_fails_to_start_names_its_cause(monkeypatch):
+    ranks.close_pool()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface0")  # the ranks inherit it and cannot join
+    broken = pool(2, "gloo")
+    monkeypatch.undo()
+    with pytest.raises(RankFailure, match=r"DCP rank failed \(error_\d[^\n]*\n(.|\n)*init_process_group(.|\n)*"
+                                          r"no-such-interface0"):
+        broken.run(whoami, (), timeout_s=120)
+    ranks.close_pool()
+
+
+def test_the_files_of_pools_whose_owner_was_killed_are_removed_by_the_next_pool(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(tempfile.gettempdir(), f"{ranks.WORKDIR_PREFIX}{int(ended.stdout)}-test")
+    mine = Path(tempfile.gettempdir(), f"{ranks.WORKDIR_PREFIX}{os.getpid()}-test")
+    for path in (orphan, mine):
+        path.mkdir()
+        (path / "store").write_text("")
+    try:
+        ranks.close_pool()
+        pool(2, "gloo")
+        assert not orphan.exists() and mine.exists()
+    finally:
+        ranks.close_pool()
+        shutil.rmtree(orphan, ignore_errors=True)
+        shutil.rmtree(mine, ignore_errors=True)
+
+
+def test_a_forked_child_that_exits_leaves_the_owners_ranks_running(gloo_pair):
+    child = os.fork()
+    if child == 0:  # the exit handlers a normal exit runs, each on its own as atexit does: multiprocessing's ended
+        for handler in (ranks.close_pool, multiprocessing.util._exit_function):  # the daemon ranks it inherited
+            with contextlib.suppress(BaseException):
+                handler()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert gloo_pair.alive and pool(2, "gloo") is gloo_pair
+    assert [r["sum"] for r in gloo_pair.run(whoami, (), timeout_s=60)] == [3.0, 3.0]
 
 
 def test_a_failed_job_names_its_rank_and_ends_the_ranks_and_the_next_job_starts_new_ones(gloo_pair):
@@ -77,8 +169,8 @@ def test_a_failed_job_names_its_rank_and_ends_the_ranks_and_the_next_job_starts_
 
 
 def test_a_job_past_its_time_is_stopped(gloo_pair):
-    with pytest.raises(RankFailure, match=r"DCP ranks did not finish \(exit codes \[-15, -15\]; those still running "
-                                          r"were stopped, 3 s allowed\)"):
+    with pytest.raises(RankFailure, match=re.escape("DCP ranks did not finish (exit codes [-15, -15]; ranks [0, 1] "
+                                                    "were stopped; 3 s allowed)")):
         gloo_pair.run(sleeps, (), timeout_s=3)
     assert not any(p.is_alive() for p in gloo_pair.procs)
 
