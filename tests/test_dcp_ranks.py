@@ -54,6 +54,17 @@ def destroys_the_group(rank, device):
     return {}
 
 
+def breaks_its_ranks_restore(rank, device):
+    """Planted: rank 1's settings cannot be put back after the job (a sticky CUDA error, say)."""
+    if rank == 1:
+        torch.set_rng_state = None
+    return whoami(rank, device)
+
+
+def exits(rank, device):
+    os._exit(3)
+
+
 def fails_after_the_last_collective(rank, device):
     whoami(rank, device)
     if rank == 1:
@@ -109,6 +120,18 @@ def test_a_job_that_leaves_the_group_out_of_step_fails_itself_not_the_next(gloo_
     assert [r["sum"] for r in pool(2, "gloo").run(whoami, (), timeout_s=60)] == [3.0, 3.0]
 
 
+def test_a_rank_that_cannot_put_its_settings_back_fails_the_job_that_broke_them_not_the_next(gloo_pair):
+    with pytest.raises(RankFailure, match=r"error_1(.|\n)*set_rng_state"):
+        gloo_pair.run(breaks_its_ranks_restore, (), timeout_s=60)
+    assert [r["sum"] for r in pool(2, "gloo").run(whoami, (), timeout_s=60)] == [3.0, 3.0]
+
+
+def test_ranks_that_end_with_neither_a_result_nor_an_error_are_reported_so(gloo_pair):
+    with pytest.raises(RankFailure, match=re.escape("DCP ranks ended with neither a result nor an error (exit codes "
+                                                    "[3, 3])")):
+        gloo_pair.run(exits, (), timeout_s=60)
+
+
 def test_a_failure_once_the_peers_are_done_is_reported_without_waiting_for_them(gloo_pair):
     start = time.monotonic()
     with pytest.raises(RankFailure, match="planted: rank 1 fails once its peer is done"):
@@ -131,17 +154,20 @@ def test_the_files_of_pools_whose_owner_was_killed_are_removed_by_the_next_pool(
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = Path(tempfile.gettempdir(), f"{ranks.WORKDIR_PREFIX}{int(ended.stdout)}-test")
     mine = Path(tempfile.gettempdir(), f"{ranks.WORKDIR_PREFIX}{os.getpid()}-test")
-    for path in (orphan, mine):
+    # names no process can have: left alone (they raised in os.kill or int, and no pool could start)
+    odd = [Path(tempfile.gettempdir(), f"{ranks.WORKDIR_PREFIX}{owner}-test") for owner in ("99999999999", "²")]
+    kept = [mine, *odd]
+    for path in (orphan, *kept):
         path.mkdir()
         (path / "store").write_text("")
     try:
         ranks.close_pool()
         pool(2, "gloo")
-        assert not orphan.exists() and mine.exists()
+        assert not orphan.exists() and all(path.exists() for path in kept)
     finally:
         ranks.close_pool()
-        shutil.rmtree(orphan, ignore_errors=True)
-        shutil.rmtree(mine, ignore_errors=True)
+        for path in (orphan, *kept):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_forked_child_that_exits_leaves_the_owners_ranks_running(gloo_pair):

@@ -175,7 +175,8 @@ def run_dcp(source: Workload | Problem, world: int | None = None, interleave: in
     ranks = pool(world, backend)
     if not isinstance(source, Problem):
         return _outcome(ranks.run(_rank_job, (spec, source), timeout_s), workload, synthetic)
-    with tempfile.TemporaryDirectory(prefix="mla-dcp-problem-") as workdir:
+    # in the pool's directory, so removed with a killed owner's, or by a failed run's close
+    with tempfile.TemporaryDirectory(prefix="problem-", dir=ranks.workdir, ignore_cleanup_errors=True) as workdir:
         path = str(Path(workdir, "problem.pt"))  # saved once, loaded by every rank
         torch.save(_move(copy.copy(source), torch.device("cpu")), path)
         return _outcome(ranks.run(_rank_job, (spec, path), timeout_s), workload, synthetic)

@@ -6,10 +6,11 @@ a call on 2 x H200, and the judge calls every DCP plan twice), so a run of many 
 (``pool``) and sends it jobs: a picklable ``fn(rank, device, *args) -> dict`` that every rank runs, its dict saved
 for the caller. A job that fails in any rank, or outlives its time, ends the pool (its peers may wait in a
 collective for ever, as NCCL does not notice a dead rank); the next job starts a new one. A job must leave the
-group in step: each rank ends it with a collective of the job's number, so a job that left a collective unmatched or
-the group destroyed fails itself, not the next. Between jobs a rank puts back its process settings (``ProcessState``,
-the whole environment, its thread count and random generators) and frees its cached GPU memory, so a job finds the
-ranks as fresh processes would be. NVLink multicast stays off in NCCL and PyTorch (``SAFE_ENV``).
+group in step: each rank ends it with a collective of the job's number, so a job that left a collective unmatched
+or the group destroyed fails itself, not the next. Between jobs a rank puts back the settings the bench guards in
+its own process (``ProcessState``), its whole environment, thread count and torch's random generators, and frees
+its cached GPU memory: in all that a job finds the ranks as the first job did (``sys.path`` only grows, by the
+owner's entries). NVLink multicast stays off in NCCL and PyTorch (``SAFE_ENV``, set before a rank starts).
 
 The ranks die with the thread that started them (``die_with_parent``: Linux ties it to the thread); ``pool`` then
 starts new ones. A process forked from the owner neither uses nor ends the owner's ranks.
@@ -89,8 +90,8 @@ def _check_in_step(job: int, device: torch.device) -> None:
     numbers = torch.tensor([job, -job], dtype=torch.int64, device=device)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
     if numbers.tolist() != [job, -job]:
-        raise RuntimeError(f"the process group is out of step after job {job}: the ranks' job numbers reduced to "
-                           f"max {numbers[0]} and min {-numbers[1]} (a collective left unmatched)")
+        raise RuntimeError(f"the process group is out of step after job {job}: its check collective gave "
+                           f"{numbers.tolist()}, not {[job, -job]} (a collective left unmatched)")
 
 
 def _next_job(inbox) -> tuple[str, list[str]] | None:
@@ -105,7 +106,6 @@ def _rank_main(rank: int, world: int, backend: str, workdir: str, inbox, parent:
     """One rank: join the group, then run each job sent until ``None`` comes; a failure (at start or in a job) is
     written where the owner looks for it and ends the rank."""
     die_with_parent(parent)  # a rank outlives no worker, however the worker ends
-    os.environ.update(SAFE_ENV)
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     errors = Path(workdir)  # start-up failures; a job's go to its own directory
@@ -118,14 +118,12 @@ def _rank_main(rank: int, world: int, backend: str, workdir: str, inbox, parent:
             jobdir, path = message
             errors = Path(jobdir)
             state, job = _RankState(device), job + 1
-            try:
-                sys.path.extend(entry for entry in path if entry not in sys.path)  # modules the caller loaded since
-                fn, args = pickle.loads(Path(jobdir, "job.pkl").read_bytes())
-                result = fn(rank, device, *args)
-                _check_in_step(job, device)
-                _save(result, Path(jobdir, f"result_{rank}.pt"), torch.save)
-            finally:
-                state.restore()
+            sys.path.extend(entry for entry in path if entry not in sys.path)  # modules the caller loaded since
+            fn, args = pickle.loads(Path(jobdir, "job.pkl").read_bytes())
+            result = fn(rank, device, *args)
+            _check_in_step(job, device)
+            state.restore()  # before the result: a rank that cannot is this job's failure, not the next one's
+            _save(result, Path(jobdir, f"result_{rank}.pt"), torch.save)
     except BaseException:
         _save(traceback.format_exc(), errors / f"error_{rank}.txt", _write_text)
         raise
@@ -153,7 +151,7 @@ class RankPool:
                                                            self.owner), daemon=True)
                       for rank, (receive, _) in enumerate(pipes)]
         # gloo ranks compute on the CPU: Triton's interpreter there, even on a GPU host
-        with _environment({"TRITON_INTERPRET": "1"} if backend == "gloo" else {}):
+        with _environment({**SAFE_ENV, **({"TRITON_INTERPRET": "1"} if backend == "gloo" else {})}):
             for proc in self.procs:
                 proc.start()
         for receive, _ in pipes:
@@ -164,8 +162,9 @@ class RankPool:
         return all(proc.is_alive() for proc in self.procs)
 
     def run(self, fn: Callable[..., dict], args: tuple, timeout_s: float) -> list[dict]:
-        """Every rank's ``fn(rank, device, *args)``, in rank order; ``RankFailure`` where a rank failed or the job
-        ran past ``timeout_s``. Whatever ends a job early (a failure, an interrupt) closes the pool: no later job may
+        """Every rank's ``fn(rank, device, *args)``, in rank order (tensors, numbers, strings and lists or dicts of
+        them: ``torch.load`` reads them weights-only); ``RankFailure`` where a rank failed or the job ran past
+        ``timeout_s``. Whatever ends a job early (a failure, an interrupt) closes the pool: no later job may
         find its ranks still in this one."""
         payload = pickle.dumps((fn, args))  # what cannot cross fails here, the ranks untouched
         jobdir = Path(tempfile.mkdtemp(prefix="job-", dir=self.workdir))
@@ -218,7 +217,9 @@ class RankPool:
                                                       for name, text in errors[1:])
             return (f"DCP rank failed ({first}, the first of {len(errors)} to report; exit codes {codes}{stopped}):\n"
                     f"{text}{later}")
-        return f"DCP ranks did not finish (exit codes {codes}{stopped}; {timeout_s:.0f} s allowed)"
+        if self.stopped:
+            return f"DCP ranks did not finish (exit codes {codes}{stopped}; {timeout_s:.0f} s allowed)"
+        return f"DCP ranks ended with neither a result nor an error (exit codes {codes})"
 
     def close(self, wait_s: float = CLOSE_S) -> None:
         """Ask the ranks to leave, stop those still there after ``wait_s``, remove the pool's files."""
@@ -241,21 +242,21 @@ class RankPool:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-
 def _remove_orphans() -> None:
     """Remove the files of pools whose owner is gone (killed, so its exit could not): ``mla-dcp-<owner pid>-*``."""
     for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
         owner = path.name[len(WORKDIR_PREFIX):].partition("-")[0]
-        if owner.isdigit() and not _running(int(owner)):
+        if owner.isascii() and owner.isdigit() and not _running(int(owner)):
             shutil.rmtree(path, ignore_errors=True)
 
 
 def _running(pid: int) -> bool:
+    """Whether ``pid`` may be a live process (another user's, or a number no process can have, counts as one)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
+    except (PermissionError, OverflowError):
         return True
     return True
 
