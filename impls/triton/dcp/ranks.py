@@ -140,15 +140,15 @@ class RankPool:
     """``world`` ranks over ``backend``, kept until ``close`` (or this process's exit)."""
 
     def __init__(self, world: int, backend: str) -> None:
-        self.world, self.backend, self.owner = world, backend, os.getpid()
+        self.world, self.backend = world, backend
         _remove_orphans()
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{self.owner}-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
         self.stopped: list[int] = []  # ranks close() had to stop
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # no lock or feeder thread, unlike the queues
         self.inboxes = [send for _, send in pipes]
         self.procs = [ctx.Process(target=_rank_main, args=(rank, world, backend, str(self.workdir), receive,
-                                                           self.owner), daemon=True)
+                                                           os.getpid()), daemon=True)
                       for rank, (receive, _) in enumerate(pipes)]
         # gloo ranks compute on the CPU: Triton's interpreter there, even on a GPU host
         with _environment({**SAFE_ENV, **({"TRITON_INTERPRET": "1"} if backend == "gloo" else {})}):
@@ -173,16 +173,16 @@ class RankPool:
             (jobdir / "job.pkl").write_bytes(payload)
             for inbox in self.inboxes:
                 inbox.send((str(jobdir), list(sys.path)))
-            if not self._wait(jobdir, timeout_s):
-                errors = [(e.stem, e.read_text()) for e in self._errors(jobdir)]
-                self.close(wait_s=0)  # its ranks are gone, or stuck in the job
-                raise RankFailure(self._failure(errors, timeout_s))
-            return [torch.load(jobdir / f"result_{rank}.pt") for rank in range(self.world)]
+            if self._wait(jobdir, timeout_s):
+                return [torch.load(jobdir / f"result_{rank}.pt") for rank in range(self.world)]
+            errors = [(e.stem, e.read_text()) for e in self._errors(jobdir)]
         except BaseException:
             self.close(wait_s=0)
             raise
         finally:
             shutil.rmtree(jobdir, ignore_errors=True)
+        self.close(wait_s=0)  # its ranks are gone, or stuck in the job; their exit codes then name which
+        raise RankFailure(self._failure(errors, timeout_s))
 
     def _errors(self, jobdir: Path) -> list[Path]:
         """The ranks' error files, at start-up or in this job, first written first."""
